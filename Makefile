@@ -1,0 +1,33 @@
+# make train: set up .venv and run the main job on its embedded defaults.
+# make test:  set up .venv with everything (Horovod included) and run the whole suite.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: train test bench horovod clean
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q -e '.[test,notebooks]'
+	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $@
+
+$(VENV)/.horovod: $(VENV)/.installed scripts/install_horovod.sh
+	bash scripts/install_horovod.sh $(PY)
+	touch $@
+
+horovod: $(VENV)/.horovod
+
+train: $(VENV)/.installed
+	$(VENV)/bin/tfdist train configs/default.toml
+
+test: $(VENV)/.installed $(VENV)/.horovod
+	$(PY) -m pytest
+
+bench: $(VENV)/.installed $(VENV)/.horovod
+	$(VENV)/bin/tfdist bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

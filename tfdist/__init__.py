@@ -1,0 +1,40 @@
+"""tfdist: distributed Keras 3 training on TensorFlow 2.21, in every mode.
+
+``import tfdist`` does not import TensorFlow: the strategies load on first use, so the
+launcher starts fast and `tfdist.devices.use_logical_cpus` can run before TF starts.
+"""
+
+__version__ = "0.1.0"
+
+import importlib
+
+from tfdist import devices
+from tfdist.cluster import ClusterSpec, TaskSpec
+from tfdist.launch import LaunchError, LaunchResult, launch
+
+# Public name -> module that defines it; imported on first attribute access.
+_LAZY = {
+    "MirroredStrategy": "tfdist.strategies.mirrored",
+}
+
+__all__ = [
+    "ClusterSpec",
+    "LaunchError",
+    "LaunchResult",
+    "MirroredStrategy",
+    "TaskSpec",
+    "devices",
+    "launch",
+]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'tfdist' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,102 @@
+"""The ``tfdist`` command: ``launch``, ``train``, ``compare`` and ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from tfdist.launch import LaunchError, launch
+
+    try:
+        launch(args.script, *args.args, workers=args.workers, chief=args.chief, ps=args.ps,
+               timeout=args.timeout, max_restarts=args.max_restarts,
+               backup_dir=args.backup_dir, grace_period=args.grace_period)
+    except LaunchError as error:
+        print(f"tfdist launch: FAILED: {error}", file=sys.stderr, flush=True)
+        return 1
+    except (ValueError, FileNotFoundError) as error:
+        print(f"tfdist launch: error: {error}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from tfdist.train import main as train_main
+
+    return train_main(args)
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from tfdist.train import compare_main
+
+    return compare_main(args)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from tfdist.bench import main as bench_main
+
+    return bench_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tfdist", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    launch = commands.add_parser(
+        "launch", help="run SCRIPT once per task of a local cluster on 127.0.0.1")
+    launch.add_argument("--workers", type=int, default=1, help="number of worker tasks")
+    launch.add_argument("--chief", action="store_true", help="add a chief task")
+    launch.add_argument("--ps", type=int, default=0, help="number of parameter servers")
+    launch.add_argument("--timeout", type=float, default=None,
+                        help="seconds before every task is killed")
+    launch.add_argument("--max-restarts", type=int, default=0,
+                        help="restart the whole job up to N times after a failure")
+    launch.add_argument("--backup-dir", default=None,
+                        help="exported as TFDIST_BACKUP_DIR; restarts resume from it")
+    launch.add_argument("--grace-period", type=float, default=5.0,
+                        help="seconds between SIGTERM and SIGKILL when stopping tasks")
+    launch.add_argument("script", help="Python script every task runs")
+    launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
+    launch.set_defaults(handler=_launch)
+
+    train = commands.add_parser("train", help="run the main job from a TOML config")
+    train.add_argument("config", nargs="?", default=None,
+                       help="config file (default: the embedded defaults)")
+    train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config value, e.g. --set train.epochs=2")
+    train.set_defaults(handler=_train)
+
+    compare = commands.add_parser("compare", help="run several configs side by side")
+    compare.add_argument("configs", nargs="+")
+    compare.add_argument("--output", default="runs/compare")
+    compare.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    compare.set_defaults(handler=_compare)
+
+    bench = commands.add_parser("bench", help="run the benchmarks into benchmarks/")
+    bench.add_argument("--quick", action="store_true", help="tiny sizes, one repetition")
+    bench.add_argument("--output", default="benchmarks")
+    bench.set_defaults(handler=_bench)
+    return parser
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv=None) -> int:
+    """Entry point of the ``tfdist`` console script."""
+    # SIGTERM unwinds the launcher like Ctrl-C, so it stops its tasks before exiting.
+    signal.signal(signal.SIGTERM, _interrupt)
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except KeyboardInterrupt:
+        print("tfdist: interrupted; tasks stopped", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

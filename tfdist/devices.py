@@ -1,0 +1,95 @@
+"""Local devices: discovery, and splitting one CPU into logical devices.
+
+Logical CPUs let one host run several replicas for tests and notebooks. They must be
+configured before TensorFlow initializes its runtime.
+"""
+
+from __future__ import annotations
+
+
+def use_logical_cpus(n: int) -> list[str]:
+    """Splits the first physical CPU into ``n`` logical devices.
+
+    Call it before any TensorFlow op runs. Calling it again with the same ``n`` is a
+    no-op.
+
+    Args:
+        n: Number of logical CPU devices, >= 1.
+
+    Returns:
+        The logical CPU device names, e.g. ``["/device:CPU:0", "/device:CPU:1"]``.
+
+    Raises:
+        ValueError: ``n`` < 1.
+        RuntimeError: TensorFlow already initialized with a different split.
+    """
+    import tensorflow as tf
+
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be an integer >= 1. Received: n={n!r}")
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    current = tf.config.get_logical_device_configuration(cpu)
+    if current is not None and len(current) == n:
+        return cpu_device_names()
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(n)])
+    except RuntimeError:
+        have = len(tf.config.list_logical_devices("CPU"))
+        if have == n:
+            return cpu_device_names()
+        raise RuntimeError(
+            f"cannot split the CPU into {n} logical devices: TensorFlow has already "
+            f"initialized with {have}. Call tfdist.devices.use_logical_cpus({n}) before "
+            "any TensorFlow op runs (for a notebook, restart the kernel).") from None
+    return cpu_device_names()
+
+
+def cpu_device_names() -> list[str]:
+    """Names of the local logical CPU devices."""
+    import tensorflow as tf
+
+    return [d.name for d in tf.config.list_logical_devices("CPU")]
+
+
+def gpu_device_names() -> list[str]:
+    """Names of the local logical GPU devices."""
+    import tensorflow as tf
+
+    return [d.name for d in tf.config.list_logical_devices("GPU")]
+
+
+def default_devices() -> list[str]:
+    """All local GPUs, or else every logical CPU."""
+    return gpu_device_names() or cpu_device_names()
+
+
+def validate_devices(devices) -> list[str]:
+    """Checks that every requested device exists on this host.
+
+    Raises:
+        ValueError: a device is unknown, duplicated, or the list is empty.
+    """
+    import tensorflow as tf
+
+    if isinstance(devices, str):
+        devices = [devices]
+    devices = list(devices)
+    if not devices:
+        raise ValueError("devices must name at least one device. Received: devices=[]")
+    def key(spec):
+        return (spec.device_type or "").upper(), spec.device_index or 0
+
+    known = {key(tf.DeviceSpec.from_string(d.name)) for d in tf.config.list_logical_devices()}
+    for device in devices:
+        try:
+            spec = tf.DeviceSpec.from_string(device)
+        except (ValueError, TypeError):
+            raise ValueError(f"not a device name: {device!r}. Expected e.g. '/gpu:0' or "
+                             "'/cpu:0'.") from None
+        if spec.job not in (None, "localhost") or key(spec) not in known:
+            raise ValueError(f"device {device!r} does not exist on this host. Available: "
+                             f"{sorted(d.name for d in tf.config.list_logical_devices())}")
+    if len(set(d.lower() for d in devices)) != len(devices):
+        raise ValueError(f"devices contains duplicates. Received: devices={devices}")
+    return devices

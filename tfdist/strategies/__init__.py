@@ -1,0 +1,1 @@
+"""What is synchronised and when: one module per mode."""
