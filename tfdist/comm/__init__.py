@@ -1,0 +1,1 @@
+"""How tensors move: byte accounting, compression, and the Horovod engine."""
