@@ -15,6 +15,7 @@ from tfdist.launch import LaunchError, LaunchResult, launch
 # Public name -> module that defines it; imported on first attribute access.
 _LAZY = {
     "MirroredStrategy": "tfdist.strategies.mirrored",
+    "MultiWorkerMirroredStrategy": "tfdist.strategies.multi_worker",
 }
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "LaunchError",
     "LaunchResult",
     "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
     "TaskSpec",
     "devices",
     "launch",

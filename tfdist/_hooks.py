@@ -26,3 +26,54 @@ def assign_collective_key_base(strategy_cls_or_obj) -> int:
     base = next(_collective_key_bases) * COLLECTIVE_KEY_STRIDE
     strategy_cls_or_obj._collective_key_base = base
     return base
+
+
+# ---- multi-worker (tfdist.strategies.multi_worker) --------------------------------------
+
+# Task types the coordination service tracks in a MultiWorkerMirroredStrategy job.
+COORDINATED_JOBS = ("chief", "worker")
+
+
+def collective_all_reduce_extended_class():
+    """TF's ``CollectiveAllReduceExtended``, the engine of MultiWorkerMirroredStrategy.
+
+    Why: ``tf.distribute.MultiWorkerMirroredStrategy.__init__`` builds it directly, so a
+    subclass that wants its own extended object (tfdist's overridable
+    ``_create_extended``) must import the class from its private module.
+    """
+    from tensorflow.python.distribute import collective_all_reduce_strategy
+
+    return collective_all_reduce_strategy.CollectiveAllReduceExtended
+
+
+def configure_coordination_service(jobs, register_timeout_seconds, heartbeat_timeout_seconds):
+    """Configures TF's coordination service before MultiWorkerMirroredStrategy starts it.
+
+    Why: TF's strategy configures the service only when none is configured, without a
+    registration barrier, so a worker that never starts makes every other worker block
+    forever in the constructor. ``cluster_register_with_barrier`` (a proto field the
+    public ``configure_coordination_service`` does not take) makes every task wait at
+    most ``register_timeout_seconds`` for all others, then fail with
+    ``DeadlineExceededError``. Must run before TF initializes its context.
+
+    Args:
+        jobs: ``{task_type: [address, ...]}`` of the whole cluster.
+        register_timeout_seconds: How long tasks wait for each other at start-up.
+        heartbeat_timeout_seconds: Silence after which a task is declared dead.
+    """
+    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+    from tensorflow.python.eager import context
+
+    leader = "/job:chief/replica:0/task:0" if jobs.get("chief") else \
+        "/job:worker/replica:0/task:0"
+    coordinated = [coordination_config_pb2.CoordinatedJob(name=job, num_tasks=len(jobs[job]))
+                   for job in COORDINATED_JOBS if jobs.get(job)]
+    ctx = context.context()
+    ctx.configure_coordination_service(
+        service_type="standalone", service_leader=leader, enable_health_check=True,
+        cluster_register_timeout_in_ms=int(register_timeout_seconds * 1000),
+        heartbeat_timeout_in_ms=int(heartbeat_timeout_seconds * 1000),
+        coordinated_jobs=coordinated)
+    config = ctx.coordination_service
+    config.cluster_register_with_barrier = True
+    return config
