@@ -1,0 +1,173 @@
+"""The main job's TOML config: schema, defaults, loading and validation.
+
+Every error names the file and the key (``configs/x.toml: train.epochs must be an
+integer >= 1. Received: 0``). No TensorFlow import here.
+"""
+
+from __future__ import annotations
+
+import copy
+import tomllib
+from pathlib import Path
+from typing import Any
+
+STRATEGIES = ("none", "mirrored", "multi_worker", "parameter_server", "model_average",
+              "horovod")
+# Strategies that need one process per task (launched, or from the environment).
+MULTI_PROCESS_STRATEGIES = ("multi_worker", "parameter_server", "model_average", "horovod")
+
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "strategy": {"name": "mirrored", "options": {}},
+    "cluster": {"mode": "local", "workers": 2, "chief": False, "ps": 0, "logical_cpus": 2,
+                "timeout": 1800.0, "max_restarts": 0},
+    "model": {"name": "mlp", "hidden": [64], "dropout": 0.0},
+    "data": {"name": "digits", "path": "", "label": "label", "validation_split": 0.2,
+             "limit": 0},
+    "train": {"optimizer": "adam", "learning_rate": 0.005, "momentum": 0.0, "epochs": 5,
+              "global_batch_size": 64, "steps_per_epoch": 0, "seed": 0,
+              "output_dir": "runs/default", "verbose": 2},
+}
+
+# key -> (allowed types, check, description of the check)
+_CHECKS = {
+    ("strategy", "name"): (str, lambda v: v in STRATEGIES, f"one of {list(STRATEGIES)}"),
+    ("strategy", "options"): (dict, None, "a table of strategy keyword arguments"),
+    ("cluster", "mode"): (str, lambda v: v in ("local", "env"), "'local' or 'env'"),
+    ("cluster", "workers"): (int, lambda v: v >= 1, "an integer >= 1"),
+    ("cluster", "chief"): (bool, None, "true or false"),
+    ("cluster", "ps"): (int, lambda v: v >= 0, "an integer >= 0"),
+    ("cluster", "logical_cpus"): (int, lambda v: v >= 1, "an integer >= 1"),
+    ("cluster", "timeout"): ((int, float), lambda v: v > 0, "a number of seconds > 0"),
+    ("cluster", "max_restarts"): (int, lambda v: v >= 0, "an integer >= 0"),
+    ("model", "name"): (str, lambda v: v in ("mlp", "cnn") or ":" in v,
+                        "'mlp', 'cnn' or 'module:function'"),
+    ("model", "hidden"): (list, lambda v: all(isinstance(u, int) and u > 0 for u in v),
+                          "a list of positive integers"),
+    ("model", "dropout"): ((int, float), lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    ("data", "name"): (str, lambda v: v in ("digits", "npz", "csv", "tfrecord"),
+                       "'digits', 'npz', 'csv' or 'tfrecord'"),
+    ("data", "path"): (str, None, "a path"),
+    ("data", "label"): (str, None, "a column / feature name"),
+    ("data", "validation_split"): ((int, float), lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    ("data", "limit"): (int, lambda v: v >= 0, "an integer >= 0 (0: all samples)"),
+    ("train", "optimizer"): (str, lambda v: v in ("sgd", "adam"), "'sgd' or 'adam'"),
+    ("train", "learning_rate"): ((int, float), lambda v: v > 0, "a number > 0"),
+    ("train", "momentum"): ((int, float), lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    ("train", "epochs"): (int, lambda v: v >= 1, "an integer >= 1"),
+    ("train", "global_batch_size"): (int, lambda v: v >= 1, "an integer >= 1"),
+    ("train", "steps_per_epoch"): (int, lambda v: v >= 0, "an integer >= 0 (0: whole data)"),
+    ("train", "seed"): (int, None, "an integer"),
+    ("train", "output_dir"): (str, lambda v: bool(v), "a non-empty path"),
+    ("train", "verbose"): (int, lambda v: v in (0, 1, 2), "0, 1 or 2"),
+}
+
+
+class ConfigError(ValueError):
+    """A config file is wrong; the message names the file and the key."""
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None
+                ) -> dict[str, Any]:
+    """Reads a TOML config over the defaults and validates it.
+
+    Args:
+        path: The TOML file; None for the embedded defaults.
+        overrides: ``section.key=value`` strings (values parsed as TOML), applied last.
+
+    Returns:
+        The full config, every section and key present.
+
+    Raises:
+        ConfigError: unreadable file, unknown key, wrong type or value, impossible cluster.
+    """
+    source = str(path) if path is not None else "<defaults>"
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"{source}: config file does not exist")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+            raise ConfigError(f"{source}: not valid TOML: {error}") from None
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep or "." not in key:
+            raise ConfigError(f"--set expects section.key=value. Received: {item!r}")
+        section, name = key.strip().split(".", 1)
+        try:
+            parsed = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            parsed = value  # a bare string
+        raw.setdefault(section, {})
+        if not isinstance(raw[section], dict):
+            raise ConfigError(f"{source}: [{section}] must be a table")
+        if name.startswith("options."):
+            raw[section].setdefault("options", {})[name.split(".", 1)[1]] = parsed
+        else:
+            raw[section][name] = parsed
+    return validate_config(raw, source)
+
+
+def validate_config(raw: dict[str, Any], source: str = "<config>") -> dict[str, Any]:
+    """Merges ``raw`` over `DEFAULTS` and checks every key (see `load_config`)."""
+    config = copy.deepcopy(DEFAULTS)
+    for section, values in raw.items():
+        if section not in DEFAULTS:
+            raise ConfigError(f"{source}: unknown section [{section}]; expected one of "
+                              f"{list(DEFAULTS)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: [{section}] must be a table. Received: {values!r}")
+        for key, value in values.items():
+            if key not in DEFAULTS[section]:
+                raise ConfigError(f"{source}: unknown key {section}.{key}; expected one of "
+                                  f"{sorted(DEFAULTS[section])}")
+            types, check, wanted = _CHECKS[(section, key)]
+            ok_type = isinstance(value, types) and not (
+                isinstance(value, bool) and types is not bool and bool not in (
+                    types if isinstance(types, tuple) else (types,)))
+            if not ok_type or (check is not None and not check(value)):
+                raise ConfigError(f"{source}: {section}.{key} must be {wanted}. "
+                                  f"Received: {value!r}")
+            config[section][key] = value
+    _check_combination(config, source)
+    return config
+
+
+def _check_combination(config: dict[str, Any], source: str) -> None:
+    strategy, cluster, data = config["strategy"], config["cluster"], config["data"]
+    if data["name"] != "digits" and not data["path"]:
+        raise ConfigError(f"{source}: data.path is required for data.name="
+                          f"{data['name']!r}")
+    if data["path"] and not Path(data["path"]).exists():
+        raise ConfigError(f"{source}: data.path does not exist. Received: {data['path']!r}")
+    if strategy["name"] == "parameter_server" and cluster["mode"] == "local":
+        if cluster["ps"] < 1:
+            raise ConfigError(f"{source}: cluster.ps must be >= 1 for the parameter_server "
+                              f"strategy. Received: {cluster['ps']}")
+        if not cluster["chief"]:
+            raise ConfigError(f"{source}: cluster.chief must be true for the "
+                              "parameter_server strategy (the chief runs fit)")
+    elif cluster["ps"] and strategy["name"] != "parameter_server":
+        raise ConfigError(f"{source}: cluster.ps={cluster['ps']} only makes sense with "
+                          f"strategy.name='parameter_server'. Received: "
+                          f"{strategy['name']!r}")
+    batch = config["train"]["global_batch_size"]
+    replicas = _replicas(config)
+    if batch % replicas:
+        raise ConfigError(f"{source}: train.global_batch_size={batch} cannot be split "
+                          f"evenly over {replicas} replicas")
+
+
+def _replicas(config: dict[str, Any]) -> int:
+    name, cluster = config["strategy"]["name"], config["cluster"]
+    if name == "mirrored":
+        return cluster["logical_cpus"]
+    if name in ("multi_worker", "model_average", "horovod") and cluster["mode"] == "local":
+        return cluster["workers"] + int(cluster["chief"])
+    return 1
+
+
+def is_multi_process(config: dict[str, Any]) -> bool:
+    """True when the job runs one process per task."""
+    return config["strategy"]["name"] in MULTI_PROCESS_STRATEGIES
