@@ -94,3 +94,20 @@ def test_logical_cpus_cannot_change_after_start(logical_cpus):
         tfdist.devices.use_logical_cpus(3)
     with pytest.raises(ValueError, match="n=0"):
         tfdist.devices.use_logical_cpus(0)
+
+
+def test_bytes_counter_counts_one_gradient_payload_per_step(logical_cpus):
+    import keras
+
+    import tfdist
+
+    x, y = classification_data(n=64)
+    strategy = tfdist.MirroredStrategy()
+    with strategy.scope():
+        model = mlp()
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+    model.fit(x, np.eye(3)[y], batch_size=16, epochs=1, verbose=0)
+    weight_bytes = sum(w.size * 4 for w in model.get_weights())
+    steps = 64 // 16
+    # Gradients once per step, plus the scalar loss reductions for the logs.
+    assert steps * weight_bytes <= strategy.bytes_communicated < steps * (weight_bytes + 64)

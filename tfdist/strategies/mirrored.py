@@ -5,6 +5,8 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfdist import _hooks
+from tfdist.comm.accounting import ByteCounter
+from tfdist.comm.cross_device import CountingCrossDeviceOps
 from tfdist.devices import default_devices, validate_devices
 
 
@@ -45,4 +47,16 @@ class MirroredStrategy(tf.distribute.MirroredStrategy):
             raise ValueError("cross_device_ops must be a tf.distribute.CrossDeviceOps, "
                              f"'collective' or None. Received: {cross_device_ops!r}")
         _hooks.assign_collective_key_base(self)
+        self._byte_counter = ByteCounter()
+        if cross_device_ops is not None:
+            cross_device_ops = CountingCrossDeviceOps(cross_device_ops, self._byte_counter)
         super().__init__(devices=devices, cross_device_ops=cross_device_ops)
+
+    @property
+    def bytes_communicated(self) -> int:
+        """Bytes all-reduced so far: one replica's payload per reduction.
+
+        Counted for tfdist's default and user-given cross-device ops; TF's own
+        collective (``cross_device_ops="collective"``) is not counted.
+        """
+        return self._byte_counter.total
