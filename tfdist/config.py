@@ -41,7 +41,7 @@ _CHECKS = {
     ("cluster", "max_restarts"): (int, lambda v: v >= 0, "an integer >= 0"),
     ("model", "name"): (str, lambda v: v in ("mlp", "cnn") or ":" in v,
                         "'mlp', 'cnn' or 'module:function'"),
-    ("model", "hidden"): (list, lambda v: all(isinstance(u, int) and u > 0 for u in v),
+    ("model", "hidden"): (list, lambda v: all(type(u) is int and u > 0 for u in v),
                           "a list of positive integers"),
     ("model", "dropout"): ((int, float), lambda v: 0 <= v < 1, "a number in [0, 1)"),
     ("data", "name"): (str, lambda v: v in ("digits", "npz", "csv", "tfrecord"),
@@ -139,7 +139,7 @@ def _check_combination(config: dict[str, Any], source: str) -> None:
     if data["name"] != "digits" and not data["path"]:
         raise ConfigError(f"{source}: data.path is required for data.name="
                           f"{data['name']!r}")
-    if data["path"] and not Path(data["path"]).exists():
+    if data["path"] and ("\0" in data["path"] or not Path(data["path"]).exists()):
         raise ConfigError(f"{source}: data.path does not exist. Received: {data['path']!r}")
     if strategy["name"] == "parameter_server" and cluster["mode"] == "local":
         if cluster["ps"] < 1:
