@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Builds Horovod 0.28.1 (TensorFlow + Gloo, CPU only) from its sdist and installs it
+# into the environment of the given Python.
+#
+#   bash scripts/install_horovod.sh [PYTHON]      (default: .venv/bin/python)
+#
+# Why a script: `pip install horovod` fails against TF 2.21. The sdist needs
+#   1. a one-line guard in horovod/tensorflow/xla_mpi_ops.cc (its XLA headers moved in
+#      TF >= 2.16; the XLA ops are only needed for GPU builds),
+#   2. cmake < 4 from PyPI and CMAKE_POLICY_VERSION_MINIMUM=3.5 (old cmake_minimum_required),
+#   3. a HOROVOD_CMAKE wrapper that disables CUDA on configure: machines with nvcc on
+#      PATH but no cudart otherwise fail with "Couldn't find CUDA library root",
+#   4. --no-build-isolation, so it compiles against the installed TensorFlow.
+# Idempotent: does nothing when `import horovod.tensorflow` already works.
+# Takes ~3-4 minutes on 2 cores.
+set -euo pipefail
+
+PY="${1:-.venv/bin/python}"
+HOROVOD_VERSION="${HOROVOD_VERSION:-0.28.1}"
+log() { echo "[install_horovod] $*"; }
+
+if [ ! -x "$PY" ]; then
+    log "ERROR: python not found or not executable: $PY"
+    exit 2
+fi
+PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")"
+
+check_import() {
+    "$PY" - <<'EOF' 2>/dev/null
+import os
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import horovod.tensorflow as hvd
+print(f"horovod {__import__('horovod').__version__}: gloo built={hvd.gloo_built()}")
+EOF
+}
+
+if check_import; then
+    log "horovod.tensorflow already imports with $PY; nothing to do."
+    exit 0
+fi
+
+log "building horovod==$HOROVOD_VERSION for $PY ($("$PY" -c 'import tensorflow as tf; print("tensorflow", tf.__version__)' 2>/dev/null || echo 'tensorflow missing'))"
+"$PY" -c 'import tensorflow' 2>/dev/null || { log "ERROR: TensorFlow must be installed in $PY's environment first."; exit 2; }
+
+WORK="$(mktemp -d -t tfdist-horovod-XXXXXX)"
+cleanup() { rm -rf "$WORK"; }
+trap cleanup EXIT
+
+log "installing build tools (cmake<4, packaging, wheel) into the target env"
+"$PY" -m pip install -q 'cmake<4' packaging wheel setuptools
+
+log "downloading the horovod==$HOROVOD_VERSION sdist"
+"$PY" -m pip download -q --no-deps --no-binary :all: -d "$WORK" "horovod==$HOROVOD_VERSION"
+SDIST="$(ls "$WORK"/horovod-*.tar.gz)"
+tar -xzf "$SDIST" -C "$WORK"
+SRC="$WORK/horovod-$HOROVOD_VERSION"
+
+log "patching horovod/tensorflow/xla_mpi_ops.cc (XLA ops only with GPU)"
+XLA="$SRC/horovod/tensorflow/xla_mpi_ops.cc"
+GUARD='#if TENSORFLOW_VERSION >= 2006000000'
+if ! grep -qxF "$GUARD" "$XLA"; then
+    log "ERROR: line '$GUARD' not found in $XLA; the patch does not apply to this sdist."
+    exit 1
+fi
+sed -i "s/^#if TENSORFLOW_VERSION >= 2006000000\$/#if TENSORFLOW_VERSION >= 2006000000 \&\& HAVE_GPU/" "$XLA"
+grep -qxF "$GUARD && HAVE_GPU" "$XLA" || { log "ERROR: patching $XLA failed."; exit 1; }
+
+# cmake from the target env (PyPI, < 4), wrapped so configure runs never enable CUDA.
+CMAKE_BIN="$(dirname "$PY")/cmake"
+[ -x "$CMAKE_BIN" ] || { log "ERROR: cmake not found next to $PY ($CMAKE_BIN)"; exit 1; }
+log "using $("$CMAKE_BIN" --version | head -1) from $CMAKE_BIN"
+WRAPPER="$WORK/cmake"
+cat >"$WRAPPER" <<EOF
+#!/usr/bin/env bash
+# Horovod calls cmake to configure, then with --build; add the CUDA switches to configure only.
+case "\${1:-}" in
+    --build|--install|-E|--version) exec "$CMAKE_BIN" "\$@" ;;
+esac
+exec "$CMAKE_BIN" "\$@" -DCMAKE_CUDA_COMPILER=CMAKE_CUDA_COMPILER-NOTFOUND -DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=TRUE
+EOF
+chmod +x "$WRAPPER"
+
+log "compiling (about 3-4 minutes on 2 cores)"
+start=$(date +%s)
+(
+    cd "$SRC"
+    HOROVOD_CMAKE="$WRAPPER" \
+    HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
+    HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
+    CMAKE_POLICY_VERSION_MINIMUM=3.5 \
+    MAKEFLAGS="-j$(nproc)" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+    "$PY" -m pip install --no-build-isolation --no-deps --no-cache-dir "$SRC"
+)
+# horovod's runtime deps (horovodrun needs cloudpickle, psutil, pyyaml).
+"$PY" -m pip install -q cloudpickle psutil pyyaml packaging
+log "compiled and installed in $(( $(date +%s) - start ))s"
+
+log "verifying"
+cd "$WORK"   # not inside the source tree, so the installed package is imported
+if ! check_import; then
+    log "ERROR: horovod installed but 'import horovod.tensorflow' fails:"
+    "$PY" -c 'import horovod.tensorflow' || true
+    exit 1
+fi
+HVDRUN="$(dirname "$PY")/horovodrun"
+[ -x "$HVDRUN" ] || { log "ERROR: horovodrun missing at $HVDRUN"; exit 1; }
+log "done: horovod $HOROVOD_VERSION with Gloo; run jobs with $HVDRUN -np 2 -H localhost:2 --gloo"
