@@ -26,6 +26,7 @@ is available in all of them. Call ``super().__init__(...)`` from your ``__init__
 from __future__ import annotations
 
 import logging
+import secrets
 
 import tensorflow as tf
 
@@ -39,6 +40,9 @@ DEFAULT_STARTUP_TIMEOUT = 60.0
 DEFAULT_COLLECTIVE_TIMEOUT = 300.0
 # Seconds without a heartbeat before the coordination service declares a task dead.
 DEFAULT_HEARTBEAT_TIMEOUT = 10.0
+
+# What tf.compat.v1.random.get_seed(op_seed) reports as the global seed when none was set.
+_DEFAULT_GRAPH_SEED = 87654321
 
 _log = logging.getLogger("tfdist")
 
@@ -101,6 +105,7 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         # Same as TF's CollectiveAllReduceStrategy.__init__, with the extended
         # object made by an overridable factory.
         tf.distribute.Strategy.__init__(self, extended)
+        self.shared_seed = self._share_random_seed()
 
     # ---- overridable set-up -----------------------------------------------------------
 
@@ -153,16 +158,43 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         return MultiWorkerExtended(self, cluster_resolver=cluster_resolver,
                                    communication_options=communication_options)
 
+    def _share_random_seed(self):
+        """Sets the chief's random global seed on every worker when the user set none.
+
+        Why: Keras shuffles numpy inputs with an unseeded ``tf.random.shuffle``, and
+        each worker then takes its part of every global batch from a different
+        permutation: samples are seen twice or never in an epoch. With one global seed
+        everywhere the permutations agree. A seed the user set is left alone.
+
+        Returns:
+            The seed that was set, or None when the user had set one.
+        """
+        if not self.extended._in_multi_worker_mode() or (
+                tf.compat.v1.random.get_seed(0)[0] != _DEFAULT_GRAPH_SEED):
+            return None
+        contribution = float(secrets.randbelow(2**31 - 1)) if self.cluster.is_chief() else 0.0
+
+        def value_fn(context):
+            return tf.constant(contribution if context.replica_id_in_sync_group == 0
+                               else 0.0, tf.float64)
+
+        total = self.reduce("SUM", self.experimental_distribute_values_from_function(
+            value_fn), axis=None)
+        seed = int(total.numpy())
+        tf.random.set_seed(seed)
+        return seed
+
     def _startup_error(self, error):
-        tasks = ", ".join(t.name for t in self.cluster.tasks()
-                          if t.type in ("chief", "worker") and t != self.cluster.task)
+        """The start-up timeout as an error that names the missing task(s)."""
+        me = self.cluster.task.name if self.cluster.task else "this task"
+        missing = _missing_tasks(error.message, self.cluster) or "unknown (see below)"
+        first_line = error.message.strip().splitlines()[0] if error.message else ""
         return tf.errors.DeadlineExceededError(
             None, None,
-            f"{self.cluster.task.name if self.cluster.task else 'this task'}: not every "
-            f"worker joined the cluster within startup_timeout={self.startup_timeout:g}s "
-            f"(waiting for: {tasks}). Missing or unreachable task(s): "
-            f"{_missing_tasks(str(error), self.cluster) or 'see below'}. "
-            f"TensorFlow said: {error.message}")
+            f"{me}: task(s) {missing} did not join the cluster within "
+            f"startup_timeout={self.startup_timeout:g}s. Check that every task was "
+            f"started with the same cluster and can reach the others. TensorFlow said: "
+            f"{first_line}")
 
     # ---- Keras 3 fixes ------------------------------------------------------------------
 
