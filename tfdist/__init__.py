@@ -16,6 +16,7 @@ from tfdist.launch import LaunchError, LaunchResult, launch
 _LAZY = {
     "MirroredStrategy": "tfdist.strategies.mirrored",
     "MultiWorkerMirroredStrategy": "tfdist.strategies.multi_worker",
+    "ModelAverageStrategy": "tfdist.strategies.model_average",
 }
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "LaunchError",
     "LaunchResult",
     "MirroredStrategy",
+    "ModelAverageStrategy",
     "MultiWorkerMirroredStrategy",
     "TaskSpec",
     "devices",

@@ -77,3 +77,269 @@ def configure_coordination_service(jobs, register_timeout_seconds, heartbeat_tim
     config = ctx.coordination_service
     config.cluster_register_with_barrier = True
     return config
+
+
+# ---- model averaging (tfdist.strategies.model_average) ----------------------------------
+
+# Attribute a strategy sets to take over the optimizer step (see install_local_update_hooks).
+LOCAL_UPDATE_ATTR = "_tfdist_local_apply"
+# Attribute a strategy sets to be told about fit/evaluate/predict/save (install_model_hooks).
+MODEL_HOOK_ATTR = "_tfdist_model_hook"
+# Model methods after which (fit) or before which (the others) the strategy is called.
+MODEL_HOOK_METHODS = {"fit": "after", "evaluate": "before", "predict": "before",
+                      "test_on_batch": "before", "predict_on_batch": "before",
+                      "save": "before", "save_weights": "before", "export": "before"}
+
+
+def _local_update_handler():
+    """The running strategy's local-update handler, or None (replica context only)."""
+    import tensorflow as tf
+
+    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+        return None
+    context = tf.distribute.get_replica_context()
+    return getattr(context.strategy, LOCAL_UPDATE_ATTR, None) if context else None
+
+
+def install_local_update_hooks() -> None:
+    """Lets a strategy replace the gradient all-reduce of Keras' TF optimizer.
+
+    Why: Keras 3's ``TFOptimizer._backend_update_step`` always SUM-all-reduces the
+    gradients (``_all_reduce_sum_gradients``) before ``extended.update``; model
+    averaging needs each replica to apply its own gradient. When the strategy running
+    the step has a ``_tfdist_local_apply(optimizer, apply_fn, grads, variables)``
+    attribute, ``_backend_apply_gradients`` (clip, weight decay, update) is routed
+    through it and ``_all_reduce_sum_gradients`` returns the local gradients unchanged.
+    Every other strategy gets Keras' own code. Idempotent.
+    """
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    if getattr(TFOptimizer, "_tfdist_local_update_hooks", False):
+        return
+    original_apply = TFOptimizer._backend_apply_gradients
+    original_reduce = TFOptimizer._all_reduce_sum_gradients
+
+    def _backend_apply_gradients(self, grads, trainable_variables):
+        handler = _local_update_handler()
+        if handler is None:
+            return original_apply(self, grads, trainable_variables)
+        return handler(self, original_apply, grads, trainable_variables)
+
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        if _local_update_handler() is None:
+            return original_reduce(self, grads_and_vars)
+        return list(grads_and_vars)
+
+    TFOptimizer._backend_apply_gradients = _backend_apply_gradients
+    TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients
+    TFOptimizer._tfdist_local_update_hooks = True
+
+
+def install_model_hooks() -> None:
+    """Tells the model's strategy when ``fit`` ends and before evaluate/predict/save.
+
+    Why: with model averaging the replicas hold different weights between averages,
+    and Keras reads replica 0's copy in ``get_weights``/``save``. Keras has no strategy
+    callback for these moments, so ``keras.Model``'s methods are wrapped: when
+    ``model.distribute_strategy`` has a ``_tfdist_model_hook(model, method, when)``
+    attribute it is called ``"after"`` fit and ``"before"`` the others. Every other
+    strategy gets Keras' own methods. Idempotent.
+    """
+    import functools
+
+    import keras
+
+    if getattr(keras.Model, "_tfdist_model_hooks", False):
+        return
+
+    def wrap(name, when, original):
+        @functools.wraps(original)
+        def method(self, *args, **kwargs):
+            hook = getattr(self.distribute_strategy, MODEL_HOOK_ATTR, None)
+            if hook is not None and when == "before":
+                hook(self, name, "before")
+            result = original(self, *args, **kwargs)
+            if hook is not None and when == "after":
+                hook(self, name, "after")
+            return result
+
+        return method
+
+    for name, when in MODEL_HOOK_METHODS.items():
+        setattr(keras.Model, name, wrap(name, when, getattr(keras.Model, name)))
+    keras.Model._tfdist_model_hooks = True
+
+
+# ---- parameter server (tfdist.strategies.parameter_server, tfdist.keras.ps_fit) ---------
+
+# Strategy attribute naming the module whose fit/evaluate/predict replace Keras' own.
+FIT_DRIVER_ATTR = "_tfdist_fit_driver"
+FIT_DRIVER_METHODS = ("fit", "evaluate", "predict")
+
+
+def route_keras_fit_to_driver() -> None:
+    """Sends ``fit``/``evaluate``/``predict`` of a model to its strategy's fit driver.
+
+    Why: Keras 3 dropped parameter-server support (keras-team/keras#18624). Its
+    TensorFlow trainer calls ``strategy.run`` on the chief and iterates a distributed
+    dataset there, which `ClusterCoordinator` does not allow, and it rejects dataset
+    functions. When the strategy a model was built under has a ``_tfdist_fit_driver``
+    attribute (a module path), ``keras.Model``'s methods call that module's function of
+    the same name with the model instead; every other model gets Keras' own method.
+    Wraps whatever ``keras.Model`` holds at install time, so it composes with other
+    wrappers. Idempotent.
+    """
+    import functools
+    import importlib
+
+    import keras
+
+    if getattr(keras.Model, "_tfdist_fit_driver_routed", False):
+        return
+
+    def wrap(name, original):
+        @functools.wraps(original)
+        def method(self, *args, **kwargs):
+            strategy = getattr(self, "_distribute_strategy", None)
+            driver = getattr(strategy, FIT_DRIVER_ATTR, None)
+            if driver is None:
+                return original(self, *args, **kwargs)
+            return getattr(importlib.import_module(driver), name)(self, *args, **kwargs)
+
+        return method
+
+    for name in FIT_DRIVER_METHODS:
+        setattr(keras.Model, name, wrap(name, getattr(keras.Model, name)))
+    keras.Model._tfdist_fit_driver_routed = True
+
+
+def build_keras_state(model, data_spec) -> None:
+    """Creates the model's, metrics' and optimizer's variables from a batch's spec.
+
+    Why: steps traced for remote workers must not create variables, so everything has
+    to exist on the ps tasks first. Keras' own fit does this with the private
+    ``Trainer._symbolic_build(data_batch=...)``, which only needs ``.shape`` and
+    ``.dtype`` of each element: a dataset's ``element_spec`` works.
+    """
+    model._symbolic_build(data_batch=data_spec)
+    if model.optimizer is not None and not model.optimizer.built:
+        model.optimizer.build(model.trainable_variables)
+
+
+def keras_initial_epoch(model, initial_epoch: int) -> int:
+    """The epoch to start from: `BackupAndRestore` stores it in ``model._initial_epoch``.
+
+    Why: Keras' fit reads this private attribute after ``on_train_begin``; a fit driver
+    has to do the same for `keras.callbacks.BackupAndRestore` to resume.
+    """
+    return getattr(model, "_initial_epoch", None) or initial_epoch
+
+
+def create_per_worker_iterators(coordinator, dataset_fns):
+    """One iterator per worker, worker ``i`` iterating ``dataset_fns[i]()``.
+
+    Why: ``ClusterCoordinator.create_per_worker_dataset`` runs the same dataset
+    function on every worker, so workers cannot read different shards (and
+    ``input_context`` is always pipeline 0 of 1). This does what it does, per worker:
+    ``Worker.create_resource`` registers the iterator so the coordinator rebuilds it
+    when a worker restarts, and each `RemoteValue` gets the iterator's type spec.
+
+    Returns:
+        A ``PerWorkerValues`` of iterators, to pass to ``coordinator.schedule``.
+    """
+    from tensorflow.python.distribute import input_lib
+    from tensorflow.python.distribute.coordinator import values as values_lib
+
+    import tensorflow as tf
+
+    workers = coordinator._cluster.workers
+    if len(dataset_fns) != len(workers):
+        raise ValueError(f"need one dataset function per worker ({len(workers)}). "
+                         f"Received: {len(dataset_fns)}")
+    remote_values = []
+    for worker, dataset_fn in zip(workers, dataset_fns):
+        concrete = tf.function(dataset_fn).get_concrete_function()
+
+        def make_iterator(concrete=concrete):
+            return iter(concrete())
+
+        remote = worker.create_resource(make_iterator)
+        remote._type_spec = input_lib.get_iterator_spec_from_dataset(
+            coordinator.strategy, concrete.structured_outputs)
+        remote_values.append(remote)
+    return values_lib.PerWorkerDistributedIterator(tuple(remote_values))
+
+
+def schedule_on_worker(coordinator, worker_index: int, fn, args=()):
+    """Like ``coordinator.schedule(fn, args)``, but runs on worker ``worker_index``.
+
+    Why: synchronous parameter-server steps need one gradient from each worker, and
+    ``schedule`` gives a closure to whichever worker is free. The coordinator's closure
+    queue has per-worker tagged queues (used to build resources); a normal `Closure` is
+    put there and counted in flight, so ``join()`` waits for it and the worker marks it
+    finished. Its tag is then cleared: if the worker dies, the coordinator puts the
+    closure back on the shared queue and another worker runs it.
+    """
+    from tensorflow.python.distribute.coordinator import cluster_coordinator
+
+    cluster = coordinator._cluster
+    closure_queue = cluster.closure_queue
+    strategy = coordinator.strategy
+    with strategy.scope():
+        strategy.extended._being_scheduled = True
+        try:
+            closure = cluster_coordinator.Closure(
+                fn, closure_queue._cancellation_mgr, args=args, kwargs=None)
+        finally:
+            strategy.extended._being_scheduled = False
+    remote_value = closure.build_output_remote_value()
+    with closure_queue._queue_lock:
+        closure_queue._raise_if_error()
+        closure_queue.inflight_closure_count += 1
+        closure.tag = None
+        closure_queue._tagged_queue[worker_index].put(closure, block=False)
+        closure_queue._closures_queued_condition.notify_all()
+    return remote_value
+
+
+def tf_distribute_internals():
+    """TF's private pieces a strategy with its own ``extended`` is built from.
+
+    Why: `tfdist.HorovodStrategy` extends ``MirroredExtended`` (local replicas as in
+    MirroredStrategy) and reroutes its reductions, gathers and input sharding; TF has
+    no public base class for a strategy's ``extended``, nor public versions of these
+    helpers. Returns a namespace with: ``MirroredExtended``, ``simple_broadcast``,
+    ``reduce_non_distributed_value``, ``get_distributed_dataset``,
+    ``get_distributed_datasets_from_function``, ``regroup``, ``is_mirrored``,
+    ``CheckpointInitialValue``.
+    """
+    import types
+
+    from tensorflow.python.distribute import cross_device_ops, distribute_utils, input_util
+    from tensorflow.python.distribute import mirrored_strategy
+    from tensorflow.python.trackable import base as trackable
+
+    return types.SimpleNamespace(
+        MirroredExtended=mirrored_strategy.MirroredExtended,
+        simple_broadcast=cross_device_ops.simple_broadcast,
+        reduce_non_distributed_value=cross_device_ops.reduce_non_distributed_value,
+        get_distributed_dataset=input_util.get_distributed_dataset,
+        get_distributed_datasets_from_function=input_util.get_distributed_datasets_from_function,
+        regroup=distribute_utils.regroup,
+        is_mirrored=distribute_utils.is_mirrored,
+        CheckpointInitialValue=trackable.CheckpointInitialValue,
+    )
+
+
+def keras_uses_multi_worker_path(strategy) -> bool:
+    """True if Keras 3 reduces ``strategy``'s step outputs across processes.
+
+    Why: Keras' private ``reduce_per_replica`` averages loss/metrics with
+    ``strategy.reduce`` and gathers ``predict`` outputs with ``strategy.gather`` only
+    for ``tf.distribute.MultiWorkerMirroredStrategy`` instances whose
+    ``extended._in_multi_worker_mode()`` is True; for any other strategy it keeps this
+    process's values. `tfdist.HorovodStrategy` subclasses that class for this reason.
+    """
+    from keras.src.backend.tensorflow import trainer
+
+    return bool(trainer._collective_all_reduce_multi_worker(strategy))

@@ -1,0 +1,390 @@
+"""Model averaging (local SGD): each replica trains its own copy; weights are averaged.
+
+Every replica applies its own optimizer update to its own copy of the model (no gradient
+all-reduce). Every ``period`` steps (every step during ``warmup_steps``) the weights are
+all-reduced to their mean; with an ``outer_optimizer`` the averaged change since the
+last average is applied as an outer gradient (SlowMo / DiLoCo). See docs/model_average.md.
+
+How it works with plain Keras code (private hooks in `tfdist._hooks`):
+
+- The strategy is a `tfdist.MirroredStrategy` (one host) or a
+  `tfdist.MultiWorkerMirroredStrategy` (TF_CONFIG). Variables are mirrored, but since
+  every replica applies a different update, their per-replica copies differ between
+  averages, which is the point.
+- Keras scales the loss by ``1/num_replicas_in_sync`` and SUM-all-reduces gradients. The
+  optimizer step is routed through `ModelAverageStrategy._tfdist_local_apply`, which
+  multiplies the local gradients by the number of replicas (so the learning rate is
+  the user's), skips the all-reduce, applies the local update, then, in cross-replica
+  context and under a ``tf.cond`` on the optimizer's step counter, averages.
+- All-reduced payloads are weight *deltas* against an anchor copy (the weights at the
+  last average): ``w = anchor - mean(anchor - w_i)``. That is the mean of the replicas,
+  the outer gradient of SlowMo/DiLoCo, and what ``compression`` casts to fp16/bf16.
+- ``fit`` ends, and ``evaluate``/``predict``/``save`` start, with an average of every
+  per-replica variable (weights, optimizer slots, non-trainable state) if the replicas
+  may differ, so the model the user holds is one model.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import tensorflow as tf
+
+from tfdist import _hooks
+from tfdist.comm.accounting import ByteCounter
+from tfdist.comm.averaging import BACKENDS, allreduce_mean, is_average_step
+from tfdist.comm.compression import get_compression
+
+
+class _State:
+    """Per-optimizer averaging state, made on the first traced step."""
+
+    def __init__(self, optimizer, variables, anchors, slots, outer):
+        self.optimizer = optimizer
+        self.variables = variables    # the trainable keras Variables the optimizer updates
+        self.anchors = anchors        # keras Variables: the weights at the last average
+        self.slots = slots            # the optimizer's per-variable state (momentum, ...)
+        self.outer = outer            # the outer optimizer (a copy), or None
+        self.averaged_at = 0          # optimizer step of the last forced average
+        self.force_fns = {}           # forced-average tf.functions by variable set
+
+
+def _int(value, name, minimum):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}. Received: {name}={value!r}")
+    return value
+
+
+def _wants_multi_worker(cluster_resolver) -> bool:
+    if cluster_resolver is not None:
+        return True
+    if not os.environ.get("TF_CONFIG"):
+        return False
+    from tfdist.cluster import resolve_cluster
+
+    return resolve_cluster(None).num_workers > 1
+
+
+def _tf_variable(variable):
+    return variable.value if hasattr(variable, "path") and hasattr(variable, "value") \
+        else variable
+
+
+def _is_replicated_float(variable) -> bool:
+    """A floating variable whose per-replica copies may differ (mirrored, on write)."""
+    v = _tf_variable(variable)
+    return (isinstance(v, tf.distribute.DistributedValues) and v.dtype.is_floating
+            and v.synchronization != tf.VariableSynchronization.ON_READ)
+
+
+def _scale(grad, factor):
+    if grad is None or factor == 1:
+        return grad
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values * tf.cast(factor, grad.values.dtype),
+                                grad.indices, grad.dense_shape)
+    return grad * tf.cast(factor, grad.dtype)
+
+
+class ModelAverageStrategy(tf.distribute.Strategy):
+    """Local SGD / model averaging for Keras ``fit``, on one host or many workers.
+
+    Each replica (local device, logical CPU, or worker) takes its own sub-batch and
+    applies its own optimizer update with the learning rate as given (it is not
+    divided by the number of replicas). Every ``period`` steps the weights are
+    all-reduced to their mean. ``period=1`` with plain SGD is synchronous training.
+
+    The class picks its base at construction: `tfdist.MirroredStrategy` on one host, or
+    `tfdist.MultiWorkerMirroredStrategy` when ``cluster_resolver`` is given or TF_CONFIG
+    names several workers. Either way ``isinstance(s, tfdist.ModelAverageStrategy)``.
+
+    Args:
+        period: Average the weights every ``period`` optimizer steps (>= 1).
+        warmup_steps: Average after each of the first ``warmup_steps`` steps
+            (post-local SGD); ``period`` counts from the end of the warm-up.
+        outer_optimizer: A Keras optimizer (e.g.
+            ``keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)``). At each
+            average, ``anchor - mean(w_i)`` is applied to the anchor (the weights at
+            the last average) as its gradient (SlowMo / DiLoCo). The strategy uses a
+            copy made from its config; read it as ``strategy.outer_optimizers``.
+        average_optimizer_state: Also average the optimizer's slots (momentum, Adam
+            moments) at each scheduled average.
+        devices: Local devices, one replica each (single host only). Default: every
+            GPU, or every logical CPU (`tfdist.devices.use_logical_cpus`).
+        cluster_resolver: Anything `tfdist.MultiWorkerMirroredStrategy` takes; given
+            (or TF_CONFIG with several workers), replicas are every device of every
+            worker.
+        backend: ``"tf"`` (TF's all-reduce) or ``"horovod"``: weights are averaged
+            with `tfdist.comm.horovod.allreduce`; run under ``horovodrun``, one replica
+            per rank (``devices`` names this rank's one device; shard the data by rank).
+        compression: None, ``"fp16"`` or ``"bf16"``: weight deltas are cast for the
+            all-reduce (`bytes_communicated` shows the saving).
+        **base_kwargs: Passed to the multi-worker base (e.g. ``collective_timeout``).
+
+    Raises:
+        ValueError: an argument is invalid (the message names it and its value).
+    """
+
+    def __new__(cls, *args, **kwargs):
+        if cls is ModelAverageStrategy:
+            cluster_resolver = kwargs.get("cluster_resolver", args[5] if len(args) > 5 else None)
+            backend = kwargs.get("backend", "tf")
+            cls = (_MultiWorkerModelAverage
+                   if backend == "tf" and _wants_multi_worker(cluster_resolver)
+                   else _SingleHostModelAverage)
+        return super().__new__(cls)
+
+    def __init__(self, period=1, warmup_steps=0, outer_optimizer=None,
+                 average_optimizer_state=False, devices=None, cluster_resolver=None, *,
+                 backend="tf", compression=None, **base_kwargs):
+        self.period = _int(period, "period", 1)
+        self.warmup_steps = _int(warmup_steps, "warmup_steps", 0)
+        if outer_optimizer is not None and not hasattr(outer_optimizer, "get_config"):
+            raise ValueError("outer_optimizer must be a Keras optimizer or None. "
+                             f"Received: outer_optimizer={outer_optimizer!r}")
+        self._outer_template = outer_optimizer
+        self.average_optimizer_state = bool(average_optimizer_state)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}. Received: backend={backend!r}")
+        self.backend = backend
+        self.compression = get_compression(compression)
+        if backend == "horovod" and cluster_resolver is not None:
+            raise ValueError("backend='horovod' takes its processes from horovodrun, not a "
+                             f"cluster. Received: cluster_resolver={cluster_resolver!r}")
+        self._init_base(devices, cluster_resolver, base_kwargs)
+        if backend == "horovod" and self.num_replicas_in_sync != 1:
+            raise ValueError("backend='horovod' runs one replica per rank: give one device. "
+                             f"Received: devices={devices!r}")
+        self._average_bytes = ByteCounter("tfdist_model_average_bytes")
+        self._states = {}
+        _hooks.install_local_update_hooks()
+        _hooks.install_model_hooks()
+
+    def _init_base(self, devices, cluster_resolver, base_kwargs):  # pragma: no cover
+        raise NotImplementedError
+
+    # ---- public --------------------------------------------------------------------------
+
+    @property
+    def bytes_communicated(self) -> int:
+        """Bytes this strategy all-reduced to average models (one replica's payload
+        per average, after compression)."""
+        return self._average_bytes.total
+
+    @property
+    def outer_optimizers(self) -> list:
+        """The outer optimizers in use (one per trained optimizer)."""
+        return [s.outer for s in self._states.values() if s.outer is not None]
+
+    def is_average_step(self, step: int) -> bool:
+        """Whether the weights are averaged after optimizer step ``step`` (1-based)."""
+        return bool(is_average_step(int(step), self.period, self.warmup_steps))
+
+    def average(self, model) -> bool:
+        """Averages every per-replica variable of ``model`` and its optimizer now.
+
+        Called automatically when ``fit`` returns and before ``evaluate``, ``predict``
+        and ``save``; call it yourself in custom training loops. The step counter is
+        not changed (the schedule stays a function of the optimizer's step).
+
+        Returns:
+            True if the replicas could differ and were averaged, False if there was
+            nothing to do.
+        """
+        optimizer = getattr(model, "optimizer", None)
+        state = self._states.get(id(optimizer))
+        if state is None:
+            return False
+        step = int(optimizer.iterations.numpy())
+        if step == 0 or self.is_average_step(step) or state.averaged_at == step:
+            return False
+        anchored = {id(v) for v in state.variables}
+        plain = [v for v in list(model.weights) + self._optimizer_slots(optimizer)
+                 if id(v) not in anchored and _is_replicated_float(v)]
+        key = tuple(id(v) for v in plain)
+        if key not in state.force_fns:
+            state.force_fns[key] = self._make_force_fn(state, plain)
+        state.force_fns[key]()
+        state.averaged_at = step
+        return True
+
+    # ---- hooks called by tfdist._hooks ---------------------------------------------------
+
+    def _tfdist_model_hook(self, model, method, when):
+        """``keras.Model`` calls this after fit and before evaluate/predict/save."""
+        if when == "after" and method == "fit":
+            optimizer = getattr(model, "optimizer", None)
+            if (optimizer is not None and id(optimizer) not in self._states
+                    and int(optimizer.iterations.numpy()) > 0):
+                raise RuntimeError(
+                    "ModelAverageStrategy: fit ran optimizer steps that did not go "
+                    "through tfdist's local update, so they may have been synchronous. "
+                    f"Optimizer: {type(optimizer).__name__}. Check tests/test_hooks.py "
+                    "against this Keras version.")
+        self.average(model)
+
+    def _tfdist_local_apply(self, optimizer, apply_fn, grads, variables):
+        """Replaces Keras' optimizer step in replica context (see module docstring)."""
+        if getattr(optimizer, "gradient_accumulation_steps", None):
+            raise ValueError("ModelAverageStrategy does not support gradient accumulation. "
+                             "Received: gradient_accumulation_steps="
+                             f"{optimizer.gradient_accumulation_steps}")
+        # Keras scaled the loss by 1/N for a SUM all-reduce that does not happen here.
+        grads = [_scale(g, self.num_replicas_in_sync) for g in grads]
+        result = apply_fn(optimizer, grads, variables)
+        context = tf.distribute.get_replica_context()
+        context.merge_call(functools.partial(self._ensure_state, optimizer, list(variables)))
+        state = self._states[id(optimizer)]
+        deltas, dtypes, nbytes = self._local_deltas(state)
+        slot_vars = state.slots if self.average_optimizer_state else []
+        slots = [tf.identity(_tf_variable(s)) for s in slot_vars]
+        nbytes += sum(_nbytes(s) for s in slots)
+        context.merge_call(functools.partial(self._merge_step, state, dtypes, nbytes, slot_vars),
+                           args=(deltas, slots))
+        return result
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _optimizer_slots(self, optimizer):
+        skip = {id(optimizer.iterations)}
+        learning_rate = getattr(optimizer, "_learning_rate", None)
+        if learning_rate is not None:
+            skip.add(id(learning_rate))
+        return [v for v in optimizer.variables if id(v) not in skip and _is_replicated_float(v)]
+
+    def _ensure_state(self, optimizer, variables, distribution):
+        """Creates the anchors (and outer optimizer) once, outside the traced step."""
+        del distribution
+        if id(optimizer) in self._states:
+            return
+        import keras
+
+        with tf.init_scope(), self.scope():
+            anchors = [keras.Variable(tf.identity(_tf_variable(v)), trainable=False,
+                                      dtype=v.dtype, name=f"tfdist_anchor_{i}")
+                       for i, v in enumerate(variables)]
+            outer = None
+            if self._outer_template is not None:
+                template = self._outer_template
+                outer = type(template).from_config(template.get_config())
+                outer.build(anchors)
+        self._states[id(optimizer)] = _State(optimizer, variables, anchors,
+                                             self._optimizer_slots(optimizer), outer)
+
+    def _local_deltas(self, state):
+        """In replica context: ``anchor - w`` for this replica, cast for the wire."""
+        deltas, dtypes, nbytes = [], [], 0
+        for variable, anchor in zip(state.variables, state.anchors):
+            delta, dtype = self.compression.compress(
+                _tf_variable(anchor) - _tf_variable(variable))
+            deltas.append(delta)
+            dtypes.append(dtype)
+            nbytes += _nbytes(delta)
+        return deltas, dtypes, nbytes
+
+    def _merge_step(self, state, dtypes, nbytes, slot_vars, distribution, deltas, slots):
+        """Cross-replica: average if the optimizer's step counter says so."""
+        step = tf.cast(_tf_variable(state.optimizer.iterations), tf.int64) + 1
+
+        def average():
+            self._average_now(distribution, state, dtypes, nbytes, deltas, slot_vars, slots,
+                              outer=True)
+            return tf.constant(True)
+
+        return tf.cond(is_average_step(step, self.period, self.warmup_steps), average,
+                       lambda: tf.constant(False))
+
+    def _average_now(self, distribution, state, dtypes, nbytes, deltas, plain_vars, plain,
+                     outer):
+        """Cross-replica: all-reduce, then set anchors and every replica's weights."""
+        anchors = [_tf_variable(a) for a in state.anchors]
+        plain_tf = [_tf_variable(v) for v in plain_vars]
+        reduced = allreduce_mean(distribution, list(deltas) + list(plain),
+                                 anchors + plain_tf, self.backend)
+        self._average_bytes.add(nbytes)
+        mean_deltas, mean_plain = reduced[:len(anchors)], reduced[len(anchors):]
+        extended = distribution.extended
+        if outer and state.outer is not None:
+            # Outer gradient = anchor - mean(w_i); the same tensor for every replica.
+            grads = [tf.cast(self._first(distribution, d), dtype)
+                     for d, dtype in zip(mean_deltas, dtypes)]
+            state.outer.apply(grads, state.anchors)
+        else:
+            for anchor, delta in zip(anchors, mean_deltas):
+                extended.update(anchor, lambda a, d: a.assign_sub(tf.cast(d, a.dtype)),
+                                args=(delta,), group=False)
+        for variable, anchor in zip(state.variables, anchors):
+            extended.update(_tf_variable(variable), lambda v, a: v.assign(a),
+                            args=(anchor,), group=False)
+        for variable, mean in zip(plain_tf, mean_plain):
+            extended.update(variable, lambda v, m: v.assign(tf.cast(m, v.dtype)),
+                            args=(mean,), group=False)
+
+    @staticmethod
+    def _first(distribution, value):
+        if isinstance(value, tf.distribute.DistributedValues):
+            return distribution.experimental_local_results(value)[0]
+        return value
+
+    def _make_force_fn(self, state, plain_vars):
+        """A tf.function that averages every per-replica variable (no outer step)."""
+
+        def replica_fn():
+            deltas, dtypes, nbytes = self._local_deltas(state)
+            plain = [tf.identity(_tf_variable(v)) for v in plain_vars]
+            nbytes += sum(_nbytes(p) for p in plain)
+            tf.distribute.get_replica_context().merge_call(
+                functools.partial(self._merge_force, state, dtypes, nbytes, plain_vars),
+                args=(deltas, plain))
+
+        @tf.function
+        def force():
+            self.run(replica_fn)
+
+        return force
+
+    def _merge_force(self, state, dtypes, nbytes, plain_vars, distribution, deltas, plain):
+        self._average_now(distribution, state, dtypes, nbytes, deltas, plain_vars, plain,
+                          outer=False)
+
+
+def _nbytes(tensor) -> int:
+    return int(tensor.shape.num_elements()) * tensor.dtype.size
+
+
+def _single_host_base():
+    from tfdist.strategies.mirrored import MirroredStrategy
+
+    return MirroredStrategy
+
+
+def _multi_worker_base():
+    from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
+
+    return MultiWorkerMirroredStrategy
+
+
+class _SingleHostModelAverage(ModelAverageStrategy, _single_host_base()):
+    """`ModelAverageStrategy` on one host: replicas are local devices."""
+
+    def _init_base(self, devices, cluster_resolver, base_kwargs):
+        if self.backend == "horovod" and devices is None:
+            from tfdist.devices import default_devices
+
+            devices = default_devices()[:1]
+        _single_host_base().__init__(self, devices=devices, **base_kwargs)
+
+
+class _MultiWorkerModelAverage(ModelAverageStrategy, _multi_worker_base()):
+    """`ModelAverageStrategy` across workers: replicas are every device of every worker."""
+
+    def _init_base(self, devices, cluster_resolver, base_kwargs):
+        if devices is not None:
+            raise ValueError("devices is for one host; with several workers every local "
+                             f"device is a replica. Received: devices={devices!r}")
+        _multi_worker_base().__init__(self, cluster_resolver=cluster_resolver, **base_kwargs)
+
+
+for _cls in (_SingleHostModelAverage, _MultiWorkerModelAverage):
+    _cls.__qualname__ = _cls.__name__ = "ModelAverageStrategy"
