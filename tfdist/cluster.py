@@ -348,6 +348,15 @@ def resolve_cluster(source: Any = None) -> ClusterSpec | None:
     Returns:
         The spec, with this process's task.
     """
+    spec = _spec_from_source(source)
+    if spec is not None:
+        spec.warn_if_public()
+        return spec
+    raise ValueError("cluster_resolver must be None, 'env', 'slurm', a tfdist.ClusterSpec, a "
+                     f"TF_CONFIG dict or a TF ClusterResolver. Received: {source!r}")
+
+
+def _spec_from_source(source: Any) -> ClusterSpec | None:
     if source is None or source == "env":
         return ClusterSpec.from_env()
     if isinstance(source, ClusterSpec):
@@ -362,5 +371,4 @@ def resolve_cluster(source: Any = None) -> ClusterSpec | None:
         if source.task_type is not None:
             task = {"type": source.task_type, "index": int(source.task_id or 0)}
         return ClusterSpec.from_dict({"cluster": jobs, "task": task})
-    raise ValueError("cluster_resolver must be None, 'env', 'slurm', a tfdist.ClusterSpec, a "
-                     f"TF_CONFIG dict or a TF ClusterResolver. Received: {source!r}")
+    return None
