@@ -32,7 +32,13 @@ __all__ = [
 ]
 
 
+# Subpackages that import TensorFlow/Keras, loaded on first attribute access.
+_LAZY_MODULES = {"keras": "tfdist.keras"}
+
+
 def __getattr__(name):
+    if name in _LAZY_MODULES:
+        return importlib.import_module(_LAZY_MODULES[name])
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value

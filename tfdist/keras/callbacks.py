@@ -1,0 +1,250 @@
+"""Chief-aware Keras callbacks: only the chief writes the real path.
+
+Keras 3's `ModelCheckpoint`, `BackupAndRestore` and `CSVLogger` have no multi-worker
+logic: every worker writes the same file. These drop-in subclasses make every worker
+run the same code (saving reads distributed variables, which may need all workers), but
+only the chief writes to the target path; the other workers write to a private
+temporary path that is removed right after.
+
+Who is chief comes from the model's strategy (``extended.should_checkpoint`` and its
+cluster resolver), or else from TF_CONFIG. Without a cluster every process is chief.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import tempfile
+
+import keras
+
+from tfdist.cluster import ClusterSpec
+
+BACKUP_DIR_ENV = "TFDIST_BACKUP_DIR"
+
+
+def task_info(strategy=None) -> tuple[bool, str]:
+    """``(is_chief, task_name)`` of this process, e.g. ``(False, "worker-1")``.
+
+    Args:
+        strategy: The model's distribution strategy, or None to read TF_CONFIG only.
+    """
+    resolver = getattr(strategy, "cluster_resolver", None) if strategy is not None else None
+    task_type = getattr(resolver, "task_type", None)
+    if task_type is not None:
+        name = f"{task_type}-{int(getattr(resolver, 'task_id', 0) or 0)}"
+        extended = getattr(strategy, "extended", None)
+        if extended is not None and hasattr(extended, "should_checkpoint"):
+            return bool(extended.should_checkpoint), name
+    if os.environ.get("TF_CONFIG"):
+        cluster = ClusterSpec.from_env()
+        if cluster.task is not None:
+            return cluster.is_chief(), cluster.task.name
+    return True, "worker-0"
+
+
+def _model_strategy(model):
+    return getattr(model, "distribute_strategy", None) if model is not None else None
+
+
+class _ChiefAware:
+    """Mixin: ``self.is_chief``/``self.task_name`` and a private temp directory."""
+
+    _tmpdir: str | None = None
+
+    def _task(self):
+        return task_info(_model_strategy(getattr(self, "model", None)))
+
+    @property
+    def is_chief(self) -> bool:
+        return self._task()[0]
+
+    @property
+    def task_name(self) -> str:
+        return self._task()[1]
+
+    def _temp_dir(self) -> str:
+        if self._tmpdir is None or not os.path.isdir(self._tmpdir):
+            self._tmpdir = tempfile.mkdtemp(prefix=f"tfdist-{self.task_name}-")
+        return self._tmpdir
+
+    def _remove_temp_dir(self):
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+
+class ModelCheckpoint(_ChiefAware, keras.callbacks.ModelCheckpoint):
+    """`keras.callbacks.ModelCheckpoint` where only the chief writes ``filepath``.
+
+    Every worker saves (and so takes part in any collective the save needs); the
+    others save to a temporary file that is deleted right away. Same arguments as
+    Keras' class.
+    """
+
+    def _get_file_path(self, epoch, batch, logs):
+        path = super()._get_file_path(epoch, batch, logs)
+        if self.is_chief:
+            return path
+        return os.path.join(self._temp_dir(), os.path.basename(path))
+
+    def _save_model(self, epoch, batch, logs):
+        try:
+            super()._save_model(epoch, batch, logs)
+        finally:
+            if not self.is_chief:
+                self._remove_temp_dir()
+
+
+class BackupAndRestore(_ChiefAware, keras.callbacks.BackupAndRestore):
+    """`keras.callbacks.BackupAndRestore` for many workers: resume after a crash.
+
+    The chief keeps the backup in ``backup_dir``; the other workers write theirs to a
+    temporary directory that is removed after each save. On start every worker
+    restores from ``backup_dir`` (so it must be on storage every worker can read, as
+    with any multi-host checkpoint). A backup is committed atomically: the weights go
+    to a new file first, then a small JSON file naming them is renamed into place, so
+    a worker killed mid-save leaves the previous backup usable.
+
+    Args:
+        backup_dir: Directory for the backup; default: ``$TFDIST_BACKUP_DIR`` (set by
+            ``tfdist launch --backup-dir``).
+        save_freq: ``"epoch"`` or a number of batches, as in Keras. A restart resumes
+            at the start of the epoch of the last backup (Keras' rule), so use
+            ``"epoch"`` when runs must be reproducible.
+        delete_checkpoint: Whether the chief deletes the backup when training ends.
+    """
+
+    _STATE = "tfdist_backup.json"
+
+    def __init__(self, backup_dir=None, save_freq="epoch", delete_checkpoint=True):
+        backup_dir = backup_dir or os.environ.get(BACKUP_DIR_ENV)
+        if not backup_dir:
+            raise ValueError("backup_dir is required: pass it or set "
+                             f"{BACKUP_DIR_ENV}. Received: backup_dir={backup_dir!r}")
+        super().__init__(os.fspath(backup_dir), save_freq=save_freq, double_checkpoint=False,
+                         delete_checkpoint=delete_checkpoint)
+        self._saves = 0
+
+    def _state_path(self, directory=None):
+        return os.path.join(directory or self.backup_dir, self._STATE)
+
+    def _read_state(self):
+        path = self._state_path()
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            return json.load(f)
+
+    def _load_model(self):
+        state = self._read_state()
+        if state is None:
+            return
+        if not self.model.built:
+            raise ValueError("BackupAndRestore needs a built model before fit(). "
+                             f"Received: an unbuilt model {self.model.name!r}")
+        if self.model.optimizer is not None and not self.model.optimizer.built:
+            self.model.optimizer.build(self.model.trainable_variables)
+        self.model.load_weights(os.path.join(self.backup_dir, state["weights"]))
+        self.model._initial_epoch = int(state["epoch"])
+        self._saves = int(state.get("saves", 0))
+
+    def _save_model(self):
+        self._saves += 1
+        directory = self.backup_dir if self.is_chief else self._temp_dir()
+        os.makedirs(directory, exist_ok=True)
+        weights = f"backup-{self._saves}.weights.h5"
+        try:
+            self.model.save_weights(os.path.join(directory, weights), overwrite=True)
+            state = {"epoch": self._current_epoch, "batch": self._last_batch_seen,
+                     "weights": weights, "saves": self._saves}
+            tmp = self._state_path(directory) + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self._state_path(directory))  # the commit point
+            for name in os.listdir(directory):  # older backups
+                if name.startswith("backup-") and name.endswith(".weights.h5") \
+                        and name != weights:
+                    os.remove(os.path.join(directory, name))
+        finally:
+            if not self.is_chief:
+                self._remove_temp_dir()
+
+    def on_train_end(self, logs=None):
+        if self.delete_checkpoint and self.is_chief and os.path.exists(self.backup_dir):
+            shutil.rmtree(self.backup_dir, ignore_errors=True)
+        self._remove_temp_dir()
+
+
+class MetricsLogger(_ChiefAware, keras.callbacks.Callback):
+    """Writes each epoch's logs to a CSV or JSON-lines file, from the chief only.
+
+    The format follows the file name: ``.csv`` for CSV, ``.json``/``.jsonl`` for one
+    JSON object per line. Other workers write to a temporary file that is removed when
+    training ends. Every worker's values are the same global values (the strategy
+    reduces loss and metrics across workers).
+
+    Args:
+        filepath: Target file.
+        append: Append to an existing file (e.g. when resuming) instead of replacing it.
+    """
+
+    def __init__(self, filepath, append=False):
+        super().__init__()
+        self.filepath = os.fspath(filepath)
+        extension = os.path.splitext(self.filepath)[1].lower()
+        if extension not in (".csv", ".json", ".jsonl"):
+            raise ValueError("MetricsLogger writes .csv, .json or .jsonl files. "
+                             f"Received: filepath={self.filepath!r}")
+        self.format = "csv" if extension == ".csv" else "json"
+        self.append = append
+        self._path = None
+        self._keys = None
+
+    def on_train_begin(self, logs=None):
+        if self.is_chief:
+            self._path = self.filepath
+            directory = os.path.dirname(self._path)
+            if directory:
+                os.makedirs(directory, exist_ok=True)
+        else:
+            self._path = os.path.join(self._temp_dir(), os.path.basename(self.filepath))
+        if not self.append and os.path.exists(self._path):
+            os.remove(self._path)
+        self._keys = None
+        if self.format == "csv" and os.path.exists(self._path):
+            with open(self._path, newline="") as f:
+                header = next(csv.reader(f), None)
+            self._keys = header[1:] if header else None
+
+    def on_epoch_end(self, epoch, logs=None):
+        row = {"epoch": epoch}
+        row.update({k: _plain(v) for k, v in sorted((logs or {}).items())})
+        new = not os.path.exists(self._path) or os.path.getsize(self._path) == 0
+        with open(self._path, "a", newline="") as f:
+            if self.format == "json":
+                f.write(json.dumps(row) + "\n")
+                return
+            if self._keys is None:
+                self._keys = [k for k in row if k != "epoch"]
+            writer = csv.DictWriter(f, fieldnames=["epoch", *self._keys],
+                                    extrasaction="ignore", restval="")
+            if new:
+                writer.writeheader()
+            writer.writerow(row)
+
+    def on_train_end(self, logs=None):
+        if not self.is_chief:
+            self._remove_temp_dir()
+
+
+def _plain(value):
+    """A JSON/CSV-friendly Python number for a logged value."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return str(value)
