@@ -31,6 +31,8 @@ def build_strategy(config: dict[str, Any]):
     import tfdist
 
     name, options = config["strategy"]["name"], dict(config["strategy"]["options"])
+    if isinstance(options.get("outer_optimizer"), dict):
+        options["outer_optimizer"] = _optimizer_from_table(options["outer_optimizer"])
     try:
         if name == "none":
             return tf.distribute.get_strategy()
@@ -43,6 +45,30 @@ def build_strategy(config: dict[str, Any]):
         return getattr(tfdist, classes[name])(**options)
     except TypeError as error:
         raise ConfigError(f"strategy.options do not fit strategy {name!r}: {error}") from None
+
+
+def _optimizer_from_table(table: dict[str, Any]):
+    """``{name = "sgd", learning_rate = 0.7, ...}`` -> a Keras optimizer."""
+    import keras
+
+    table = dict(table)
+    name = table.pop("name", "sgd")
+    try:
+        return keras.optimizers.get({"class_name": name, "config": table})
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"strategy.options.outer_optimizer is not a Keras optimizer: "
+                          f"{error}") from None
+
+
+def export_slurm_cluster(config: dict[str, Any]) -> None:
+    """In a Slurm job step without TF_CONFIG, writes the TF_CONFIG Slurm implies."""
+    if config["cluster"]["mode"] != "env" or os.environ.get("TF_CONFIG"):
+        return
+    if "SLURM_PROCID" in os.environ and config["strategy"]["name"] != "horovod":
+        from tfdist.cluster import from_slurm
+
+        spec = from_slurm(chief=config["cluster"]["chief"], ps=config["cluster"]["ps"])
+        os.environ["TF_CONFIG"] = spec.to_tf_config()
 
 
 def is_chief_task(config: dict[str, Any]) -> bool:
@@ -60,6 +86,7 @@ def is_chief_task(config: dict[str, Any]) -> bool:
 
 def run_task(config: dict[str, Any]) -> dict[str, Any] | None:
     """Trains as one task of the job. Returns the report on the chief, else None."""
+    export_slurm_cluster(config)
     strategy = build_strategy(config)  # first: multi-worker TF must start before any op
     import keras
 

@@ -1,0 +1,93 @@
+"""configs/: every training config runs on small settings; the Kubernetes and Slurm
+files are valid and produce an environment tfdist's resolver accepts."""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from tfdist.cli import build_parser
+from tfdist.cluster import ClusterSpec, from_slurm
+from tfdist.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
+SMALL = ["train.epochs=2", "data.limit=320", "train.global_batch_size=32", "train.verbose=2",
+         "cluster.timeout=240"]
+
+
+def _train(config, out, extra=()):
+    sets = [*SMALL, f'train.output_dir="{out}"', *extra]
+    if load_config(config)["train"]["steps_per_epoch"]:
+        sets.append("train.steps_per_epoch=4")
+    command = [sys.executable, "-m", "tfdist.cli", "train", str(config)]
+    for item in sets:
+        command += ["--set", item]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+@pytest.mark.timeout(330)
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
+def test_training_config_runs(config, tmp_path):
+    result = _train(config, tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    for field in ("config", "strategy", "num_replicas", "epochs", "history", "final",
+                  "wall_time_seconds", "bytes_communicated"):
+        assert field in report, field
+    assert report["epochs"] == 2 and len(report["history"]["loss"]) == 2
+    assert 0.0 <= report["final"]["val_accuracy"] <= 1.0
+    if report["config"]["strategy"]["name"] not in ("none", "parameter_server"):
+        assert report["bytes_communicated"] > 0
+    assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "model.keras").stat().st_size > 0
+    assert "Epoch 2/2" in result.stdout
+
+
+def test_kubernetes_tfjob_gives_an_accepted_tf_config():
+    import yaml
+
+    documents = list(yaml.safe_load_all((ROOT / "configs/kubernetes/tfjob.yaml").read_text()))
+    job = next(d for d in documents if d["kind"] == "TFJob")
+    replicas = job["spec"]["tfReplicaSpecs"]
+    name = job["metadata"]["name"]
+    # The TF_CONFIG the training operator writes into each pod.
+    cluster = {role.lower(): [f"{name}-{role.lower()}-{i}.default.svc:2222"
+                              for i in range(spec["replicas"])]
+               for role, spec in replicas.items()}
+    for role, addresses in cluster.items():
+        for index in range(len(addresses)):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # cluster-internal names: no warning
+                from tfdist.cluster import resolve_cluster
+
+                spec = resolve_cluster({"cluster": cluster,
+                                        "task": {"type": role, "index": index}})
+            assert spec.num_workers == 2
+    container = replicas["Worker"]["template"]["spec"]["containers"][0]
+    args = build_parser().parse_args(container["command"][1:])
+    config = load_config(ROOT / "configs" / Path(args.config).name, args.set)
+    assert config["cluster"]["mode"] == "env"
+
+
+def test_slurm_script_is_valid_and_its_environment_resolves():
+    script = ROOT / "configs/slurm/multi_worker.sbatch"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    text = script.read_text()
+    nodes = int(next(line.split("=")[1] for line in text.splitlines()
+                     if line.startswith("#SBATCH --nodes=")))
+    env = {"SLURM_PROCID": "1", "SLURM_STEP_NODELIST": f"node[01-{nodes:02d}]",
+           "SLURM_STEP_TASKS_PER_NODE": f"1(x{nodes})"}
+    spec = from_slurm(env)
+    assert spec.worker == ("node01:8470", "node02:8470")
+    assert spec.task.type == "worker" and spec.task.index == 1
+    srun = text[text.index("srun"):].replace("\\\n", " ")
+    argv = shlex.split(srun.replace("${SLURM_JOB_ID:-local}", "1"))
+    args = build_parser().parse_args(argv[2:])
+    config = load_config(ROOT / args.config, args.set)
+    assert config["cluster"]["mode"] == "env"
