@@ -168,13 +168,14 @@ def _task_env(cluster: ClusterSpec, spec: TaskSpec, env: dict[str, str] | None,
 
 
 def _run_once(argv: list[str], cluster: ClusterSpec, env, timeout, grace, stream,
-              attempt, backup_dir) -> tuple[list[_Task], _Task | None, bool]:
+              attempt, backup_dir, wrap=None) -> tuple[list[_Task], _Task | None, bool]:
     """Runs every task of one attempt. Returns (tasks, failed task, timed out)."""
     tasks: list[_Task] = []
     try:
         for spec in cluster.tasks():
-            tasks.append(_Task(spec, argv, _task_env(cluster, spec, env, attempt, backup_dir),
-                               stream))
+            prefix = [str(a) for a in wrap(spec)] if wrap is not None else []
+            tasks.append(_Task(spec, prefix + argv,
+                               _task_env(cluster, spec, env, attempt, backup_dir), stream))
         required = [t for t in tasks if t.spec.type in ("chief", "worker")]
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -202,7 +203,9 @@ def _is_port_clash(task: _Task) -> bool:
 def run(argv: Sequence[str], *, workers: int = 1, chief: bool = False, ps: int = 0,
         timeout: float | None = None, max_restarts: int = 0, env: dict | None = None,
         backup_dir: str | os.PathLike | None = None, grace_period: float = DEFAULT_GRACE_SECONDS,
-        host: str = "127.0.0.1", stream=sys.stdout, log=None) -> LaunchResult:
+        host: str = "127.0.0.1", stream=sys.stdout, log=None,
+        cluster: ClusterSpec | None = None,
+        wrap: Callable[[TaskSpec], Sequence[str]] | None = None) -> LaunchResult:
     """Starts ``argv`` once per task and waits for the job.
 
     Args:
@@ -218,6 +221,12 @@ def run(argv: Sequence[str], *, workers: int = 1, chief: bool = False, ps: int =
         host: Address every task binds to.
         stream: Where prefixed task output goes (None: keep only the tails).
         log: Where the launcher's own messages go (default: stderr).
+        cluster: A prebuilt `ClusterSpec` (addresses only) to use instead of free
+            ports on ``host``; ``workers``, ``chief`` and ``ps`` are then ignored, and
+            a port clash is not retried. For tasks on other interfaces, e.g. network
+            namespaces.
+        wrap: Called with each task's `TaskSpec`; returns an argv prefix for that
+            task, e.g. ``["ip", "netns", "exec", "ns0"]`` to run it in a namespace.
 
     Returns:
         A `LaunchResult` when every chief and worker exited 0.
@@ -226,14 +235,20 @@ def run(argv: Sequence[str], *, workers: int = 1, chief: bool = False, ps: int =
         LaunchError: a task failed (after all restarts), or the timeout passed.
         ValueError: bad arguments.
     """
+    if cluster is not None:
+        if not isinstance(cluster, ClusterSpec):
+            raise ValueError(f"cluster must be a tfdist.ClusterSpec. Received: {cluster!r}")
+        cluster = dataclasses.replace(cluster, task=None)
+        workers, chief, ps = len(cluster.worker), bool(cluster.chief), len(cluster.ps)
     _validate_counts(workers, chief, ps, timeout, max_restarts)
     log = log or sys.stderr
+    fixed_cluster = cluster
     attempt = restarts = port_retries = 0
     while True:
-        cluster = make_local_cluster(workers, chief, ps, host)
+        cluster = fixed_cluster or make_local_cluster(workers, chief, ps, host)
         started = time.monotonic()
         tasks, failed, timed_out = _run_once(list(argv), cluster, env, timeout, grace_period,
-                                             stream, attempt, backup_dir)
+                                             stream, attempt, backup_dir, wrap)
         if failed is None and not timed_out:
             return LaunchResult(
                 tuple(TaskResult(t.name, t.poll(), t.tail_text()) for t in tasks),
@@ -253,7 +268,8 @@ def run(argv: Sequence[str], *, workers: int = 1, chief: bool = False, ps: int =
                 f"stopped. Last output of {failed.name}:\n{failed.tail_text()}",
                 task=failed.name, returncode=code, output_tail=failed.tail_text(),
                 attempts=attempt + 1)
-            if _is_port_clash(failed) and port_retries < MAX_PORT_RETRIES:
+            if (fixed_cluster is None and _is_port_clash(failed)
+                    and port_retries < MAX_PORT_RETRIES):
                 port_retries += 1
                 attempt += 1
                 print(f"tfdist launch: {failed.name} could not bind its port "
