@@ -53,3 +53,64 @@ def run_cluster(fn, *args, workers=2, chief=False, ps=0, timeout=180, env=None, 
     task_env.update(env or {})
     return tfdist.launch(fn, *args, workers=workers, chief=chief, ps=ps, timeout=timeout,
                          env=task_env, **kwargs)
+
+
+_HOROVOD_TASK = """
+import importlib, os, pickle, sys
+module, name, args_path, out_dir = sys.argv[1:5]
+with open(args_path, "rb") as f:
+    args = pickle.load(f)
+result = getattr(importlib.import_module(module), name)(*args)
+from tfdist.comm import horovod as comm
+with open(os.path.join(out_dir, f"rank{comm.rank()}.pkl"), "wb") as f:
+    pickle.dump(result, f)
+"""
+
+
+def run_horovod(fn, *args, np=2, timeout=150, env=None):
+    """Runs module-level ``fn(*args)`` of a test module under ``horovodrun --gloo``.
+
+    ``np`` processes on localhost; each returns a picklable value. The whole
+    ``horovodrun`` process group is killed after ``timeout`` seconds.
+
+    Returns:
+        The return values, by rank.
+
+    Raises:
+        AssertionError: horovodrun failed or timed out (with the output's tail).
+    """
+    import os
+    import pickle
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    with tempfile.TemporaryDirectory(prefix="tfdist-hvd-") as tmp:
+        args_path = os.path.join(tmp, "args.pkl")
+        with open(args_path, "wb") as f:
+            pickle.dump(args, f)
+        cmd = [horovodrun, "-np", str(np), "-H", f"localhost:{np}", "--gloo",
+               "--start-timeout", "60", sys.executable, "-c", _HOROVOD_TASK,
+               fn.__module__, fn.__name__, args_path, tmp]
+        task_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.pathsep.join(
+            [TESTS_DIR, os.path.dirname(TESTS_DIR), os.environ.get("PYTHONPATH", "")]))
+        task_env.update(env or {})
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                env=task_env, start_new_session=True, text=True)
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+            raise AssertionError(f"horovodrun timed out after {timeout}s: {fn.__name__}\n"
+                                 + output[-4000:]) from None
+        if proc.returncode != 0:
+            raise AssertionError(f"horovodrun exited with {proc.returncode}: "
+                                 f"{fn.__name__}\n" + output[-4000:])
+        results = []
+        for rank in range(np):
+            with open(os.path.join(tmp, f"rank{rank}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+        return results

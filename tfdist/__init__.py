@@ -14,18 +14,22 @@ from tfdist.launch import LaunchError, LaunchResult, launch
 
 # Public name -> module that defines it; imported on first attribute access.
 _LAZY = {
+    "HorovodStrategy": "tfdist.strategies.horovod",
     "MirroredStrategy": "tfdist.strategies.mirrored",
     "MultiWorkerMirroredStrategy": "tfdist.strategies.multi_worker",
     "ModelAverageStrategy": "tfdist.strategies.model_average",
+    "ParameterServerStrategy": "tfdist.strategies.parameter_server",
 }
 
 __all__ = [
     "ClusterSpec",
+    "HorovodStrategy",
     "LaunchError",
     "LaunchResult",
     "MirroredStrategy",
     "ModelAverageStrategy",
     "MultiWorkerMirroredStrategy",
+    "ParameterServerStrategy",
     "TaskSpec",
     "devices",
     "launch",

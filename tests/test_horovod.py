@@ -1,0 +1,245 @@
+"""tfdist.HorovodStrategy and tfdist.comm.horovod, run under `horovodrun -np 2 --gloo`.
+
+Each multi-process test starts one horovodrun job (see helpers.run_horovod, which kills
+its process group on timeout) and compares what the ranks return with references:
+single-process training with the same global batch, tfdist.MultiWorkerMirroredStrategy
+on the same problem, and hand-computed collectives.
+
+Horovod is installed by `make test` (scripts/install_horovod.sh). If it is missing the
+tests skip with the install command, except when TFDIST_REQUIRE_HOROVOD=1 (set by the
+Makefile): then they fail.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+from helpers import assert_weights_close, regression_data, run_cluster, run_horovod
+from tfdist.comm import horovod as comm
+
+pytestmark = [pytest.mark.horovod]
+
+BATCH = 16      # global batch
+EPOCHS = 2
+LR = 0.05
+FP16_ATOL = 2e-3  # fp16 gradients on the wire vs float32, after 8 SGD steps
+
+
+@pytest.fixture(scope="module")
+def horovod_installed():
+    if comm.is_available():
+        return
+    if os.environ.get("TFDIST_REQUIRE_HOROVOD") == "1":
+        pytest.fail("TFDIST_REQUIRE_HOROVOD=1 but Horovod is not installed. "
+                    + comm.INSTALL_HINT, pytrace=False)
+    pytest.skip(comm.INSTALL_HINT)
+
+
+# ---- the shared problem ---------------------------------------------------------------
+
+def _data():
+    return regression_data(n=64, features=5)
+
+
+def _model(seed):
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(LR, momentum=0.9), loss="mse",
+                  metrics=["mae"])
+    return model
+
+
+def _fit(model):
+    x, y = _data()
+    history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    return history.history
+
+
+def _reference():
+    """Single process, no strategy, the same global batch."""
+    x, y = _data()
+    model = _model(seed=0)
+    history = _fit(model)
+    return {"weights": model.get_weights(), "history": history,
+            "evaluate": model.evaluate(x, y, batch_size=BATCH, verbose=0),
+            "predict": model.predict(x, batch_size=BATCH, verbose=0)}
+
+
+# ---- code run in each horovod rank ----------------------------------------------------
+
+def horovod_train_task():
+    """HorovodStrategy fit/evaluate/predict, broadcast, compression, raw collectives."""
+    import tensorflow as tf
+
+    import tfdist
+
+    out = {}
+    strategy = tfdist.HorovodStrategy()
+    rank = strategy.rank
+    out["size"], out["replicas"] = strategy.size, strategy.num_replicas_in_sync
+    x, y = _data()
+    with strategy.scope():
+        model = _model(seed=rank)           # each rank draws different initial weights
+    out["initial"] = model.get_weights()    # ... but rank 0's were broadcast
+    out["history"] = _fit(model)
+    out["weights"] = model.get_weights()
+    out["evaluate"] = model.evaluate(x, y, batch_size=BATCH, verbose=0)
+    out["predict"] = model.predict(x, batch_size=BATCH, verbose=0)
+    out["bytes_fit"] = strategy.bytes_communicated
+
+    # Explicit broadcast after rank 1 changed its weights.
+    model.layers[0].kernel.assign(tf.fill(model.layers[0].kernel.shape, float(rank + 1)))
+    strategy.broadcast_variables(model.variables, root_rank=0)
+    out["after_broadcast"] = model.layers[0].kernel.numpy()
+
+    # fp16 / bf16 on the wire: the same training, and the bytes it saves.
+    for name in ("fp16", "bf16"):
+        compressed = tfdist.HorovodStrategy(compression=name)
+        with compressed.scope():
+            model = _model(seed=0)
+        _fit(model)
+        out[f"{name}_weights"] = model.get_weights()
+        out[f"{name}_bytes_fit"] = compressed.bytes_communicated
+
+    # One replica-context all-reduce of 1000 float32, counted exactly.
+    def all_reduce_bytes(strat):
+        before = strat.bytes_communicated
+        value = tf.fill([1000], float(rank + 1))
+        step = tf.function(lambda: strat.run(
+            lambda: tf.distribute.get_replica_context().all_reduce("SUM", value)))
+        result = strat.experimental_local_results(step())[0].numpy()
+        return strat.bytes_communicated - before, result
+
+    out["allreduce_bytes"], out["allreduce_sum"] = all_reduce_bytes(strategy)
+    out["allreduce_bytes_fp16"], out["allreduce_sum_fp16"] = all_reduce_bytes(
+        tfdist.HorovodStrategy(compression="fp16"))
+
+    # Raw collectives of tfdist.comm.horovod, eager and in tf.function.
+    values = [tf.constant([1.0, 2.0]) * (rank + 1), tf.constant([3, 5], tf.int32) * (rank + 1)]
+    out["avg"] = [t.numpy() for t in comm.allreduce(values, op="average")]
+    out["sum"] = [t.numpy() for t in comm.allreduce(values, op="sum")]
+    out["sum_graph"] = [t.numpy() for t in tf.function(
+        lambda: comm.allreduce(values, op="sum", name="graph_sum"))()]
+    out["bf16"] = comm.allreduce([tf.constant([1.5, -2.25]) * (rank + 1)], op="sum",
+                                 compression="bf16")[0].numpy()
+    out["bcast_uint32"] = comm.broadcast(tf.constant([7, 2**31 + rank], tf.uint32)).numpy()
+    out["bcast_bool"] = comm.broadcast(tf.constant([rank == 0, False])).numpy()
+    out["gather"] = comm.allgather(tf.fill([rank + 1, 2], float(rank))).numpy()
+    out["reduce_scalar"] = float(strategy.reduce("MEAN", tf.constant(float(rank)), axis=0))
+
+    if rank == 0:
+        out["reference"] = _reference()
+    return out
+
+
+def mwms_train_task():
+    """The same training with tfdist.MultiWorkerMirroredStrategy (2 workers, gRPC)."""
+    import tfdist
+
+    strategy = tfdist.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = _model(seed=0)
+    history = _fit(model)
+    return {"weights": model.get_weights(), "history": history}
+
+
+# ---- tests ----------------------------------------------------------------------------
+
+def test_missing_horovod_error_says_how_to_install(monkeypatch):
+    import sys
+
+    monkeypatch.setattr(comm, "_hvd", None)
+    monkeypatch.setitem(sys.modules, "horovod.tensorflow", None)
+    with pytest.raises(ImportError, match="make horovod"):
+        comm.init()
+    assert not comm.is_available()
+
+
+def test_allreduce_rejects_unknown_op():
+    with pytest.raises(ValueError, match="Received: op='max'"):
+        comm.allreduce([], op="max")
+
+
+@pytest.fixture(scope="module")
+def horovod_results(horovod_installed):
+    return run_horovod(horovod_train_task, np=2, timeout=200)
+
+
+@pytest.mark.timeout(260)
+def test_fit_matches_single_process_reference(horovod_results):
+    rank0, rank1 = horovod_results
+    assert (rank0["size"], rank0["replicas"]) == (2, 2)
+    reference = rank0["reference"]
+    # Identical on both ranks, and equal to one process with the same global batch.
+    assert_weights_close(rank0["weights"], rank1["weights"], atol=0)
+    assert_weights_close(rank0["weights"], reference["weights"], atol=1e-5)
+    for key in ("loss", "mae"):   # epoch loss/metrics are global averages on every rank
+        np.testing.assert_allclose(rank0["history"][key], reference["history"][key], atol=1e-5)
+        np.testing.assert_allclose(rank1["history"][key], reference["history"][key], atol=1e-5)
+
+
+@pytest.mark.timeout(260)
+def test_evaluate_and_predict_cover_the_whole_dataset(horovod_results):
+    reference = horovod_results[0]["reference"]
+    for result in horovod_results:
+        np.testing.assert_allclose(result["evaluate"], reference["evaluate"], atol=1e-5)
+        np.testing.assert_allclose(result["predict"], reference["predict"], atol=1e-5)
+
+
+@pytest.mark.timeout(260)
+def test_initial_weights_come_from_rank_0(horovod_results):
+    rank0, rank1 = horovod_results
+    seed0 = _model(seed=0).get_weights()
+    seed1 = _model(seed=1).get_weights()
+    assert not np.allclose(seed0[0], seed1[0])
+    assert_weights_close(rank0["initial"], seed0, atol=0)
+    assert_weights_close(rank1["initial"], seed0, atol=0)
+    # After rank 1 overwrote a kernel, broadcast_variables restores rank 0's.
+    np.testing.assert_array_equal(rank1["after_broadcast"], np.ones_like(seed0[0]))
+
+
+@pytest.mark.timeout(260)
+def test_compression_within_tolerance_and_counts_fewer_bytes(horovod_results):
+    rank0, rank1 = horovod_results
+    for name in ("fp16", "bf16"):
+        assert_weights_close(rank0[f"{name}_weights"], rank1[f"{name}_weights"], atol=0)
+    # fp16: 10 mantissa bits; measured max |diff| is ~1e-4 here.
+    assert_weights_close(rank0["fp16_weights"], rank0["weights"], atol=FP16_ATOL)
+    # bf16 keeps 7 mantissa bits: a looser bound.
+    assert_weights_close(rank0["bf16_weights"], rank0["weights"], atol=5e-2)
+    assert rank0["fp16_bytes_fit"] < rank0["bytes_fit"]
+    # A single all-reduce of 1000 float32: 4000 bytes, 2000 with fp16.
+    assert rank0["allreduce_bytes"] == 4000
+    assert rank0["allreduce_bytes_fp16"] == 2000
+    np.testing.assert_allclose(rank0["allreduce_sum"], np.full(1000, 3.0))
+    np.testing.assert_allclose(rank0["allreduce_sum_fp16"], np.full(1000, 3.0))
+
+
+@pytest.mark.timeout(260)
+def test_raw_collectives_against_numpy(horovod_results):
+    for result in horovod_results:
+        np.testing.assert_allclose(result["avg"][0], [1.5, 3.0])
+        np.testing.assert_array_equal(result["avg"][1], [4, 7])       # (3+6)//2, (5+10)//2
+        assert result["avg"][1].dtype == np.int32
+        for key in ("sum", "sum_graph"):
+            np.testing.assert_allclose(result[key][0], [3.0, 6.0])
+            np.testing.assert_array_equal(result[key][1], [9, 15])
+        np.testing.assert_array_equal(result["bf16"], [4.5, -6.75])   # exact in bf16
+        np.testing.assert_array_equal(result["bcast_uint32"], [7, 2**31])
+        np.testing.assert_array_equal(result["bcast_bool"], [True, False])
+        np.testing.assert_array_equal(result["gather"], [[0, 0], [1, 1], [1, 1]])
+        assert result["reduce_scalar"] == 0.5
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(260)
+def test_fit_matches_multi_worker_mirrored(horovod_results):
+    mwms = run_cluster(mwms_train_task, workers=2, timeout=150)
+    for result in mwms:
+        assert_weights_close(result["weights"], horovod_results[0]["weights"], atol=1e-5)
+        np.testing.assert_allclose(result["history"]["loss"],
+                                   horovod_results[0]["history"]["loss"], atol=1e-5)
