@@ -103,9 +103,11 @@ def run_task(config: dict[str, Any]) -> dict[str, Any] | None:
         model.compile(build_optimizer(train_cfg),
                       keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"])
+    from tfdist.keras.guards import StopOnNaN
+
     fit_kwargs: dict[str, Any] = dict(
         batch_size=train_cfg["global_batch_size"], epochs=train_cfg["epochs"],
-        verbose=train_cfg["verbose"] if chief else 0)
+        verbose=train_cfg["verbose"] if chief else 0, callbacks=[StopOnNaN()])
     if train_cfg["steps_per_epoch"]:
         fit_kwargs["steps_per_epoch"] = train_cfg["steps_per_epoch"]
     if len(x_val):
