@@ -1,0 +1,187 @@
+"""Parameter-server training: variables on ``ps`` tasks, steps computed by workers.
+
+The same script runs on every task. On ``worker`` and ``ps`` tasks the constructor
+starts TensorFlow's gRPC server and blocks until the chief has finished, then exits the
+process with code 0. On the chief it connects to the cluster, creates a
+`tf.distribute.coordinator.ClusterCoordinator`, and routes Keras' ``fit``, ``evaluate``
+and ``predict`` of models built in its scope to `tfdist.keras.ps_fit`, which dispatches
+the steps to the workers.
+
+Modes:
+    ``"async"``: every scheduled step runs on whichever worker is free and applies its
+        own update to the variables on the ps tasks as soon as it is done.
+    ``"sync"``: a step takes one gradient from each of the K workers (each on its own
+        batch), sums them on the ps tasks and applies them once. This equals one
+        single-device step on the K-times-larger batch.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+
+import tensorflow as tf
+
+from tfdist import _hooks
+from tfdist.cluster import ClusterSpec, resolve_cluster
+
+MODES = ("async", "sync")
+# Dotted path of the module with fit/evaluate/predict for models of this strategy. A name,
+# not an import: strategies must not import the Keras glue layer above them.
+FIT_DRIVER = "tfdist.keras.ps_fit"
+
+
+class ParameterServerUnavailableError(RuntimeError):
+    """A parameter server failed: its variables are gone, training cannot go on.
+
+    Restart the job (``tfdist launch --max-restarts N``) and resume from the chief's
+    checkpoint (for example with `keras.callbacks.BackupAndRestore`).
+    """
+
+
+def validate_ps_cluster(spec: ClusterSpec) -> None:
+    """Raises ValueError unless ``spec`` can run parameter-server training."""
+    problems = []
+    if not spec.chief:
+        problems.append("no 'chief' task (the chief runs fit and dispatches the steps)")
+    if not spec.ps:
+        problems.append("no 'ps' task (the parameter servers hold the variables)")
+    if not spec.worker:
+        problems.append("no 'worker' task (the workers compute the steps)")
+    if problems:
+        raise ValueError("ParameterServerStrategy needs a cluster with a chief, at least one "
+                         "ps and at least one worker; this one has " + "; ".join(problems) +
+                         f". Received: cluster={spec.jobs()}")
+    if spec.task is None:
+        raise ValueError("ParameterServerStrategy needs to know which task this process is: "
+                         "the cluster has no 'task'. Received: task=None")
+    if spec.task.type == "evaluator":
+        raise ValueError("ParameterServerStrategy does not run an 'evaluator' task; run "
+                         "evaluate() on the chief instead. Received: task=evaluator-"
+                         f"{spec.task.index}")
+
+
+def _is_listening(address: str, timeout: float = 1.0) -> bool:
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def wait_for_chief(address: str, poll_seconds: float = 1.0, misses: int = 3) -> None:
+    """Blocks until the chief at ``address`` has come up and then gone away.
+
+    The chief's gRPC server listens while the chief process lives. Its port being
+    closed ``misses`` polls in a row means the chief has finished (or died; with
+    `tfdist launch` a failed chief stops the whole job anyway).
+    """
+    while not _is_listening(address):
+        time.sleep(poll_seconds)
+    missed = 0
+    while missed < misses:
+        time.sleep(poll_seconds)
+        missed = 0 if _is_listening(address) else missed + 1
+
+
+def serve_until_chief_done(spec: ClusterSpec, poll_seconds: float = 1.0) -> None:
+    """Runs this worker or ps task's TF server; exits the process (code 0) after the chief.
+
+    TF's in-process server cannot be shut down, so the process ends with `os._exit`
+    once the output is flushed.
+    """
+    server = tf.distribute.Server(
+        tf.train.ClusterSpec(spec.jobs()), job_name=spec.task.type,
+        task_index=spec.task.index, protocol="grpc", start=True)
+    print(f"tfdist: {spec.task.name} serving on {spec.task_address}; waiting for the chief "
+          f"at {spec.chief[0]} to finish", flush=True)
+    wait_for_chief(spec.chief[0], poll_seconds)
+    print(f"tfdist: the chief has finished; {spec.task.name} exits", flush=True)
+    del server
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
+    """`tf.distribute.ParameterServerStrategy` that works with Keras 3 ``model.fit``.
+
+    Create it at the top of the script, before any other TensorFlow work, on every task.
+
+    Args:
+        cluster_resolver: None (read TF_CONFIG), a `tfdist.ClusterSpec`, a TF_CONFIG
+            dict, ``"slurm"``, or a TF `ClusterResolver`. The cluster needs a chief, at
+            least one ps and at least one worker.
+        mode: ``"async"`` (each step's update applied when it arrives) or ``"sync"``
+            (each step sums one gradient from each worker, then applies it once).
+        variable_partitioner: A `tf.distribute.experimental.partitioners.Partitioner`
+            to shard large variables across the ps tasks, or None.
+        steps_per_dispatch: Steps scheduled between two fetches of the logs (callbacks
+            see one ``on_train_batch_end`` per dispatch). Default: the model's
+            ``steps_per_execution`` if above 1, else ``4 * workers`` in async mode and 1
+            in sync mode.
+        chief_poll_seconds: How often worker and ps tasks check that the chief is alive.
+
+    Raises:
+        ValueError: bad ``mode``, or a cluster without chief, ps or worker.
+    """
+
+    def __init__(self, cluster_resolver=None, mode="async", variable_partitioner=None, *,
+                 steps_per_dispatch=None, chief_poll_seconds=1.0):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {list(MODES)}. Received: mode={mode!r}")
+        if steps_per_dispatch is not None and (
+                isinstance(steps_per_dispatch, bool) or not isinstance(steps_per_dispatch, int)
+                or steps_per_dispatch < 1):
+            raise ValueError("steps_per_dispatch must be None or an integer >= 1. "
+                             f"Received: steps_per_dispatch={steps_per_dispatch!r}")
+        spec = resolve_cluster(cluster_resolver)
+        validate_ps_cluster(spec)
+        # Fail fast on a dead peer instead of retrying forever; the coordinator reschedules.
+        os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
+        if spec.task.type in ("worker", "ps"):
+            serve_until_chief_done(spec, chief_poll_seconds)  # never returns
+        self._spec = spec
+        self._mode = mode
+        self._steps_per_dispatch = steps_per_dispatch
+        super().__init__(spec.to_cluster_resolver(), variable_partitioner=variable_partitioner)
+        self._coordinator = tf.distribute.coordinator.ClusterCoordinator(self)
+        from tfdist.comm.accounting import ByteCounter
+
+        self._bytes = ByteCounter("tfdist_ps_bytes_pushed")
+        self._tfdist_fit_driver = FIT_DRIVER
+        self._tfdist_atomic_updates = True
+        _hooks.route_keras_fit_to_driver()
+        _hooks.install_atomic_keras_updates()
+
+    @property
+    def mode(self) -> str:
+        """``"async"`` or ``"sync"``."""
+        return self._mode
+
+    @property
+    def coordinator(self) -> tf.distribute.coordinator.ClusterCoordinator:
+        """The `ClusterCoordinator` that dispatches steps to the workers."""
+        return self._coordinator
+
+    @property
+    def cluster_spec(self) -> ClusterSpec:
+        return self._spec
+
+    @property
+    def num_workers(self) -> int:
+        """Worker tasks that compute steps (K in sync mode)."""
+        return len(self._spec.worker)
+
+    @property
+    def steps_per_dispatch(self):
+        return self._steps_per_dispatch
+
+    @property
+    def bytes_communicated(self) -> int:
+        """Gradient bytes the workers pushed to the ps tasks (dense size, once per step
+        and worker gradient)."""
+        return self._bytes.total
