@@ -343,3 +343,70 @@ def keras_uses_multi_worker_path(strategy) -> bool:
     from keras.src.backend.tensorflow import trainer
 
     return bool(trainer._collective_all_reduce_multi_worker(strategy))
+
+
+def dataset_copier(dataset):
+    """A function that rebuilds ``dataset`` wherever it runs (on a remote worker).
+
+    Why: a `tf.data.Dataset` made on the chief is a variant tensor on the chief, which
+    cannot be sent to another task. TF's ``PerWorkerDatasetFromDataset`` serializes the
+    dataset graph and rebuilds it on each worker with private helpers; these are they.
+    """
+    from tensorflow.python.distribute.coordinator import values as values_lib
+
+    graph_def = values_lib.serialize_dataset_to_graph(dataset)
+    element_spec = dataset.element_spec
+    return lambda: values_lib.deserialize_dataset_from_graph(graph_def, element_spec)
+
+
+def keras_metrics_or_logs(model, logs):
+    """The model's metrics read now, or ``logs`` when a custom step returned other keys.
+
+    Why: Keras' fit uses the private ``Trainer._get_metrics_result_or_logs`` for the
+    epoch logs (written for asynchronous steps, where the last step's logs are stale).
+    """
+    return model._get_metrics_result_or_logs(logs)
+
+
+def keras_flatten_metrics(model, logs):
+    """``evaluate``'s list result in Keras' order (private ``_flatten_metrics_in_order``)."""
+    return model._flatten_metrics_in_order(logs)
+
+
+# Strategy attribute: when true, Keras variables' assign_add/assign_sub are atomic.
+ATOMIC_UPDATES_ATTR = "_tfdist_atomic_updates"
+
+
+def install_atomic_keras_updates() -> None:
+    """Makes ``keras.Variable.assign_add``/``assign_sub`` atomic under some strategies.
+
+    Why: Keras 3 implements them as ``assign(self + value)``, a read then a write. With
+    asynchronous parameter-server steps, several workers update the same ps variable at
+    once and increments are lost: ``optimizer.iterations`` ended below the steps run,
+    and metric totals too. Under a strategy whose ``_tfdist_atomic_updates`` is true,
+    the TensorFlow backend's ``Variable`` uses TF's atomic ``assign_add``/``assign_sub``
+    instead (same result, without the race). Other strategies get Keras' methods.
+    Idempotent.
+    """
+    import tensorflow as tf
+    from keras.src.backend.common.stateless_scope import in_stateless_scope
+    from keras.src.backend.tensorflow.core import Variable
+
+    if getattr(Variable, "_tfdist_atomic_updates", False):
+        return
+
+    def wrap(name, original):
+        def method(self, value):
+            if in_stateless_scope() or not getattr(
+                    tf.distribute.get_strategy(), ATOMIC_UPDATES_ATTR, False):
+                return original(self, value)
+            value = self._convert_to_tensor(value, dtype=self._dtype)
+            return getattr(self._value, name)(tf.cast(value, self._value.dtype))
+
+        method.__name__ = name
+        method.__doc__ = original.__doc__
+        return method
+
+    Variable.assign_add = wrap("assign_add", Variable.assign_add)
+    Variable.assign_sub = wrap("assign_sub", Variable.assign_sub)
+    Variable._tfdist_atomic_updates = True
