@@ -1,0 +1,158 @@
+"""tfdist.ParameterServerStrategy: Keras 3 fit on a chief + workers + ps cluster.
+
+Every cluster runs through `tfdist.launch` (tests.helpers.run_cluster). Each task runs
+one module-level function; worker and ps tasks never get past the strategy's
+constructor (it serves, then exits the process with 0 when the chief is done), so only
+the chief's return value comes back.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from helpers import assert_weights_close, regression_data, run_cluster
+
+pytestmark = pytest.mark.timeout(200)
+
+
+def _regressor(seed=3):
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"),
+                             keras.layers.Dense(1)])
+
+
+def _weights_on_each_worker(strategy, model):
+    """Reads the model's variables from every worker (a closure pinned to each)."""
+    import tensorflow as tf
+
+    from tfdist import _hooks
+
+    read = tf.function(lambda: [tf.identity(v.value) for v in model.weights])
+    values = [_hooks.schedule_on_worker(strategy.coordinator, i, read)
+              for i in range(strategy.num_workers)]
+    strategy.coordinator.join()
+    return [[np.asarray(w) for w in v.fetch()] for v in values]
+
+
+# ---- async: every input kind, evaluate, predict, weights seen by every task ---------------
+
+def _async_task():
+    import keras
+    import tensorflow as tf
+
+    import tfdist
+
+    strategy = tfdist.ParameterServerStrategy()
+    x, y = regression_data(n=256, features=5)
+    with strategy.scope():
+        model = _regressor()
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    out = {"mode": strategy.mode, "workers": strategy.num_workers}
+
+    history = model.fit(x, y, batch_size=16, epochs=3, steps_per_epoch=10, verbose=0)
+    out["numpy_loss"] = history.history["loss"]
+    out["numpy_iterations"] = int(model.optimizer.iterations.numpy())
+
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(256, seed=1).batch(16)
+    before = model.evaluate(dataset, verbose=0)[0]
+    history = model.fit(dataset, epochs=2, steps_per_epoch=6, verbose=0)
+    out["dataset_loss"] = (before, history.history["loss"][-1])
+    out["dataset_iterations"] = int(model.optimizer.iterations.numpy())
+
+    shards = []
+
+    def dataset_fn(input_context):
+        shards.append((input_context.num_input_pipelines, input_context.input_pipeline_id))
+        ds = tf.data.Dataset.from_tensor_slices((x, y))
+        ds = ds.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
+        return ds.batch(16).repeat()
+
+    before = model.evaluate(x, y, verbose=0)[0]
+    history = model.fit(dataset_fn, epochs=2, steps_per_epoch=6, verbose=0)
+    out["fn_loss"] = (before, history.history["loss"][-1])
+    out["fn_iterations"] = int(model.optimizer.iterations.numpy())
+    out["fn_contexts"] = sorted(set(shards))
+
+    out["evaluate"] = model.evaluate(x, y, batch_size=64, verbose=0, return_dict=True)
+    prediction = model.predict(x[:50], batch_size=16, verbose=0)
+    out["predict_error"] = float(np.abs(prediction - model(x[:50]).numpy()).max())
+    out["predict_shape"] = prediction.shape
+    out["weights"] = [np.asarray(w) for w in model.get_weights()]
+    out["worker_weights"] = _weights_on_each_worker(strategy, model)
+    out["bytes"] = strategy.bytes_communicated
+    return out
+
+
+def test_async_fit_three_inputs_evaluate_predict():
+    chief = run_cluster(_async_task, workers=2, chief=True, ps=1)[0]
+    assert chief["mode"] == "async" and chief["workers"] == 2
+    # numpy: every scheduled step applied once, the loss falls.
+    assert chief["numpy_iterations"] == 30
+    loss = chief["numpy_loss"]
+    assert loss[-1] < 0.5 * loss[0], loss
+    # dataset and dataset function inputs each train; the function saw one shard per worker.
+    assert chief["dataset_iterations"] == 42
+    assert chief["dataset_loss"][1] < chief["dataset_loss"][0]
+    assert chief["fn_iterations"] == 54
+    assert chief["fn_loss"][1] < chief["fn_loss"][0]
+    assert chief["fn_contexts"] == [(2, 0), (2, 1)]
+    # evaluate / predict run on the workers and agree with the chief's own forward pass.
+    assert set(chief["evaluate"]) == {"loss", "mae"}
+    assert np.isfinite(chief["evaluate"]["loss"])
+    assert chief["predict_shape"] == (50, 1)
+    assert chief["predict_error"] < 1e-5
+    # Final weights are finite and the same read from the chief and from each worker.
+    assert all(np.isfinite(w).all() for w in chief["weights"])
+    for seen in chief["worker_weights"]:
+        assert_weights_close(seen, chief["weights"], atol=0)
+    gradient_bytes = 4 * (5 * 8 + 8 + 8 + 1)
+    assert chief["bytes"] == 54 * gradient_bytes
+
+
+# ---- sync: equals one single-device step on the K-times-larger batch ---------------------
+
+def _sync_task(steps, batch):
+    import keras
+    import tensorflow as tf
+
+    import tfdist
+
+    strategy = tfdist.ParameterServerStrategy(mode="sync")
+    x, y = regression_data(n=64, features=5, seed=4)
+
+    def optimizer():
+        return keras.optimizers.SGD(0.1, momentum=0.9)
+
+    with strategy.scope():
+        model = _regressor(seed=5)
+        model.compile(optimizer=optimizer(), loss="mse")
+    initial = model.get_weights()
+    # Worker i reads batches i, i+2, ...: step r sums batches 2r and 2r+1.
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+    history = model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0)
+
+    reference = _regressor(seed=5)
+    reference.set_weights(initial)
+    reference.compile(optimizer=optimizer(), loss="mse")
+    big = tf.data.Dataset.from_tensor_slices((x, y)).batch(2 * batch).repeat()
+    reference.fit(big, epochs=1, steps_per_epoch=steps, verbose=0)
+    return {"weights": model.get_weights(), "reference": reference.get_weights(),
+            "initial": initial, "iterations": int(model.optimizer.iterations.numpy()),
+            "reference_iterations": int(reference.optimizer.iterations.numpy()),
+            "loss": history.history["loss"], "mode": strategy.mode}
+
+
+def test_sync_equals_single_device_on_summed_batch():
+    # 64 examples in batches of 8 = 8 batches, 4 sync steps per pass: 6 steps wrap around.
+    chief = run_cluster(_sync_task, 6, 8, workers=2, chief=True, ps=1)[0]
+    assert chief["mode"] == "sync"
+    assert chief["iterations"] == chief["reference_iterations"] == 6
+    assert_weights_close(chief["weights"], chief["reference"], atol=1e-5)
+    moved = max(np.abs(a - b).max() for a, b in zip(chief["weights"], chief["initial"]))
+    assert moved > 1e-2  # it really trained
