@@ -136,6 +136,22 @@ def horovod_train_task():
     return out
 
 
+def horovod_2x2_task():
+    """2 processes x 2 logical CPUs: local reduce, then Horovod across processes."""
+    import tfdist
+
+    tfdist.devices.use_logical_cpus(2)
+    strategy = tfdist.HorovodStrategy()
+    x, y = _data()
+    with strategy.scope():
+        model = _model(seed=strategy.rank)
+    history = _fit(model)
+    return {"replicas": strategy.num_replicas_in_sync, "weights": model.get_weights(),
+            "history": history,
+            "evaluate": model.evaluate(x, y, batch_size=BATCH, verbose=0),
+            "predict": model.predict(x, batch_size=BATCH, verbose=0)}
+
+
 def mwms_train_task():
     """The same training with tfdist.MultiWorkerMirroredStrategy (2 workers, gRPC)."""
     import tfdist
@@ -243,3 +259,15 @@ def test_fit_matches_multi_worker_mirrored(horovod_results):
         assert_weights_close(result["weights"], horovod_results[0]["weights"], atol=1e-5)
         np.testing.assert_allclose(result["history"]["loss"],
                                    horovod_results[0]["history"]["loss"], atol=1e-5)
+
+
+@pytest.mark.timeout(260)
+def test_two_local_devices_per_process_match_reference(horovod_results):
+    reference = horovod_results[0]["reference"]
+    for result in run_horovod(horovod_2x2_task, np=2, timeout=200):
+        assert result["replicas"] == 4
+        assert_weights_close(result["weights"], reference["weights"], atol=1e-5)
+        np.testing.assert_allclose(result["history"]["loss"], reference["history"]["loss"],
+                                   atol=1e-5)
+        np.testing.assert_allclose(result["evaluate"], reference["evaluate"], atol=1e-5)
+        np.testing.assert_allclose(result["predict"], reference["predict"], atol=1e-5)
