@@ -78,6 +78,21 @@ def _is_replicated_float(variable) -> bool:
             and v.synchronization != tf.VariableSynchronization.ON_READ)
 
 
+def _check_outer(optimizer):
+    """The outer step runs ``update_step`` only: refuse what that would skip."""
+    for name in ("clipnorm", "clipvalue", "global_clipnorm", "weight_decay",
+                 "gradient_accumulation_steps"):
+        if getattr(optimizer, name, None):
+            raise ValueError(f"outer_optimizer does not support {name}. Received: "
+                             f"{name}={getattr(optimizer, name)!r}")
+    if getattr(optimizer, "use_ema", False) or getattr(optimizer, "loss_scale_factor", None):
+        raise ValueError("outer_optimizer does not support use_ema or loss_scale_factor. "
+                         f"Received: {optimizer!r}")
+    if _hooks.overrides_backend_update_step(optimizer):
+        raise ValueError("outer_optimizer must do all its work in update_step; "
+                         f"{type(optimizer).__name__} does not. Received: {optimizer!r}")
+
+
 def _scale(grad, factor):
     if grad is None or factor == 1:
         return grad
@@ -143,6 +158,8 @@ class ModelAverageStrategy(tf.distribute.Strategy):
         if outer_optimizer is not None and not hasattr(outer_optimizer, "get_config"):
             raise ValueError("outer_optimizer must be a Keras optimizer or None. "
                              f"Received: outer_optimizer={outer_optimizer!r}")
+        if outer_optimizer is not None:
+            _check_outer(outer_optimizer)
         self._outer_template = outer_optimizer
         self.average_optimizer_state = bool(average_optimizer_state)
         if backend not in BACKENDS:
@@ -307,9 +324,14 @@ class ModelAverageStrategy(tf.distribute.Strategy):
         extended = distribution.extended
         if outer and state.outer is not None:
             # Outer gradient = anchor - mean(w_i); the same tensor for every replica.
-            grads = [tf.cast(self._first(distribution, d), dtype)
-                     for d, dtype in zip(mean_deltas, dtypes)]
-            state.outer.apply(grads, state.anchors)
+            # Keras' own update, as its TF optimizer runs it (its ``apply`` needs a
+            # replica context; this is cross-replica).
+            learning_rate = state.outer.learning_rate
+            for anchor, delta, dtype in zip(anchors, mean_deltas, dtypes):
+                grad = tf.cast(self._first(distribution, delta), dtype)
+                extended.update(anchor, lambda a, g, lr: state.outer.update_step(g, a, lr),
+                                args=(grad, learning_rate), group=False)
+            state.outer.iterations.assign_add(1)
         else:
             for anchor, delta in zip(anchors, mean_deltas):
                 extended.update(anchor, lambda a, d: a.assign_sub(tf.cast(d, a.dtype)),
