@@ -170,6 +170,19 @@ def install_model_hooks() -> None:
     keras.Model._tfdist_model_hooks = True
 
 
+def overrides_backend_update_step(optimizer) -> bool:
+    """Whether a Keras optimizer class does work outside ``update_step``.
+
+    Why: the outer optimizer of model averaging is stepped in cross-replica context,
+    where Keras' ``apply`` cannot run (it needs a replica context); tfdist calls
+    ``update_step`` per variable, as ``TFOptimizer._distributed_tf_update_step`` does.
+    Optimizers overriding ``_backend_update_step`` (Nadam) would lose that work.
+    """
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    return type(optimizer)._backend_update_step is not TFOptimizer._backend_update_step
+
+
 # ---- parameter server (tfdist.strategies.parameter_server, tfdist.keras.ps_fit) ---------
 
 # Strategy attribute naming the module whose fit/evaluate/predict replace Keras' own.
