@@ -72,3 +72,93 @@ def test_keras_multi_worker_path_follows_the_mwms_class():
     assert _hooks.keras_uses_multi_worker_path(fake(Subclass, True))
     assert not _hooks.keras_uses_multi_worker_path(fake(Subclass, False))
     assert not _hooks.keras_uses_multi_worker_path(fake(tf.distribute.MirroredStrategy, True))
+
+
+# ---- model averaging: install_local_update_hooks, install_model_hooks ---------------------
+
+def test_keras_optimizer_step_has_the_points_model_averaging_replaces():
+    from keras.src.backend.tensorflow import optimizer as tf_optimizer
+    from keras.src.losses import loss as loss_module
+    from keras.src.optimizers import base_optimizer
+
+    apply_source = inspect.getsource(base_optimizer.BaseOptimizer.apply)
+    assert "self._backend_apply_gradients(" in apply_source, (
+        "Keras' apply no longer calls _backend_apply_gradients: "
+        "tfdist._hooks.install_local_update_hooks would not see the optimizer step")
+    step_source = inspect.getsource(tf_optimizer.TFOptimizer._backend_update_step)
+    assert "self._all_reduce_sum_gradients(" in step_source, (
+        "TFOptimizer no longer reduces gradients in _all_reduce_sum_gradients: model "
+        "averaging would sum gradients across replicas (synchronous training)")
+    update_source = inspect.getsource(tf_optimizer.TFOptimizer._distributed_tf_update_step)
+    assert "self.update_step(" in update_source and "extended.update(" in update_source, (
+        "TFOptimizer no longer updates through update_step/extended.update: the outer "
+        "optimizer step of ModelAverageStrategy copies that")
+    scale_source = inspect.getsource(loss_module.scale_loss_for_distribution)
+    assert "num_replicas_in_sync" in scale_source, (
+        "Keras no longer scales the loss by 1/num_replicas_in_sync: ModelAverageStrategy "
+        "multiplies local gradients by it and would now change the learning rate")
+
+
+def test_local_update_hook_skips_the_gradient_all_reduce(logical_cpus):
+    """Per-replica gradients: model averaging keeps them local, mirrored sums them."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import tfdist
+
+    def step(strategy, period):
+        with strategy.scope():
+            weight = keras.Variable(np.zeros((2,), "float32"))
+            optimizer = keras.optimizers.SGD(1.0)
+            optimizer.build([weight])
+
+        @tf.function
+        def run():
+            def replica_fn():
+                rid = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group,
+                              tf.float32)
+                # Keras scales by 1/N before the optimizer; do the same.
+                grad = tf.fill([2], rid + 1.0) / strategy.num_replicas_in_sync
+                optimizer.apply_gradients([(grad, weight)])
+
+            strategy.run(replica_fn)
+
+        run()
+        return [c.numpy() for c in weight.value.values]
+
+    local = step(tfdist.ModelAverageStrategy(period=2), 2)
+    np.testing.assert_allclose(local, [[-1.0, -1.0], [-2.0, -2.0]])  # lr not divided by N
+    synced = step(tfdist.MirroredStrategy(), None)
+    np.testing.assert_allclose(synced, [[-1.5, -1.5], [-1.5, -1.5]])
+
+
+def test_model_hooks_call_the_strategy(logical_cpus):
+    import keras
+    import numpy as np
+    import pytest
+
+    import tfdist
+
+    tfdist.ModelAverageStrategy()  # installs the hooks
+    assert keras.Model._tfdist_model_hooks
+
+    class Stop(Exception):
+        pass
+
+    class Fake:
+        def _tfdist_model_hook(self, model, method, when):
+            raise Stop(method, when)
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    model._distribute_strategy = Fake()
+    x = np.zeros((4, 2), "float32")
+    calls = {"evaluate": lambda: model.evaluate(x, x[:, :1], verbose=0),
+             "predict": lambda: model.predict(x, verbose=0),
+             "save": lambda: model.save("unused.keras"),
+             "save_weights": lambda: model.save_weights("unused.weights.h5")}
+    for name, call in calls.items():
+        with pytest.raises(Stop) as info:
+            call()
+        assert info.value.args == (name, "before")
