@@ -184,8 +184,8 @@ class MetricsLogger(_ChiefAware, keras.callbacks.Callback):
     """Writes each epoch's logs to a CSV or JSON-lines file, from the chief only.
 
     The format follows the file name: ``.csv`` for CSV, ``.json``/``.jsonl`` for one
-    JSON object per line. Other workers write to a temporary file that is removed when
-    training ends. Every worker's values are the same global values (the strategy
+    JSON object per line. Other workers write each row to a temporary file that is
+    removed at once. Every worker's values are the same global values (the strategy
     reduces loss and metrics across workers).
 
     Args:
@@ -206,16 +206,15 @@ class MetricsLogger(_ChiefAware, keras.callbacks.Callback):
         self._keys = None
 
     def on_train_begin(self, logs=None):
-        if self.is_chief:
-            self._path = self.filepath
-            directory = os.path.dirname(self._path)
-            if directory:
-                os.makedirs(directory, exist_ok=True)
-        else:
-            self._path = os.path.join(self._temp_dir(), os.path.basename(self.filepath))
+        self._keys = None
+        if not self.is_chief:
+            return
+        self._path = self.filepath
+        directory = os.path.dirname(self._path)
+        if directory:
+            os.makedirs(directory, exist_ok=True)
         if not self.append and os.path.exists(self._path):
             os.remove(self._path)
-        self._keys = None
         if self.format == "csv" and os.path.exists(self._path):
             with open(self._path, newline="") as f:
                 header = next(csv.reader(f), None)
@@ -224,8 +223,19 @@ class MetricsLogger(_ChiefAware, keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         row = {"epoch": epoch}
         row.update({k: _plain(v) for k, v in sorted((logs or {}).items())})
-        new = not os.path.exists(self._path) or os.path.getsize(self._path) == 0
-        with open(self._path, "a", newline="") as f:
+        if self.is_chief:
+            self._write(self._path, row)
+            return
+        # Other workers: the same write to a private file, removed at once.
+        self._path = os.path.join(self._temp_dir(), os.path.basename(self.filepath))
+        try:
+            self._write(self._path, row)
+        finally:
+            self._remove_temp_dir()
+
+    def _write(self, path, row):
+        new = not os.path.exists(path) or os.path.getsize(path) == 0
+        with open(path, "a", newline="") as f:
             if self.format == "json":
                 f.write(json.dumps(row) + "\n")
                 return
@@ -236,10 +246,6 @@ class MetricsLogger(_ChiefAware, keras.callbacks.Callback):
             if new:
                 writer.writeheader()
             writer.writerow(row)
-
-    def on_train_end(self, logs=None):
-        if not self.is_chief:
-            self._remove_temp_dir()
 
 
 def _plain(value):
