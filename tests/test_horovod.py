@@ -23,7 +23,10 @@ pytestmark = [pytest.mark.horovod]
 BATCH = 16      # global batch
 EPOCHS = 2
 LR = 0.05
-FP16_ATOL = 2e-3  # fp16 gradients on the wire vs float32, after 8 SGD steps
+# fp16 / bf16 gradients on the wire vs float32 after 8 SGD steps (momentum 0.9); the
+# measured max |diff| was 1.5e-4 (fp16) and 2.0e-3 (bf16).
+FP16_ATOL = 2e-3
+BF16_ATOL = 1e-2
 
 
 @pytest.fixture(scope="module")
@@ -246,10 +249,11 @@ def test_compression_within_tolerance_and_counts_fewer_bytes(horovod_results):
     rank0, rank1 = horovod_results
     for name in ("fp16", "bf16"):
         assert_weights_close(rank0[f"{name}_weights"], rank1[f"{name}_weights"], atol=0)
-    # fp16: 10 mantissa bits; measured max |diff| is ~1e-4 here.
     assert_weights_close(rank0["fp16_weights"], rank0["weights"], atol=FP16_ATOL)
-    # bf16 keeps 7 mantissa bits: a looser bound.
-    assert_weights_close(rank0["bf16_weights"], rank0["weights"], atol=5e-2)
+    # bf16 keeps 7 mantissa bits (fp16: 10): a looser bound.
+    assert_weights_close(rank0["bf16_weights"], rank0["weights"], atol=BF16_ATOL)
+    # ... but compression must have changed something (it is not a no-op).
+    assert not np.array_equal(rank0["fp16_weights"][0], rank0["weights"][0])
     assert rank0["fp16_bytes_fit"] < rank0["bytes_fit"]
     # A single all-reduce of 1000 float32: 4000 bytes, 2000 with fp16.
     assert rank0["allreduce_bytes"] == 4000
