@@ -227,9 +227,7 @@ class _Driver:
                 self.accumulators = {}
                 for var in model.trainable_variables:
                     value = var.value
-                    sharded = isinstance(value, tf.__internal__.distribute.ShardedVariable) \
-                        if hasattr(tf.__internal__.distribute, "ShardedVariable") else \
-                        hasattr(value, "variables")
+                    sharded = _hooks.sharded_parts(var) is not None
                     colocate = contextlib.nullcontext() if sharded else \
                         strategy.extended.colocate_vars_with(value)
                     with colocate:
@@ -247,7 +245,9 @@ class _Driver:
             if strategy.mode == "async":
                 def step(iterator):
                     data = next(iterator)
-                    return _local(strategy, strategy.run(model.train_step, args=(data,)), "mean")
+                    with _hooks.shard_aware_gradients():
+                        outputs = strategy.run(model.train_step, args=(data,))
+                    return _local(strategy, outputs, "mean")
             else:
                 scale = 1.0 / strategy.num_workers
                 accumulators = self.accumulators
@@ -256,7 +256,8 @@ class _Driver:
                     data = next(iterator)
 
                     def replica_step(data):
-                        with _accumulate_instead_of_apply(model.optimizer, accumulators, scale):
+                        with _accumulate_instead_of_apply(model.optimizer, accumulators, scale), \
+                                _hooks.shard_aware_gradients():
                             return model.train_step(data)
 
                     return _local(strategy, strategy.run(replica_step, args=(data,)), "mean")
@@ -277,8 +278,9 @@ class _Driver:
                 for v in variables:
                     accumulator = accumulators[id(v)]
                     # Read where the sum lives: Keras' (identity) all-reduce needs a device.
-                    with tf.device(accumulator.device):
-                        grads.append(tf.identity(accumulator))
+                    parts = _hooks.sharded_parts(accumulator)
+                    with tf.device((parts[0] if parts else accumulator).device):
+                        grads.append(tf.identity(tf.convert_to_tensor(accumulator)))
                 model.optimizer.apply(grads, variables)
                 for v in variables:
                     accumulator = accumulators[id(v)]

@@ -148,6 +148,7 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         self._mode = mode
         self._steps_per_dispatch = steps_per_dispatch
         super().__init__(spec.to_cluster_resolver(), variable_partitioner=variable_partitioner)
+        _hooks.allow_sharded_updates(self.extended)
         self._coordinator = tf.distribute.coordinator.ClusterCoordinator(self)
         from tfdist.comm.accounting import ByteCounter
 
