@@ -162,3 +162,54 @@ def test_model_hooks_call_the_strategy(logical_cpus):
         with pytest.raises(Stop) as info:
             call()
         assert info.value.args == (name, "before")
+
+
+# ---- multi-worker (tfdist.strategies.multi_worker, tfdist.keras.callbacks) ---------------
+
+
+def test_multi_worker_strategy_init_is_still_what_tfdist_replays():
+    """tfdist builds the extended object itself; TF's __init__ must still only do that."""
+    import tensorflow as tf
+    from tensorflow.python.distribute import collective_all_reduce_strategy as cars
+
+    from tfdist import _hooks
+
+    assert _hooks.collective_all_reduce_extended_class() is cars.CollectiveAllReduceExtended
+    assert tf.distribute.MultiWorkerMirroredStrategy is cars.CollectiveAllReduceStrategy
+    source = inspect.getsource(cars.CollectiveAllReduceStrategy.__init__)
+    assert "CollectiveAllReduceExtended(" in source and "super(CollectiveAllReduceStrategy" \
+        in source, "MultiWorkerMirroredStrategy.__init__ changed: re-check tfdist's __init__"
+    assert hasattr(cars.CollectiveAllReduceExtended, "_in_multi_worker_mode")
+
+
+def test_multi_worker_keeps_a_preconfigured_coordination_service():
+    """tfdist configures the coordination service first; TF must not overwrite it."""
+    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+    from tensorflow.python.distribute import collective_all_reduce_strategy as cars
+    from tensorflow.python.eager import context
+
+    fields = coordination_config_pb2.CoordinationServiceConfig.DESCRIPTOR.fields_by_name
+    for field in ("cluster_register_with_barrier", "cluster_register_timeout_in_ms",
+                  "heartbeat_timeout_in_ms", "coordinated_job_list"):
+        assert field in fields, f"coordination config lost {field}"
+    source = inspect.getsource(cars.CollectiveAllReduceExtended._initialize_multi_worker)
+    assert "context.context().coordination_service is None" in source
+    assert "cluster_register_timeout_in_ms" in inspect.signature(
+        context.Context.configure_coordination_service).parameters
+    assert isinstance(context.Context.coordination_service, property)
+
+
+def test_keras_internals_used_by_chief_aware_callbacks():
+    """tfdist.keras.callbacks overrides these private Keras methods and attributes."""
+    import keras
+    from keras.src.backend.tensorflow import trainer
+
+    assert "self._initial_epoch or initial_epoch" in inspect.getsource(
+        trainer.TensorFlowTrainer.fit), "_hooks.set_initial_epoch no longer resumes fit"
+    checkpoint = inspect.getsource(keras.callbacks.ModelCheckpoint)
+    assert "filepath = self._get_file_path(epoch, batch, logs)" in checkpoint
+    assert "self._save_model(epoch=epoch, batch=None, logs=logs)" in checkpoint
+    backup = inspect.getsource(keras.callbacks.BackupAndRestore)
+    for needle in ("self._load_model()", "self._save_model()", "self._current_epoch = epoch + 1",
+                   "self._last_batch_seen"):
+        assert needle in backup, f"BackupAndRestore no longer has {needle}"

@@ -423,3 +423,14 @@ def install_atomic_keras_updates() -> None:
     Variable.assign_add = wrap("assign_add", Variable.assign_add)
     Variable.assign_sub = wrap("assign_sub", Variable.assign_sub)
     Variable._tfdist_atomic_updates = True
+
+
+def set_initial_epoch(model, epoch: int) -> None:
+    """Makes the running ``fit`` start at ``epoch`` (used to resume from a backup).
+
+    Why: Keras 3 has no public way for a callback to move ``fit``'s first epoch; its own
+    ``BackupAndRestore`` sets the private ``model._initial_epoch`` in
+    ``on_train_begin``, which the TF trainer reads right after
+    (``initial_epoch = self._initial_epoch or initial_epoch``).
+    """
+    model._initial_epoch = int(epoch)

@@ -20,6 +20,7 @@ import tempfile
 
 import keras
 
+from tfdist import _hooks
 from tfdist.cluster import ClusterSpec
 
 BACKUP_DIR_ENV = "TFDIST_BACKUP_DIR"
@@ -148,7 +149,7 @@ class BackupAndRestore(_ChiefAware, keras.callbacks.BackupAndRestore):
         if self.model.optimizer is not None and not self.model.optimizer.built:
             self.model.optimizer.build(self.model.trainable_variables)
         self.model.load_weights(os.path.join(self.backup_dir, state["weights"]))
-        self.model._initial_epoch = int(state["epoch"])
+        _hooks.set_initial_epoch(self.model, state["epoch"])
         self._saves = int(state.get("saves", 0))
 
     def _save_model(self):
