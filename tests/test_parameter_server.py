@@ -156,3 +156,143 @@ def test_sync_equals_single_device_on_summed_batch():
     assert_weights_close(chief["weights"], chief["reference"], atol=1e-5)
     moved = max(np.abs(a - b).max() for a, b in zip(chief["weights"], chief["initial"]))
     assert moved > 1e-2  # it really trained
+
+
+# ---- sharding: an embedding split across two ps tasks -------------------------------------
+
+def _sharded_task():
+    import keras
+    import tensorflow as tf
+
+    import tfdist
+
+    partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
+        min_shard_bytes=256, max_shards=2)
+    strategy = tfdist.ParameterServerStrategy(variable_partitioner=partitioner)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 100, size=(512, 4)).astype("int32")
+    y = rng.normal(size=(100,)).astype("float32")[ids].sum(1, keepdims=True)
+    with strategy.scope():
+        keras.utils.set_random_seed(2)
+        model = keras.Sequential([keras.Input((4,), dtype="int32"),
+                                  keras.layers.Embedding(100, 8), keras.layers.Flatten(),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    embeddings = model.layers[0].embeddings
+    shards = [(v.device, tuple(v.shape)) for v in embeddings.value.variables]
+    before = [np.asarray(v) for v in embeddings.value.variables]
+    history = model.fit(ids, y, batch_size=32, epochs=3, verbose=0)
+    after = [np.asarray(v) for v in embeddings.value.variables]
+    return {"type": type(embeddings.value).__name__, "shards": shards,
+            "moved": [float(np.abs(a - b).max()) for a, b in zip(after, before)],
+            "loss": history.history["loss"],
+            "iterations": int(model.optimizer.iterations.numpy()),
+            "evaluate": model.evaluate(ids, y, verbose=0)}
+
+
+def test_sharded_embedding_across_two_ps_trains():
+    chief = run_cluster(_sharded_task, workers=2, chief=True, ps=2)[0]
+    assert chief["type"] == "ShardedVariable"
+    devices = sorted(device for device, _ in chief["shards"])
+    assert devices == ["/job:ps/replica:0/task:0/device:CPU:0",
+                       "/job:ps/replica:0/task:1/device:CPU:0"]
+    assert [shape for _, shape in chief["shards"]] == [(50, 8), (50, 8)]
+    assert all(m > 1e-3 for m in chief["moved"])  # both halves were trained
+    assert chief["iterations"] == 3 * 16
+    assert chief["loss"][-1] < 0.5 * chief["loss"][0]
+    assert np.isfinite(chief["evaluate"])
+
+
+# ---- a worker killed in the middle of fit -------------------------------------------------
+
+def _chief_alive(spec):
+    from tfdist.strategies.parameter_server import _is_listening
+
+    return _is_listening(spec.chief[0])
+
+
+def _killed_worker_task(pid_dir):
+    import time
+
+    import tfdist
+
+    task = os.environ["TFDIST_TASK"]
+    if task == "worker-1":
+        # This task is a pod: its TF server runs in a child process the chief will kill.
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import tfdist; tfdist.ParameterServerStrategy()"])
+        with open(os.path.join(pid_dir, "worker-1.pid"), "w") as f:
+            f.write(str(child.pid))
+        code = child.wait()
+        spec = tfdist.ClusterSpec.from_env()
+        while _chief_alive(spec):  # stay up (exit 0 later), like a failed pod's slot
+            time.sleep(0.5)
+        return {"server_exit": code}
+
+    import keras
+
+    strategy = tfdist.ParameterServerStrategy()
+    x, y = regression_data(n=256, features=5, seed=6)
+
+    class KillWorker(keras.callbacks.Callback):
+        calls = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            KillWorker.calls += 1
+            if KillWorker.calls == 3:
+                with open(os.path.join(pid_dir, "worker-1.pid")) as f:
+                    os.kill(int(f.read()), signal.SIGKILL)
+
+    with strategy.scope():
+        model = _regressor(seed=7)
+        model.compile(optimizer=keras.optimizers.SGD(0.02), loss="mse")
+    history = model.fit(x, y, batch_size=8, epochs=3, steps_per_epoch=24, verbose=0,
+                        callbacks=[KillWorker()])
+    return {"iterations": int(model.optimizer.iterations.numpy()),
+            "loss": history.history["loss"], "calls": KillWorker.calls,
+            "weights": model.get_weights()}
+
+
+def test_worker_killed_mid_fit_still_completes(tmp_path):
+    chief, _, worker1, _ = run_cluster(_killed_worker_task, str(tmp_path), workers=2,
+                                       chief=True, ps=1)
+    assert worker1["server_exit"] == -signal.SIGKILL  # the server really died mid-fit
+    assert chief["calls"] == 3 * 3  # 24 steps per epoch in dispatches of 8
+    # Every step ran (a step cut short by the kill may have been applied and rerun).
+    assert chief["iterations"] >= 3 * 24
+    assert len(chief["loss"]) == 3 and chief["loss"][-1] < chief["loss"][0]
+    assert all(np.isfinite(w).all() for w in chief["weights"])
+
+
+# ---- clusters that cannot run parameter-server training ----------------------------------
+
+_NO_PS = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}
+_NO_CHIEF = {"worker": ["127.0.0.1:2", "127.0.0.1:3"], "ps": ["127.0.0.1:4"]}
+
+
+@pytest.mark.parametrize("jobs, missing, task_type", [
+    (_NO_PS, "no 'ps' task", "chief"),
+    (_NO_PS, "no 'ps' task", "worker"),
+    (_NO_CHIEF, "no 'chief' task", "worker"),
+    (_NO_CHIEF, "no 'chief' task", "ps"),
+])
+def test_bad_cluster_is_a_clear_error_at_construction(jobs, missing, task_type):
+    import tfdist
+
+    spec = tfdist.ClusterSpec.from_dict({"cluster": jobs, "task": {"type": task_type,
+                                                                   "index": 0}})
+    with pytest.raises(ValueError, match=missing) as info:
+        tfdist.ParameterServerStrategy(spec)
+    assert "Received: cluster=" in str(info.value)
+
+
+def test_bad_mode_and_dispatch_are_clear_errors():
+    import tfdist
+
+    spec = tfdist.ClusterSpec.from_dict({"cluster": {
+        "chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]},
+        "task": {"type": "chief", "index": 0}})
+    with pytest.raises(ValueError, match="mode must be one of"):
+        tfdist.ParameterServerStrategy(spec, mode="hogwild")
+    with pytest.raises(ValueError, match="steps_per_dispatch must be"):
+        tfdist.ParameterServerStrategy(spec, steps_per_dispatch=0)
