@@ -425,6 +425,103 @@ def install_atomic_keras_updates() -> None:
     Variable._tfdist_atomic_updates = True
 
 
+def sharded_parts(variable):
+    """The shard variables of a Keras/TF variable sharded by a partitioner, or None."""
+    import tensorflow as tf
+
+    value = getattr(variable, "value", variable)
+    if isinstance(value, tf.__internal__.distribute.ShardedVariable):
+        return list(value.variables)
+    return None
+
+
+def _join_shard_gradients(grads, parts):
+    """One gradient for a sharded variable from its shards' gradients (axis 0)."""
+    import tensorflow as tf
+
+    if all(g is None for g in grads):
+        return None
+    if not any(isinstance(g, tf.IndexedSlices) for g in grads):
+        return tf.concat([tf.zeros(p.shape, p.dtype) if g is None else g
+                          for g, p in zip(grads, parts)], axis=0)
+    values, indices, offset = [], [], 0
+    for g, p in zip(grads, parts):
+        if g is not None:
+            if not isinstance(g, tf.IndexedSlices):
+                g = tf.IndexedSlices(g, tf.range(tf.shape(g, out_type=tf.int64)[0]))
+            values.append(g.values)
+            indices.append(tf.cast(g.indices, tf.int64) + offset)
+        offset += int(p.shape[0])
+    full_shape = tf.constant([offset] + parts[0].shape.as_list()[1:], tf.int64)
+    return tf.IndexedSlices(tf.concat(values, 0), tf.concat(indices, 0), full_shape)
+
+
+import contextlib as _contextlib  # noqa: E402
+
+
+@_contextlib.contextmanager
+def shard_aware_gradients():
+    """While tracing a step: ``GradientTape.gradient`` works for sharded Keras variables.
+
+    Why: a Keras 3 variable whose value a partitioner split into a `ShardedVariable`
+    has no ``handle``, so ``tape.gradient(loss, model.trainable_weights)`` in Keras'
+    ``train_step`` fails. Inside this context the tape takes the gradient of each shard
+    and joins them (IndexedSlices with global row indices, or a dense concat), which
+    the optimizer then applies to the `ShardedVariable` shard by shard. Used only while
+    a step function is traced on the chief; the class attribute is restored after.
+    """
+    import tensorflow as tf
+
+    original = tf.GradientTape.gradient
+
+    def gradient(self, target, sources, output_gradients=None,
+                 unconnected_gradients=tf.UnconnectedGradients.NONE):
+        flat = tf.nest.flatten(sources)
+        layout, expanded = [], []
+        for source in flat:
+            parts = sharded_parts(source)
+            layout.append((len(expanded), parts))
+            expanded.extend(parts if parts is not None else [source])
+        if len(expanded) == len(flat):
+            return original(self, target, sources, output_gradients, unconnected_gradients)
+        grads = original(self, target, expanded, output_gradients, unconnected_gradients)
+        joined = [grads[start] if parts is None else
+                  _join_shard_gradients(grads[start:start + len(parts)], parts)
+                  for start, parts in layout]
+        return tf.nest.pack_sequence_as(sources, joined)
+
+    tf.GradientTape.gradient = gradient
+    try:
+        yield
+    finally:
+        tf.GradientTape.gradient = original
+
+
+def allow_sharded_updates(extended) -> None:
+    """Lets ``strategy.extended.update`` take a `ShardedVariable` (Keras' optimizer).
+
+    Why: Keras 3's TF optimizer updates each variable with ``extended.update(var, fn)``;
+    the parameter-server extended's private ``_update`` colocates ``fn`` with ``var``,
+    which a `ShardedVariable` refuses ("doesn't support being used as a reference").
+    For a sharded variable ``fn`` runs uncolocated: its assign/scatter ops update each
+    shard on that shard's own ps. Other variables keep TF's path.
+    """
+    import tensorflow as tf
+    from tensorflow.python.distribute import distribute_lib
+
+    original = extended._update
+
+    def _update(var, fn, args, kwargs, group):
+        if not isinstance(var, tf.__internal__.distribute.ShardedVariable):
+            return original(var, fn, args, kwargs, group)
+        with distribute_lib.UpdateContext(var.variables[0].device):
+            result = fn(var, *extended._select_single_value(args),
+                        **extended._select_single_value(kwargs))
+        return result if group else tf.nest.map_structure(extended._local_results, result)
+
+    extended._update = _update
+
+
 def set_initial_epoch(model, epoch: int) -> None:
     """Makes the running ``fit`` start at ``epoch`` (used to resume from a backup).
 
