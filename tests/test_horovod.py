@@ -137,6 +137,7 @@ def horovod_train_task():
     out["model_average"] = model_average_task("horovod")
     if rank == 0:
         out["reference"] = _reference()
+        out["seed_weights"] = [_model(seed=0).get_weights(), _model(seed=1).get_weights()]
     return out
 
 
@@ -235,8 +236,7 @@ def test_evaluate_and_predict_cover_the_whole_dataset(horovod_results):
 @pytest.mark.timeout(260)
 def test_initial_weights_come_from_rank_0(horovod_results):
     rank0, rank1 = horovod_results
-    seed0 = _model(seed=0).get_weights()
-    seed1 = _model(seed=1).get_weights()
+    seed0, seed1 = rank0["seed_weights"]
     assert not np.allclose(seed0[0], seed1[0])
     assert_weights_close(rank0["initial"], seed0, atol=0)
     assert_weights_close(rank1["initial"], seed0, atol=0)
