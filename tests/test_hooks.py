@@ -213,3 +213,146 @@ def test_keras_internals_used_by_chief_aware_callbacks():
     for needle in ("self._load_model()", "self._save_model()", "self._current_epoch = epoch + 1",
                    "self._last_batch_seen"):
         assert needle in backup, f"BackupAndRestore no longer has {needle}"
+
+
+# ---- parameter server ---------------------------------------------------------------------
+
+def test_keras_trainer_internals_used_by_the_ps_fit_driver():
+    import keras
+    from keras.src.backend.tensorflow import trainer
+
+    # route_keras_fit_to_driver: the strategy a model was built under is kept here.
+    assert "self._distribute_strategy = tf.distribute.get_strategy()" in \
+        inspect.getsource(trainer.TensorFlowTrainer.__init__)
+    for name in ("fit", "evaluate", "predict"):
+        assert callable(getattr(keras.Model, name))
+    # build_keras_state / keras_initial_epoch / keras_metrics_or_logs / keras_flatten_metrics
+    assert "data_batch" in inspect.signature(keras.Model._symbolic_build).parameters
+    assert "self._initial_epoch" in inspect.getsource(trainer.TensorFlowTrainer.fit)
+    assert callable(keras.Model._get_metrics_result_or_logs)
+    assert callable(keras.Model._flatten_metrics_in_order)
+
+
+def test_route_keras_fit_to_driver_only_for_marked_strategies():
+    import keras
+    import numpy as np
+
+    from tfdist import _hooks
+
+    _hooks.route_keras_fit_to_driver()
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    history = model.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0)  # Keras' own fit
+    assert len(history.history["loss"]) == 1
+
+    class Marked:
+        _tfdist_fit_driver = "tests_fake_fit_driver"
+
+    import sys
+    import types
+
+    fake = types.ModuleType("tests_fake_fit_driver")
+    fake.evaluate = lambda model, *args, **kwargs: ("driver", args, kwargs)
+    sys.modules["tests_fake_fit_driver"] = fake
+    try:
+        model._distribute_strategy = Marked()
+        assert model.evaluate(1, verbose=0) == ("driver", (1,), {"verbose": 0})
+    finally:
+        del sys.modules["tests_fake_fit_driver"]
+
+
+def test_cluster_coordinator_internals_for_per_worker_inputs_and_pinned_steps():
+    from tensorflow.python.distribute import input_lib
+    from tensorflow.python.distribute.coordinator import cluster_coordinator as cc
+    from tensorflow.python.distribute.coordinator import values
+
+    # create_per_worker_iterators
+    assert callable(cc.Worker.create_resource)
+    assert "self.workers" in inspect.getsource(cc.Cluster.__init__)
+    assert callable(values.PerWorkerDistributedIterator)
+    assert callable(input_lib.get_iterator_spec_from_dataset)
+    # schedule_on_worker: a tagged closure is handed out without counting it in flight,
+    # and a normal closure is marked finished (or put back untagged) by the worker.
+    source = inspect.getsource(cc._CoordinatedClosureQueue)
+    for name in ("_queue_lock", "_tagged_queue", "_closures_queued_condition",
+                 "_cancellation_mgr", "def _raise_if_error", "def inflight_closure_count"):
+        assert name in source, name
+    get = inspect.getsource(cc._CoordinatedClosureQueue.get)
+    assert get.index("self._tagged_queue[tag].get") < get.index("inflight_closure_count += 1")
+    assert "assert closure.tag is None" in inspect.getsource(cc._CoordinatedClosureQueue.put_back)
+    assert "mark_finished()" in inspect.getsource(cc.Worker._process_closure)
+    assert list(inspect.signature(cc.Closure.__init__).parameters)[:3] == \
+        ["self", "function", "cancellation_mgr"]
+
+
+def test_dataset_copier_rebuilds_the_dataset():
+    import tensorflow as tf
+
+    from tfdist import _hooks
+
+    dataset = tf.data.Dataset.range(10).map(lambda i: i * 2).batch(4)
+    copy = tf.function(_hooks.dataset_copier(dataset))()
+    assert [b.numpy().tolist() for b in copy] == [b.numpy().tolist() for b in dataset]
+
+
+def test_atomic_keras_updates_under_a_marked_strategy():
+    import keras
+    import tensorflow as tf
+    from keras.src.backend.common import variables
+
+    from tfdist import _hooks
+
+    # What the hook replaces: Keras' read-then-write assign_add.
+    assert "self.assign(self + value)" in inspect.getsource(variables.Variable.assign_add)
+    _hooks.install_atomic_keras_updates()
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    strategy._tfdist_atomic_updates = True
+    with strategy.scope():
+        v = keras.Variable(1.0)
+        calls = []
+        original = type(v.value).assign_add
+        type(v.value).assign_add = lambda self, *a, **k: calls.append(1) or original(self, *a, **k)
+        try:
+            v.assign_add(2.0)
+            v.assign_sub(0.5)
+        finally:
+            type(v.value).assign_add = original
+    assert calls == [1] and float(v.numpy()) == 2.5
+    plain = keras.Variable(1.0)  # outside the marked strategy: Keras' own method
+    plain.assign_add(1.0)
+    assert float(plain.numpy()) == 2.0
+
+
+def test_shard_aware_gradients_join_shard_gradients():
+    import numpy as np
+    import tensorflow as tf
+    from tensorflow.python.distribute import parameter_server_strategy as pss
+
+    from tfdist import _hooks
+
+    # What the gradient hook works around, and what allow_sharded_updates replaces.
+    from keras.src.backend.tensorflow import core
+
+    assert "self.value.handle" in inspect.getsource(core.Variable.handle.fget)
+    assert "colocate_with(var)" in inspect.getsource(pss.ParameterServerStrategyExtended._update)
+    for name in ("_select_single_value", "_local_results"):
+        assert hasattr(pss.ParameterServerStrategyExtended, name)
+
+    table = np.arange(12, dtype="float32").reshape(6, 2)
+    sharded = tf.__internal__.distribute.ShardedVariable(
+        [tf.Variable(table[:4]), tf.Variable(table[4:])])
+    plain = tf.Variable(table)
+    ids = tf.constant([0, 5, 5, 2])
+
+    class Holder:  # stands for a Keras variable whose value is sharded
+        value = sharded
+
+    with _hooks.shard_aware_gradients():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.gather(tf.convert_to_tensor(sharded), ids) ** 2)
+        (grad,) = tape.gradient(loss, [Holder()])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.gather(plain, ids) ** 2)
+    (expected,) = tape.gradient(loss, [plain])
+    np.testing.assert_allclose(tf.convert_to_tensor(grad), tf.convert_to_tensor(expected))
+    assert tf.GradientTape.gradient.__name__ == "gradient"  # restored
