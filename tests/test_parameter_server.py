@@ -296,3 +296,64 @@ def test_bad_mode_and_dispatch_are_clear_errors():
         tfdist.ParameterServerStrategy(spec, mode="hogwild")
     with pytest.raises(ValueError, match="steps_per_dispatch must be"):
         tfdist.ParameterServerStrategy(spec, steps_per_dispatch=0)
+
+
+# ---- a ps killed in the middle of fit: clear error, then resume from the checkpoint -------
+
+def _killed_ps_task(work_dir):
+    import time
+
+    import tfdist
+
+    task = os.environ["TFDIST_TASK"]
+    attempt = int(os.environ["TFDIST_RESTART"])
+    if task == "ps-0" and attempt == 0:
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import tfdist; tfdist.ParameterServerStrategy()"])
+        with open(os.path.join(work_dir, "ps-0.pid"), "w") as f:
+            f.write(str(child.pid))
+        child.wait()
+        spec = tfdist.ClusterSpec.from_env()
+        while _chief_alive(spec):
+            time.sleep(0.5)
+        return None
+
+    import keras
+
+    from tfdist.strategies.parameter_server import ParameterServerUnavailableError
+
+    strategy = tfdist.ParameterServerStrategy()
+    x, y = regression_data(n=128, features=5, seed=8)
+
+    class KillPs(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if attempt == 0 and epoch == 1:  # after the backup of epoch 2 was written
+                with open(os.path.join(work_dir, "ps-0.pid")) as f:
+                    os.kill(int(f.read()), signal.SIGKILL)
+
+    with strategy.scope():
+        model = _regressor(seed=9)
+        model.compile(optimizer=keras.optimizers.SGD(0.02), loss="mse")
+    backup = keras.callbacks.BackupAndRestore(os.path.join(work_dir, "backup"))
+    try:
+        history = model.fit(x, y, batch_size=8, epochs=4, steps_per_epoch=8, verbose=0,
+                            callbacks=[backup, KillPs()])
+    except ParameterServerUnavailableError as error:
+        with open(os.path.join(work_dir, "error.txt"), "w") as f:
+            f.write(str(error))
+        raise
+    return {"attempt": attempt, "epochs": history.epoch,
+            "iterations": int(model.optimizer.iterations.numpy()),
+            "weights": model.get_weights()}
+
+
+def test_ps_killed_gives_clear_error_and_restart_resumes(tmp_path):
+    chief = run_cluster(_killed_ps_task, str(tmp_path), workers=2, chief=True, ps=1,
+                        max_restarts=1)[0]
+    message = (tmp_path / "error.txt").read_text()
+    assert "ps-0 became unavailable" in message and "BackupAndRestore" in message
+    # The second start resumed after the two epochs backed up, with the optimizer state.
+    assert chief["attempt"] == 1
+    assert chief["epochs"] == [2, 3]
+    assert chief["iterations"] == 4 * 8
+    assert all(np.isfinite(w).all() for w in chief["weights"])

@@ -320,7 +320,7 @@ class _Driver:
             last = None
             for _ in range(count):
                 last = self.coordinator.schedule(train_fn, args=(iterator,))
-            logs = last.fetch()
+            logs = _fetch(self.coordinator, last)
             pushed = count
         else:
             apply_fn = self.apply_function()
@@ -331,10 +331,19 @@ class _Driver:
                 # Keras' optimizer needs a replica context: apply on a worker, then wait.
                 self.coordinator.schedule(apply_fn)
                 self.coordinator.join()
-            logs = values[-1].fetch()
+            logs = _fetch(self.coordinator, values[-1])
             pushed = count * strategy.num_workers
         strategy._bytes.add(pushed * self.gradient_bytes)
         return _to_python(logs)
+
+
+def _fetch(coordinator, remote_value):
+    """Fetches a step's result; when it was cancelled, raises the error that caused it."""
+    try:
+        return remote_value.fetch()
+    except tf.errors.CancelledError:
+        coordinator.join()  # raises the first error of the scheduled steps, if any
+        raise
 
 
 def _driver(model) -> _Driver:
@@ -486,11 +495,11 @@ def evaluate(model, x=None, y=None, batch_size=None, verbose="auto", sample_weig
                 callbacks.on_test_batch_begin(step)
             pending.append(driver.coordinator.schedule(test_fn, args=(batch,)))
             if len(pending) == window:
-                logs = _to_python(pending[-1].fetch())
+                logs = _to_python(_fetch(driver.coordinator, pending[-1]))
                 callbacks.on_test_batch_end(step, logs)
                 pending = []
         if pending:
-            logs = _to_python(pending[-1].fetch())
+            logs = _to_python(_fetch(driver.coordinator, pending[-1]))
             callbacks.on_test_batch_end(step, logs)
         driver.coordinator.join()
         logs = _to_python(_hooks.keras_metrics_or_logs(model, logs))
@@ -519,7 +528,7 @@ def predict(model, x, batch_size=None, verbose="auto", steps=None, callbacks=Non
             callbacks.on_predict_batch_begin(step)
             remote.append((step, driver.coordinator.schedule(predict_fn, args=(batch,))))
         for step, value in remote:
-            batch_outputs = tf.nest.map_structure(np.asarray, value.fetch())
+            batch_outputs = tf.nest.map_structure(np.asarray, _fetch(driver.coordinator, value))
             callbacks.on_predict_batch_end(step, {"outputs": batch_outputs})
             outputs.append(batch_outputs)
     callbacks.on_predict_end()
