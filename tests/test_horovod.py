@@ -23,6 +23,7 @@ pytestmark = [pytest.mark.horovod]
 BATCH = 16      # global batch
 EPOCHS = 2
 LR = 0.05
+N_2X2 = 96      # samples in the 2x2 test: 6 global batches, 4 per replica
 # fp16 / bf16 gradients on the wire vs float32 after 8 SGD steps (momentum 0.9); the
 # measured max |diff| was 1.5e-4 (fp16) and 2.0e-3 (bf16).
 FP16_ATOL = 2e-3
@@ -41,8 +42,8 @@ def horovod_installed():
 
 # ---- the shared problem ---------------------------------------------------------------
 
-def _data():
-    return regression_data(n=64, features=5)
+def _data(n=64):
+    return regression_data(n=n, features=5)
 
 
 def _model(seed):
@@ -56,17 +57,17 @@ def _model(seed):
     return model
 
 
-def _fit(model):
-    x, y = _data()
+def _fit(model, n=64):
+    x, y = _data(n)
     history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
     return history.history
 
 
-def _reference():
+def _reference(n=64):
     """Single process, no strategy, the same global batch."""
-    x, y = _data()
+    x, y = _data(n)
     model = _model(seed=0)
-    history = _fit(model)
+    history = _fit(model, n)
     return {"weights": model.get_weights(), "history": history,
             "evaluate": model.evaluate(x, y, batch_size=BATCH, verbose=0),
             "predict": model.predict(x, batch_size=BATCH, verbose=0)}
@@ -164,19 +165,26 @@ def model_average_task(backend):
 
 
 def horovod_2x2_task():
-    """2 processes x 2 logical CPUs: local reduce, then Horovod across processes."""
+    """2 processes x 2 logical CPUs: local reduce, then Horovod across processes.
+
+    Batches split evenly: with an uneven last batch Keras averages the replicas'
+    mean losses (as with every tf.distribute strategy), which is not the global mean.
+    """
     import tfdist
 
     tfdist.devices.use_logical_cpus(2)
     strategy = tfdist.HorovodStrategy()
-    x, y = _data()
+    x, y = _data(N_2X2)
     with strategy.scope():
         model = _model(seed=strategy.rank)
-    history = _fit(model)
-    return {"replicas": strategy.num_replicas_in_sync, "weights": model.get_weights(),
-            "history": history,
-            "evaluate": model.evaluate(x, y, batch_size=BATCH, verbose=0),
-            "predict": model.predict(x, batch_size=BATCH, verbose=0)}
+    history = _fit(model, N_2X2)
+    out = {"replicas": strategy.num_replicas_in_sync, "weights": model.get_weights(),
+           "history": history,
+           "evaluate": model.evaluate(x, y, batch_size=BATCH, verbose=0),
+           "predict": model.predict(x, batch_size=BATCH, verbose=0)}
+    if strategy.rank == 0:
+        out["reference"] = _reference(N_2X2)
+    return out
 
 
 def mwms_train_task():
@@ -289,9 +297,11 @@ def test_fit_matches_multi_worker_mirrored(horovod_results):
 
 
 @pytest.mark.timeout(260)
-def test_two_local_devices_per_process_match_reference(horovod_results):
-    reference = horovod_results[0]["reference"]
-    for result in run_horovod(horovod_2x2_task, np=2, timeout=200):
+def test_two_local_devices_per_process_match_reference(horovod_installed):
+    results = run_horovod(horovod_2x2_task, np=2, timeout=200)
+    reference = results[0]["reference"]
+    assert reference["predict"].shape == (N_2X2, 1)
+    for result in results:
         assert result["replicas"] == 4
         assert_weights_close(result["weights"], reference["weights"], atol=1e-5)
         np.testing.assert_allclose(result["history"]["loss"], reference["history"]["loss"],
