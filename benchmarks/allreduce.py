@@ -42,8 +42,8 @@ def repetitions(nbytes: int, quick: bool) -> int:
     if nbytes <= 256 << 10:
         return 30
     if nbytes <= 4 << 20:
-        return 10
-    return 5
+        return 15
+    return 7
 
 
 def bus_factor(n: int = NPROC) -> float:
@@ -262,6 +262,7 @@ def plot(results: dict, path: Path) -> None:
         ax.set_xlabel("all-reduce size (bytes)")
         ax.grid(True, which="both", alpha=0.3)
     ax_t.set_yscale("log")
+    ax_bw.set_yscale("log")
     ax_t.set_ylabel("median time (ms)")
     ax_bw.set_ylabel("bus bandwidth (GB/s)")
     ax_t.legend()
