@@ -169,7 +169,12 @@ def run_horovod(fn, *args, np: int = 2, timeout: float = 600, env=None, **kwargs
             raise RuntimeError(f"horovodrun timed out after {timeout:g}s:\n"
                                + output[-2000:]) from None
         if proc.returncode != 0:
-            raise RuntimeError(f"horovodrun exited with {proc.returncode}:\n" + output[-2000:])
+            # Horovod's own traceback comes last; the rank's error is in its prefixed lines.
+            errors = [line for line in output.splitlines()
+                      if "<stderr>" in line and ("Error" in line or "error" in line)]
+            raise RuntimeError(f"horovodrun exited with {proc.returncode}: "
+                               + (errors[-1].strip() if errors else "see the output below")
+                               + "\n" + "\n".join(errors[-10:]) + "\n" + output[-2000:])
         values = []
         for rank in range(np):
             with open(os.path.join(tmp, f"rank{rank}.pkl"), "rb") as f:

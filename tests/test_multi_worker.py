@@ -119,6 +119,12 @@ def _write(result_dir, name, text):
     os.replace(path + ".tmp", path)
 
 
+def _tf_config_resolver():
+    import tensorflow as tf
+
+    return tf.distribute.cluster_resolver.TFConfigClusterResolver()
+
+
 def _fault_task(result_dir, mode, victim):
     """``mode``: "missing", "stop" (SIGSTOP) or "kill" (SIGKILL) for task ``victim``."""
     import tfdist
@@ -132,9 +138,13 @@ def _fault_task(result_dir, mode, victim):
         # its SIGKILL after the grace period is not. A killed non-leader is noticed
         # when its heartbeats stop (heartbeat_timeout); a killed leader at once.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # Each fault also exercises another cluster source.
+    source = {"missing": lambda: tfdist.ClusterSpec.from_env(),
+              "stop": lambda: _tf_config_resolver(),
+              "kill": lambda: tfdist.ClusterSpec.from_env().to_dict()}[mode]()
     try:
         strategy = tfdist.MultiWorkerMirroredStrategy(
-            startup_timeout=5 if mode == "missing" else 60,
+            source, startup_timeout=5 if mode == "missing" else 60,
             collective_timeout=5 if mode == "stop" else 120,
             heartbeat_timeout={"stop": 120, "kill": 3}.get(mode, 10))
         import keras

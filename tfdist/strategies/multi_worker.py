@@ -121,11 +121,23 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         return cluster
 
     def _make_cluster_resolver(self, source):
-        """The TF ``ClusterResolver`` handed to TF (the user's own when given)."""
+        """The TF ``ClusterResolver`` handed to TF (the user's own when given).
+
+        TF_CONFIG goes through TF's own resolver: TF special-cases it to use every local
+        GPU. Other sources become a ``SimpleClusterResolver`` that counts local GPUs
+        (listing physical devices does not start TF's runtime).
+        """
         if source is not None and hasattr(source, "cluster_spec") and hasattr(
                 source, "task_type") and not isinstance(source, ClusterSpec):
             return source
-        return self.cluster.to_cluster_resolver()
+        if source is None or source == "env":
+            return tf.distribute.cluster_resolver.TFConfigClusterResolver()
+        task = self.cluster.task
+        gpus = len(tf.config.list_physical_devices("GPU"))
+        return tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(self.cluster.jobs()),
+            task_type=task.type if task else "worker", task_id=task.index if task else 0,
+            rpc_layer="grpc", num_accelerators={"GPU": gpus} if gpus else None)
 
     def _make_communication_options(self, options):
         """Collective options: the user's, with ``collective_timeout`` if they set none."""

@@ -1,0 +1,139 @@
+"""`tfdist bench`: the quick run writes RESULTS.md with every section; the runner reports
+crashing and skipping sections; the goals table; the launcher's cluster=/wrap= options."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import tfdist
+from tfdist import bench
+from tfdist.cluster import ClusterSpec
+from tfdist.launch import run
+
+ROOT = Path(tfdist.__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(60)
+def test_launch_run_takes_a_prebuilt_cluster_and_wraps_each_task():
+    cluster = ClusterSpec(worker=("127.0.0.1:1111", "127.0.0.1:2222"))
+    script = ("import json, os; c = json.loads(os.environ['TF_CONFIG']); "
+              "print(os.environ['WRAPPED'], c['cluster']['worker'], c['task']['index'])")
+    out = io.StringIO()
+    result = run([sys.executable, "-c", script], cluster=cluster, timeout=30, stream=out,
+                 wrap=lambda task: ["env", f"WRAPPED=wrapped-{task.name}"])
+    assert result.cluster == cluster
+    lines = sorted(out.getvalue().splitlines())
+    assert lines == [
+        "[worker-0] wrapped-worker-0 ['127.0.0.1:1111', '127.0.0.1:2222'] 0",
+        "[worker-1] wrapped-worker-1 ['127.0.0.1:1111', '127.0.0.1:2222'] 1"]
+
+
+def test_launch_run_rejects_a_cluster_that_is_not_a_cluster_spec():
+    with pytest.raises(ValueError, match="cluster must be a tfdist.ClusterSpec"):
+        run([sys.executable, "-c", "pass"], cluster={"worker": ["127.0.0.1:1"]})
+
+
+@pytest.mark.timeout(120)
+def test_runner_reports_crashing_skipping_and_missing_sections(tmp_path, monkeypatch):
+    fake = tmp_path / "checkout"
+    (fake / "benchmarks").mkdir(parents=True)
+    (fake / "benchmarks" / "__init__.py").write_text("")
+    common = "import argparse, json, pathlib, sys\n" \
+             "p = argparse.ArgumentParser(); p.add_argument('--quick', action='store_true')\n" \
+             "p.add_argument('--output'); a = p.parse_args(); out = pathlib.Path(a.output)\n"
+    (fake / "benchmarks" / "crash.py").write_text(
+        common + "print('working'); raise RuntimeError('boom: the engine is missing')\n")
+    (fake / "benchmarks" / "skip.py").write_text(
+        common + "(out / 'skip.md').write_text('# Skip\\n\\nskipped: no GPU\\n')\n"
+                 "(out / 'skip.json').write_text(json.dumps({'skipped': 'no GPU'}))\n")
+    (fake / "benchmarks" / "fine.py").write_text(
+        common + "(out / 'fine.md').write_text('# Fine\\n\\n| a |\\n|---|\\n| 1 |\\n')\n"
+                 "(out / 'fine.json').write_text('{}')\n")
+    (fake / "benchmarks" / "hang.py").write_text(common + "import time; time.sleep(60)\n")
+    monkeypatch.setattr(bench, "ROOT", fake)
+    out, logs = tmp_path / "out", tmp_path / "out" / "logs"
+    logs.mkdir(parents=True)
+    crash = bench.run_section("crash", True, out, 60, logs)
+    assert crash["status"] == "failed"
+    assert "boom: the engine is missing" in crash["why"]
+    skip = bench.run_section("skip", True, out, 60, logs)
+    assert (skip["status"], skip["why"]) == ("skipped", "no GPU")
+    fine = bench.run_section("fine", True, out, 60, logs)
+    assert fine["status"] == "ok" and fine["markdown"].endswith("fine.md")
+    hang = bench.run_section("hang", True, out, 3, logs)
+    assert hang["status"] == "failed" and "timed out after 3 s" in hang["why"]
+    missing = bench.run_section("nothing", True, out, 60, logs)
+    assert missing["status"] == "skipped" and "does not exist" in missing["why"]
+
+
+def test_goals_compare_the_measured_ratios_with_the_targets(tmp_path):
+    def section(name, data):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(data))
+        return {"status": "ok", "json": str(path)}
+
+    mb64 = str(64 << 20)
+    results = {
+        "overhead": section("overhead", {"mirrored_ratio": 1.01, "mirrored_ratio_default": 0.4,
+                                         "multi_worker_ratio": 1.06}),
+        "allreduce": section("allreduce", {"seconds": {
+            "TF gRPC ring": {mb64: 0.5}, "loopback bound": {mb64: 0.025},
+            "Horovod/Gloo": {mb64: 0.075}}}),
+        "slow_link": section("slow_link", {"results": {
+            "speedup_period16": 3.0, "sync": {"epoch_seconds": 1.8,
+                                              "wire_tx_bytes_per_step": 550e3},
+            "period=16": {"epoch_seconds": 0.6, "wire_tx_bytes_per_step": 40e3},
+            "wide_speedup_period16": 8.0}}),
+        "gpu": {"status": "skipped", "why": "no GPU"},
+    }
+    rows, notes = bench.goal_rows(results)
+    status = {row[0]: (row[2], row[3]) for row in rows}
+    assert status["overhead: MirroredStrategy, same cross-device ops"] == ("1.010", "met")
+    assert status["overhead: MultiWorkerMirroredStrategy, 2 workers"] == (
+        "1.060", "missed by 1.029x")
+    assert status["multi-worker all-reduce 64 MB / loopback TCP bound"] == (
+        "20.0x", "missed by 10.0x")
+    assert status["(Horovod/Gloo all-reduce 64 MB / loopback TCP bound)"] == (
+        "3.0x", "missed by 1.5x")
+    assert status["model average period=16 vs sync, 100 Mbit/s (digits CNN)"] == (
+        "3.00x", "missed by 1.67x")
+    wide = "model average period=16 vs sync, 100 Mbit/s (wide digits CNN, dense 512)"
+    assert status[wide] == ("8.00x", "met")
+    text = "\n".join(notes)
+    assert "Horovod with Gloo" in text and "20.0x" in text
+    assert "550 KB per step" in text
+
+
+def test_goals_say_why_a_section_gave_no_numbers():
+    rows, _ = bench.goal_rows({"overhead": {"status": "failed", "why": "exited with code 1"},
+                               "slow_link": {"status": "skipped", "why": "needs root"}})
+    reasons = {row[0]: row[3] for row in rows}
+    assert reasons["model average period=16 vs sync, 100 Mbit/s"] == "skipped: needs root"
+    assert reasons["overhead: MultiWorkerMirroredStrategy, 2 workers"] == (
+        "failed: exited with code 1")
+    assert "not measured" in {row[2] for row in rows}
+
+
+@pytest.mark.timeout(900)
+def test_quick_bench_writes_a_report_with_every_section(tmp_path):
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tfdist.cli", "bench", "--quick", "--output", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=840,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = (out / "RESULTS.md").read_text()
+    status = json.loads((out / "bench_status.json").read_text())
+    for name, title, _ in bench.SECTIONS:
+        assert f"## {title}" in report, f"section {name} missing from RESULTS.md"
+        section = status["sections"][name]
+        assert section["status"] in ("ok", "skipped"), textwrap.shorten(
+            f"{name} {section}", 3000)
+    for heading in ("## Machine and versions", "## Goals", "## Sections"):
+        assert heading in report
