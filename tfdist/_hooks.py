@@ -85,8 +85,8 @@ def configure_coordination_service(jobs, register_timeout_seconds, heartbeat_tim
 LOCAL_UPDATE_ATTR = "_tfdist_local_apply"
 # Attribute a strategy sets to be told about fit/evaluate/predict/save (install_model_hooks).
 MODEL_HOOK_ATTR = "_tfdist_model_hook"
-# Model methods after which (fit) or before which (the others) the strategy is called.
-MODEL_HOOK_METHODS = {"fit": "after", "evaluate": "before", "predict": "before",
+# Model methods around which (fit) or before which (the others) the strategy is called.
+MODEL_HOOK_METHODS = {"fit": "around", "evaluate": "before", "predict": "before",
                       "test_on_batch": "before", "predict_on_batch": "before",
                       "save": "before", "save_weights": "before", "export": "before"}
 
@@ -142,7 +142,8 @@ def install_model_hooks() -> None:
     and Keras reads replica 0's copy in ``get_weights``/``save``. Keras has no strategy
     callback for these moments, so ``keras.Model``'s methods are wrapped: when
     ``model.distribute_strategy`` has a ``_tfdist_model_hook(model, method, when)``
-    attribute it is called ``"after"`` fit and ``"before"`` the others. Every other
+    attribute it is called ``"before"`` and ``"after"`` fit and ``"before"`` the
+    others. Every other
     strategy gets Keras' own methods. Idempotent.
     """
     import functools
@@ -156,10 +157,10 @@ def install_model_hooks() -> None:
         @functools.wraps(original)
         def method(self, *args, **kwargs):
             hook = getattr(self.distribute_strategy, MODEL_HOOK_ATTR, None)
-            if hook is not None and when == "before":
+            if hook is not None and when in ("before", "around"):
                 hook(self, name, "before")
             result = original(self, *args, **kwargs)
-            if hook is not None and when == "after":
+            if hook is not None and when in ("after", "around"):
                 hook(self, name, "after")
             return result
 

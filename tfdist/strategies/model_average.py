@@ -119,10 +119,13 @@ class ModelAverageStrategy(tf.distribute.Strategy):
         warmup_steps: Average after each of the first ``warmup_steps`` steps
             (post-local SGD); ``period`` counts from the end of the warm-up.
         outer_optimizer: A Keras optimizer (e.g.
-            ``keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)``). At each
-            average, ``anchor - mean(w_i)`` is applied to the anchor (the weights at
-            the last average) as its gradient (SlowMo / DiLoCo). The strategy uses a
-            copy made from its config; read it as ``strategy.outer_optimizers``.
+            ``keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)``), a function
+            returning one, or its config (dict or name). At each average,
+            ``anchor - mean(w_i)`` is applied to the anchor (the weights at the last
+            average) as its gradient (SlowMo / DiLoCo). The strategy uses its own copy,
+            made in its scope; read it as ``strategy.outer_optimizers``. On several
+            workers pass a function: making an optimizer starts TensorFlow, and the
+            multi-worker strategy must come first.
         average_optimizer_state: Also average the optimizer's slots (momentum, Adam
             moments) at each scheduled average.
         devices: Local devices, one replica each (single host only). Default: every
@@ -155,10 +158,13 @@ class ModelAverageStrategy(tf.distribute.Strategy):
                  backend="tf", compression=None, **base_kwargs):
         self.period = _int(period, "period", 1)
         self.warmup_steps = _int(warmup_steps, "warmup_steps", 0)
-        if outer_optimizer is not None and not hasattr(outer_optimizer, "get_config"):
-            raise ValueError("outer_optimizer must be a Keras optimizer or None. "
+        if outer_optimizer is not None and not (
+                hasattr(outer_optimizer, "get_config") or callable(outer_optimizer)
+                or isinstance(outer_optimizer, (str, dict))):
+            raise ValueError("outer_optimizer must be a Keras optimizer, a function that "
+                             "returns one, its config (dict or name), or None. "
                              f"Received: outer_optimizer={outer_optimizer!r}")
-        if outer_optimizer is not None:
+        if hasattr(outer_optimizer, "get_config"):
             _check_outer(outer_optimizer)
         self._outer_template = outer_optimizer
         self.average_optimizer_state = bool(average_optimizer_state)
@@ -175,6 +181,7 @@ class ModelAverageStrategy(tf.distribute.Strategy):
                              f"Received: devices={devices!r}")
         self._average_bytes = ByteCounter("tfdist_model_average_bytes")
         self._states = {}
+        self._fit_start = {}
         _hooks.install_local_update_hooks()
         _hooks.install_model_hooks()
 
@@ -229,11 +236,16 @@ class ModelAverageStrategy(tf.distribute.Strategy):
     # ---- hooks called by tfdist._hooks ---------------------------------------------------
 
     def _tfdist_model_hook(self, model, method, when):
-        """``keras.Model`` calls this after fit and before evaluate/predict/save."""
-        if when == "after" and method == "fit":
-            optimizer = getattr(model, "optimizer", None)
+        """``keras.Model`` calls this around fit and before evaluate/predict/save."""
+        optimizer = getattr(model, "optimizer", None)
+        if method == "fit" and when == "before":
+            self._fit_start[id(model)] = (
+                None if optimizer is None else int(optimizer.iterations.numpy()))
+            return
+        if method == "fit":
+            start = self._fit_start.pop(id(model), None)
             if (optimizer is not None and id(optimizer) not in self._states
-                    and int(optimizer.iterations.numpy()) > 0):
+                    and start is not None and int(optimizer.iterations.numpy()) > start):
                 raise RuntimeError(
                     "ModelAverageStrategy: fit ran optimizer steps that did not go "
                     "through tfdist's local update, so they may have been synchronous. "
@@ -278,16 +290,37 @@ class ModelAverageStrategy(tf.distribute.Strategy):
         import keras
 
         with tf.init_scope(), self.scope():
+            if self.backend == "horovod":
+                # Ranks initialize their own models: start them all from rank 0's.
+                from tfdist.comm import horovod as hvd_comm
+
+                hvd_comm.broadcast_variables([_tf_variable(v) for v in variables],
+                                             root_rank=0)
             anchors = [keras.Variable(tf.identity(_tf_variable(v)), trainable=False,
                                       dtype=v.dtype, name=f"tfdist_anchor_{i}")
                        for i, v in enumerate(variables)]
-            outer = None
-            if self._outer_template is not None:
-                template = self._outer_template
-                outer = type(template).from_config(template.get_config())
+            outer = self._make_outer()
+            if outer is not None:
                 outer.build(anchors)
         self._states[id(optimizer)] = _State(optimizer, variables, anchors,
                                              self._optimizer_slots(optimizer), outer)
+
+    def _make_outer(self):
+        """The outer optimizer, made in this strategy's scope (a copy of an instance)."""
+        import keras
+
+        template = self._outer_template
+        if template is None:
+            return None
+        if hasattr(template, "get_config"):
+            return type(template).from_config(template.get_config())
+        outer = keras.optimizers.get(template) if isinstance(template, (str, dict)) \
+            else template()
+        if not hasattr(outer, "get_config"):
+            raise ValueError("outer_optimizer must give a Keras optimizer. "
+                             f"Received: {outer!r}")
+        _check_outer(outer)
+        return outer
 
     def _local_deltas(self, state):
         """In replica context: ``anchor - w`` for this replica, cast for the wire."""
@@ -405,7 +438,18 @@ class _MultiWorkerModelAverage(ModelAverageStrategy, _multi_worker_base()):
         if devices is not None:
             raise ValueError("devices is for one host; with several workers every local "
                              f"device is a replica. Received: devices={devices!r}")
-        _multi_worker_base().__init__(self, cluster_resolver=cluster_resolver, **base_kwargs)
+        try:
+            _multi_worker_base().__init__(self, cluster_resolver=cluster_resolver,
+                                          **base_kwargs)
+        except RuntimeError as error:
+            if "at program startup" not in str(error):
+                raise
+            raise RuntimeError(
+                "ModelAverageStrategy on several workers must be created before any "
+                "TensorFlow op runs (creating a Keras optimizer runs some). Create the "
+                "strategy first, and pass outer_optimizer as a function, e.g. "
+                "outer_optimizer=lambda: keras.optimizers.SGD(0.7, momentum=0.9, "
+                f"nesterov=True). TensorFlow said: {error}") from error
 
 
 for _cls in (_SingleHostModelAverage, _MultiWorkerModelAverage):
