@@ -357,3 +357,21 @@ def test_resume_after_killed_worker_matches_uninterrupted(tmp_path):
     lines = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     assert [line["epoch"] for line in lines] == [0, 1, 2]
     np.testing.assert_allclose(lines[-1]["loss"], chief["history"]["loss"][-1], rtol=1e-6)
+
+
+def test_missing_tasks_are_read_from_tf_messages():
+    """The task names in start-up errors (message texts as TF 2.21 prints them)."""
+    from tfdist.cluster import ClusterSpec, TaskSpec
+    from tfdist.strategies.multi_worker import _missing_tasks
+
+    cluster = ClusterSpec(worker=("h:1", "h:2", "h:3"), task=TaskSpec("worker", 1))
+    barrier = ("Barrier timed out. Id: [Init]Wait_for_all_tasks_to_register::0.\n"
+               "# of tasks that reached the barrier: 2/3.\n"
+               "The first task at the barrier: /job:worker/replica:0/task:0. Some timed out "
+               "task names:\n/job:worker/replica:0/task:2\n\n\nRPC: /tensorflow.Coordination"
+               "Service/RegisterTask from remote target /job:worker/replica:0/task:0")
+    assert _missing_tasks(barrier, cluster) == "worker-2"
+    leader_down = ("Deadline Exceeded\nAdditional GRPC error information from remote target "
+                   "/job:worker/replica:0/task:0 while calling RegisterTask")
+    assert _missing_tasks(leader_down, cluster) == "worker-0"
+    assert _missing_tasks("Deadline Exceeded", cluster) == ""

@@ -199,7 +199,10 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     def _startup_error(self, error):
         """The start-up timeout as an error that names the missing task(s)."""
         me = self.cluster.task.name if self.cluster.task else "this task"
-        missing = _missing_tasks(error.message, self.cluster) or "unknown (see below)"
+        others = [t.name for t in self.cluster.tasks()
+                  if t.type in ("chief", "worker") and t != self.cluster.task]
+        missing = _missing_tasks(error.message, self.cluster) or (
+            "one or more of " + ", ".join(others))
         first_line = error.message.strip().splitlines()[0] if error.message else ""
         return tf.errors.DeadlineExceededError(
             None, None,
@@ -260,6 +263,11 @@ def _missing_tasks(message: str, cluster: ClusterSpec) -> str:
     """Task names like ``worker-1`` for every ``/job:worker/.../task:1`` in ``message``."""
     import re
 
+    # The registration barrier lists the late tasks after this marker; other errors
+    # (the leader itself unreachable) name the remote task anywhere in the text.
+    marker = "timed out task names:"
+    if marker in message:
+        message = message.split(marker, 1)[1].split("\n\n", 1)[0]
     names = []
     for job, index in re.findall(r"/job:(\w+)/replica:\d+/task:(\d+)", message):
         name = f"{job}-{index}"
