@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-import time
 
 import numpy as np
 import pytest

@@ -25,7 +25,6 @@ is available in all of them. Call ``super().__init__(...)`` from your ``__init__
 
 from __future__ import annotations
 
-import logging
 import secrets
 
 import tensorflow as tf
@@ -43,8 +42,6 @@ DEFAULT_HEARTBEAT_TIMEOUT = 10.0
 
 # What tf.compat.v1.random.get_seed(op_seed) reports as the global seed when none was set.
 _DEFAULT_GRAPH_SEED = 87654321
-
-_log = logging.getLogger("tfdist")
 
 
 def _positive(name, value, allow_none=False):
