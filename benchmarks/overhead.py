@@ -12,7 +12,9 @@ data, Keras' own compiled ``train_function`` called step by step:
 - multi-worker: `tfdist.MultiWorkerMirroredStrategy` vs
   `tf.distribute.MultiWorkerMirroredStrategy`, 2 workers started by `tfdist.launch`.
   Multi-worker TF starts once per process, so each launch measures one strategy, and the
-  launches alternate (stock, tfdist, tfdist, stock, ...) so slow phases hit both. Stock
+  launches rotate (stock, tfdist, tfdist without collective timeout, ...) so slow phases
+  hit all. The third candidate isolates the cost of tfdist's default
+  ``collective_timeout`` (TF starts a sleeping thread per timed collective). Stock
   MWMS cannot run Keras 3's ``train_function`` (keras-team/keras#20585), so both run the
   same custom step (tape, Keras optimizer ``apply``, loss reduced to the host).
 
@@ -42,14 +44,27 @@ def mirrored_task(rounds: int, repeats: int) -> dict:
     return step_times(rounds=rounds, repeats=repeats, batch=BATCH)
 
 
-def multi_worker_task(kind: str, blocks: int, steps: int) -> list[float]:
-    """In each of 2 workers: seconds per step of ``blocks`` blocks of ``steps`` steps."""
+KINDS = ("stock", "tfdist", "tfdist, no collective timeout")
+
+
+def _threads() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    return 0
+
+
+def multi_worker_task(kind: str, blocks: int, steps: int) -> dict:
+    """In each of 2 workers: seconds per step of ``blocks`` blocks of ``steps`` steps,
+    and how many OS threads the process gained per step meanwhile."""
     import tfdist
 
     if kind == "stock":
         import tensorflow as tf
 
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    elif kind == "tfdist, no collective timeout":
+        strategy = tfdist.MultiWorkerMirroredStrategy(collective_timeout=None)
     else:
         strategy = tfdist.MultiWorkerMirroredStrategy()
     import keras
@@ -90,29 +105,33 @@ def multi_worker_task(kind: str, blocks: int, steps: int) -> list[float]:
     for _ in range(3):  # trace, then warm up the collectives
         train_step(dist)
     seconds = []
+    threads = _threads()
     for _ in range(blocks):
         start = time.perf_counter()
         for _ in range(steps):
             loss = train_step(dist)
         float(loss)  # wait for the last step
         seconds.append((time.perf_counter() - start) / steps)
-    return seconds
+    return {"seconds": seconds, "threads_per_step": (_threads() - threads) / (blocks * steps)}
 
 
 def measure_multi_worker(rounds, blocks, steps, timeout):
     from benchmarks.common import run_tasks
 
-    samples = {"stock": [], "tfdist": []}
+    samples = {kind: [] for kind in KINDS}
+    threads = {kind: [] for kind in KINDS}
     for round_ in range(rounds):
-        order = ("stock", "tfdist") if round_ % 2 == 0 else ("tfdist", "stock")
+        order = KINDS[round_ % len(KINDS):] + KINDS[:round_ % len(KINDS)]
         for kind in order:
             print(f"overhead: multi-worker {kind} (round {round_ + 1}/{rounds}) ...", flush=True)
             values = run_tasks(multi_worker_task, kind, blocks, steps, workers=2,
                                timeout=timeout)
-            samples[kind] += values[0]  # worker 0's blocks (workers run in lockstep)
+            samples[kind] += values[0]["seconds"]  # worker 0 (workers run in lockstep)
+            threads[kind].append(values[0]["threads_per_step"])
             print(f"overhead: multi-worker {kind}: "
-                  f"{statistics.median(values[0]) * 1e3:.2f} ms/step", flush=True)
-    return samples
+                  f"{statistics.median(values[0]['seconds']) * 1e3:.2f} ms/step, "
+                  f"{values[0]['threads_per_step']:+.2f} threads/step", flush=True)
+    return samples, threads
 
 
 def plot(rows, path):
@@ -149,7 +168,7 @@ def main(argv=None) -> dict:
     if args.quick:
         m_rounds, m_repeats, w_rounds, w_blocks, w_steps, timeout = 2, 2, 1, 2, 3, 240
     else:
-        m_rounds, m_repeats, w_rounds, w_blocks, w_steps, timeout = 15, 10, 4, 7, 15, 600
+        m_rounds, m_repeats, w_rounds, w_blocks, w_steps, timeout = 15, 10, 3, 5, 15, 600
     data = {"machine": machine_info(), "batch": BATCH}
     errors = {}
     print("overhead: mirrored (2 logical CPUs) ...", flush=True)
@@ -165,11 +184,15 @@ def main(argv=None) -> dict:
         errors["mirrored"] = f"{type(error).__name__}: {str(error)[:400]}"
         print(f"overhead: mirrored FAILED: {errors['mirrored']}", flush=True)
     try:
-        samples = measure_multi_worker(w_rounds, w_blocks, w_steps, timeout)
-        stock, ours = (statistics.median(samples["stock"]), statistics.median(samples["tfdist"]))
-        data["multi_worker_step_seconds"] = {"stock": stock, "tfdist": ours}
+        samples, threads = measure_multi_worker(w_rounds, w_blocks, w_steps, timeout)
+        medians = {kind: statistics.median(v) for kind, v in samples.items()}
+        data["multi_worker_step_seconds"] = medians
         data["multi_worker_samples"] = samples
-        data["multi_worker_ratio"] = ours / stock
+        data["multi_worker_threads_per_step"] = {k: statistics.median(v)
+                                                 for k, v in threads.items()}
+        data["multi_worker_ratio"] = medians["tfdist"] / medians["stock"]
+        data["multi_worker_ratio_no_timeout"] = (medians["tfdist, no collective timeout"]
+                                                 / medians["stock"])
     except Exception as error:
         errors["multi_worker"] = f"{type(error).__name__}: {str(error)[:400]}"
         print(f"overhead: multi-worker FAILED: {errors['multi_worker']}", flush=True)
@@ -199,18 +222,29 @@ def main(argv=None) -> dict:
         w = data["multi_worker_step_seconds"]
         add("MultiWorkerMirroredStrategy (2 workers)", "MultiWorkerMirroredStrategy",
             w["tfdist"], w["stock"])
+        add("MultiWorkerMirroredStrategy(collective_timeout=None)",
+            "MultiWorkerMirroredStrategy", w["tfdist, no collective timeout"], w["stock"])
     else:
         rows.append(["MultiWorkerMirroredStrategy", "MultiWorkerMirroredStrategy", "", "",
                      "failed", errors.get("multi_worker", "")])
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
+    leak = ""
+    if "multi_worker_threads_per_step" in data:
+        t = data["multi_worker_threads_per_step"]
+        leak = ("OS threads gained per training step (worker 0): " + ", ".join(
+            f"{k}: {v:+.2f}" for k, v in t.items()) + ". A collective with a timeout makes "
+            "TensorFlow start one thread that sleeps for the whole timeout "
+            "(`Env::SchedClosureAfter` in tensorflow/core/platform/default/env.cc), so with "
+            "tfdist's default `collective_timeout=300` every collective costs a thread "
+            "creation and a thread lives 300 s per collective.")
     text = ["# Strategy overhead against stock TF", "",
             "Command: `.venv/bin/python -m benchmarks.overhead`", "",
             f"MLP 256-512-512-10, global batch {BATCH}, Keras' compiled train step. Mirrored: "
             f"one process, candidates alternate every block of {m_repeats} steps "
             f"({m_rounds} blocks each). Multi-worker: {w_rounds} launches of 2 workers per "
-            f"strategy, alternating stock/tfdist, {w_blocks} blocks of {w_steps} steps each; "
-            "medians of the per-step times.", "", markdown_table(rows), ""]
+            f"strategy, rotating the order, {w_blocks} blocks of {w_steps} steps each; "
+            "medians of the per-step times.", "", markdown_table(rows), "", leak, ""]
     if plot_rows:
         plot(plot_rows, out / "overhead.png")
         text += ["![overhead](overhead.png)", ""]

@@ -142,6 +142,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--output", default="benchmarks")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="comma-separated subset of: " + ", ".join(MODES))
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="repeat every mode this many times, alternating the order")
     args = parser.parse_args(argv)
     from benchmarks.common import machine_info, markdown_table, write_section
 
@@ -151,7 +153,8 @@ def main(argv=None) -> dict:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         parser.error(f"unknown mode(s) {unknown}; choose from {list(MODES)}")
-    steps, epochs, rounds = (4, 1, 1) if args.quick else (40, 3, 2)
+    parser_rounds = args.rounds
+    steps, epochs, rounds = (4, 1, 1) if args.quick else (30, 3, parser_rounds)
     timeout = 240 if args.quick else 600
     results: dict[str, dict] = {}
     samples: dict[str, list] = {}
@@ -161,7 +164,7 @@ def main(argv=None) -> dict:
             results[mode] = {"skipped": why}
             print(f"throughput: {mode}: skipped: {why}", flush=True)
     for round_ in range(rounds):
-        for mode in modes:
+        for mode in (modes if round_ % 2 == 0 else modes[::-1]):
             if "skipped" in results.get(mode, {}) or "failed" in results.get(mode, {}):
                 continue
             print(f"throughput: {mode} (round {round_ + 1}/{rounds}) ...", flush=True)

@@ -80,8 +80,11 @@ def test_goals_compare_the_measured_ratios_with_the_targets(tmp_path):
 
     mb64 = str(64 << 20)
     results = {
-        "overhead": section("overhead", {"mirrored_ratio": 1.01, "mirrored_ratio_default": 0.4,
-                                         "multi_worker_ratio": 1.06}),
+        "overhead": section("overhead", {
+            "mirrored_ratio": 1.01, "mirrored_ratio_default": 0.4, "multi_worker_ratio": 1.06,
+            "multi_worker_ratio_no_timeout": 1.0,
+            "multi_worker_samples": {"stock": [0.010, 0.012], "tfdist": [0.011, 0.013]},
+            "multi_worker_threads_per_step": {"stock": 0.0, "tfdist": 2.0}}),
         "allreduce": section("allreduce", {"seconds": {
             "TF gRPC ring": {mb64: 0.5}, "loopback bound": {mb64: 0.025},
             "Horovod/Gloo": {mb64: 0.075}}}),
@@ -105,7 +108,11 @@ def test_goals_compare_the_measured_ratios_with_the_targets(tmp_path):
         "3.00x", "missed by 1.67x")
     wide = "model average period=16 vs sync, 100 Mbit/s (wide digits CNN, dense 512)"
     assert status[wide] == ("8.00x", "met")
+    assert status["(overhead: MultiWorkerMirroredStrategy(collective_timeout=None))"] == (
+        "1.000", "met")
     text = "\n".join(notes)
+    assert "stock: 10.0-12.0 ms" in text and "collective_timeout=300" in text
+    assert "tfdist: +2.00 threads per step" in text
     assert "Horovod with Gloo" in text and "20.0x" in text
     assert "550 KB per step" in text
 

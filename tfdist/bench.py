@@ -228,26 +228,39 @@ def goal_rows(results: dict) -> tuple[list[list[str]], list[str]]:
     # 1. Strategy overhead <= 1.03 x stock.
     overhead = data.get("overhead") or {}
     mirrored = data.get("mirrored") or {}
-    for label, value in (
-            ("MirroredStrategy, same cross-device ops", overhead.get("mirrored_ratio",
-                                                                     mirrored.get(
-                                                                         "overhead_ratio_same_ops"))),
-            ("MirroredStrategy, tfdist default vs stock with the same ops",
-             overhead.get("mirrored_ratio_default", mirrored.get("overhead_ratio_default"))),
-            ("MultiWorkerMirroredStrategy, 2 workers", overhead.get("multi_worker_ratio"))):
+    checks = [
+        ("MirroredStrategy, same cross-device ops", overhead.get("mirrored_ratio")),
+        ("MirroredStrategy, same cross-device ops (mirrored section)",
+         mirrored.get("overhead_ratio_same_ops")),
+        ("MirroredStrategy default (ReductionToOneDevice + byte counter) vs stock with "
+         "ReductionToOneDevice", overhead.get("mirrored_ratio_default")),
+        ("MultiWorkerMirroredStrategy, 2 workers", overhead.get("multi_worker_ratio"))]
+    for label, value in checks:
         if value is None:
-            rows.append([f"overhead: {label}", "<= 1.03", "not measured", _why_missing(
-                results, "overhead")])
+            if "mirrored section" not in label:
+                rows.append([f"overhead: {label}", "<= 1.03", "not measured",
+                             _why_missing(results, "overhead")])
             continue
         status = "met" if value <= 1.03 else f"missed by {value / 1.03:.3f}x"
         rows.append([f"overhead: {label}", "<= 1.03", f"{value:.3f}", status])
-        if value > 1.03:
+        if value <= 1.03:
+            continue
+        if label.startswith("MultiWorker"):
+            notes.append(_multi_worker_overhead_note(overhead, value))
+        else:
             notes.append(
-                f"- Overhead ({label}) {value:.3f}: tfdist's strategy runs the same TF ops as "
-                "stock TF (it only overrides Python-level set-up and reduce of structures); "
-                "the gap is within this 2-core machine's run-to-run noise for steps of a "
-                "few ms (compare the spread of the per-round numbers in overhead.json), not "
-                "a per-step cost.")
+                f"- Overhead ({label}) {value:.3f}: with the same cross-device ops, "
+                "tfdist's MirroredStrategy builds the same per-step graph as stock TF "
+                "(it only changes construction and the default ops; the default adds one "
+                "int64 add per reduction for byte counting). Read it against the other "
+                "measurement of the same ratio in this run and the per-block spread: on "
+                "this shared 2-core machine steps of a few ms vary by more than 3% between "
+                "blocks.")
+    no_timeout = overhead.get("multi_worker_ratio_no_timeout")
+    if no_timeout is not None:
+        rows.append(["(overhead: MultiWorkerMirroredStrategy(collective_timeout=None))",
+                     "<= 1.03", f"{no_timeout:.3f}",
+                     "met" if no_timeout <= 1.03 else f"missed by {no_timeout / 1.03:.3f}x"])
 
     # 2. Multi-worker 64 MB all-reduce within 2x of the loopback TCP bound.
     allreduce = data.get("allreduce") or {}
@@ -314,6 +327,32 @@ def goal_rows(results: dict) -> tuple[list[list[str]], list[str]]:
         rows.append(["model average period=16 vs sync, 100 Mbit/s", ">= 5x", "not measured",
                      _why_missing(results, "slow_link")])
     return rows, notes
+
+
+def _multi_worker_overhead_note(overhead: dict, value: float) -> str:
+    samples = overhead.get("multi_worker_samples") or {}
+    threads = overhead.get("multi_worker_threads_per_step") or {}
+    no_timeout = overhead.get("multi_worker_ratio_no_timeout")
+    spread = "; ".join(f"{k}: {min(v) * 1e3:.1f}-{max(v) * 1e3:.1f} ms" for k, v in
+                       samples.items() if v)
+    text = (f"- Overhead (MultiWorkerMirroredStrategy) {value:.3f}. Per-block step times: "
+            f"{spread}.")
+    if no_timeout is not None and no_timeout < value:
+        text += (
+            f" Without tfdist's default `collective_timeout=300` the ratio is "
+            f"{no_timeout:.3f}: TF implements a collective's timeout by starting one OS "
+            "thread per collective that sleeps for the whole timeout "
+            "(`Env::SchedClosureAfter`, tensorflow/core/platform/default/env.cc); measured "
+            + ", ".join(f"{k}: {v:+.2f}" for k, v in threads.items())
+            + " threads per step. Besides the per-step cost, a long run keeps (collectives "
+            "per second x 300) sleeping threads alive. Fix: default "
+            "`collective_timeout=None` and detect frozen peers with the coordination "
+            "service's heartbeat (already configured), or run a single watchdog that "
+            "calls `context.abort_collective_ops` when a step exceeds the timeout.")
+    else:
+        text += (" The same TF collectives run in both; the difference is within the "
+                 "spread of the per-block times on this shared machine.")
+    return text
 
 
 def _why_missing(results, name) -> str:
@@ -412,6 +451,9 @@ def main(args) -> int:
     facts = machine_facts()
     results = {n: {"status": "skipped", "why": "not selected (--sections)", "seconds": 0.0}
                for n, _, _ in SECTIONS}
+    for name in names:
+        results[name] = {"status": "pending", "why": "not finished when this was written",
+                         "seconds": 0.0}
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
         futures = {pool.submit(run_section, n, quick, out, timeout, log_dir): n for n in names}
         for i, future in enumerate(concurrent.futures.as_completed(futures), 1):
@@ -421,6 +463,8 @@ def main(args) -> int:
             except Exception as error:  # the runner itself: report, go on
                 results[name] = {"status": "failed", "why": f"{type(error).__name__}: {error}",
                                  "seconds": 0.0}
+            # Rewritten after every section, so an interrupted run still leaves a report.
+            write_results(out, results, facts, quick, time.time() - started)
             _say(f"tfdist bench: {i}/{len(names)} done ({name}), "
                  f"{(time.time() - started) / 60:.1f} min so far")
     path = write_results(out, results, facts, quick, time.time() - started)
