@@ -58,6 +58,15 @@ def _num_examples(x) -> int:
     return int(tf.nest.flatten(x)[0].shape[0])
 
 
+def _check_arrays(x, name):
+    leaves = tf.nest.flatten(x)
+    if x is None or not leaves or not all(hasattr(leaf, "shape") for leaf in leaves):
+        raise ValueError(
+            f"ParameterServerStrategy takes numpy arrays (or tensors), a batched "
+            f"tf.data.Dataset, or a dataset function fn(input_context) as {name}. "
+            f"Received: {name}={type(x).__name__}")
+
+
 def _cardinality(dataset) -> int:
     return int(dataset.cardinality().numpy())
 
@@ -101,8 +110,7 @@ class TrainInput:
             batches = _cardinality(sample)
             default_steps = batches * k if batches > 0 else None
         else:
-            if x is None:
-                raise ValueError("fit needs training data. Received: x=None")
+            _check_arrays(x, "x")
             batch_size = batch_size or DEFAULT_BATCH_SIZE
             n = _num_examples(x)
             seed = int(np.random.randint(0, 2**31 - 1))
@@ -146,8 +154,7 @@ def _chief_dataset(strategy, x, y, sample_weight, batch_size, steps):
                              f"sample_weight={type(sample_weight).__name__}")
         dataset = x
     else:
-        if x is None:
-            raise ValueError("no data given. Received: x=None")
+        _check_arrays(x, "x")
         dataset = _arrays_dataset(x, y, sample_weight).batch(batch_size or DEFAULT_BATCH_SIZE)
     if steps is not None:
         dataset = dataset.take(steps)
@@ -216,6 +223,7 @@ class _Driver:
         self.strategy = strategy
         self.coordinator = strategy.coordinator
         self.optimizer = model.optimizer
+        self.compile_loss = getattr(model, "_compile_loss", None)
         self.built_for = None
         self.accumulators = None
 
@@ -312,15 +320,18 @@ class _Driver:
 
     # -- dispatch --
 
-    def run_train_steps(self, iterator, count):
-        """Schedules ``count`` steps; returns the logs of the last one (fetched)."""
+    def start_train_steps(self, iterator, count):
+        """Schedules ``count`` steps; returns the `RemoteValue` of the last one.
+
+        Async steps are only queued. A sync step waits for its K gradients and its apply,
+        so sync steps are done when this returns.
+        """
         strategy = self.strategy
         train_fn = self.train_function()
         if strategy.mode == "async":
             last = None
             for _ in range(count):
                 last = self.coordinator.schedule(train_fn, args=(iterator,))
-            logs = _fetch(self.coordinator, last)
             pushed = count
         else:
             apply_fn = self.apply_function()
@@ -331,10 +342,14 @@ class _Driver:
                 # Keras' optimizer needs a replica context: apply on a worker, then wait.
                 self.coordinator.schedule(apply_fn)
                 self.coordinator.join()
-            logs = _fetch(self.coordinator, values[-1])
+            last = values[-1]
             pushed = count * strategy.num_workers
         strategy._bytes.add(pushed * self.gradient_bytes)
-        return _to_python(logs)
+        return last
+
+    def finish_train_steps(self, last):
+        """The logs of a step started by `start_train_steps`, as Python numbers."""
+        return _to_python(_fetch(self.coordinator, last))
 
 
 def _fetch(coordinator, remote_value):
@@ -349,7 +364,8 @@ def _fetch(coordinator, remote_value):
 def _driver(model) -> _Driver:
     strategy = model._distribute_strategy
     driver = _drivers.get(model)
-    if driver is None or driver.optimizer is not model.optimizer:
+    if driver is None or driver.optimizer is not model.optimizer or \
+            driver.compile_loss is not getattr(model, "_compile_loss", None):
         driver = _Driver(model, strategy)
         _drivers[model] = driver
     return driver
@@ -424,15 +440,26 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
         for epoch in range(initial_epoch, epochs):
             model.reset_metrics()
             callbacks.on_epoch_begin(epoch)
-            step = 0
+            # The next dispatch is queued before the last one's logs are fetched, so the
+            # workers never wait for the chief.
+            step, pending = 0, None
             while step < steps:
                 count = min(dispatch, steps - step)
-                callbacks.on_train_batch_begin(step)
-                logs = driver.run_train_steps(iterator, count)
+                if pending is None:
+                    callbacks.on_train_batch_begin(step)
+                handle = driver.start_train_steps(iterator, count)
+                if pending is not None:
+                    logs = driver.finish_train_steps(pending[1])
+                    callbacks.on_train_batch_end(pending[0], logs)
+                    if model.stop_training:
+                        pending = None
+                        break
+                    callbacks.on_train_batch_begin(step)
+                pending = (step + count - 1, handle)
                 step += count
-                callbacks.on_train_batch_end(step - 1, logs)
-                if model.stop_training:
-                    break
+            if pending is not None:
+                logs = driver.finish_train_steps(pending[1])
+                callbacks.on_train_batch_end(pending[0], logs)
             driver.coordinator.join()
             epoch_logs = _to_python(_hooks.keras_metrics_or_logs(model, logs))
             if validation_data is not None and _should_eval(epoch, validation_freq):
@@ -513,9 +540,10 @@ def predict(model, x, batch_size=None, verbose="auto", steps=None, callbacks=Non
     """`keras.Model.predict` on a parameter-server cluster; outputs keep the input order."""
     strategy = model._distribute_strategy
     dataset = _chief_dataset(strategy, x, None, None, batch_size, steps)
-    element_spec = dataset.element_spec
     driver = _driver(model)
-    driver.ensure_built(element_spec)
+    if not model.built:
+        with strategy.scope():
+            _hooks.build_keras_state(model, dataset.element_spec)
     num_batches = _cardinality(dataset)
     callbacks = _callback_list(model, callbacks, verbose, 1,
                                num_batches if num_batches > 0 else None, history=False)
