@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -256,18 +257,26 @@ def test_fit_matches_single_process_and_shards_exactly_once():
     assert not spam, spam[:3]
 
 
+MARK = "TFDIST_TEST_RESULT_DIR"
+
+
 def _assert_gone(result_dir):
-    """Every task process recorded in ``result_dir`` has exited (kills leftovers)."""
+    """Every task process recorded in ``result_dir`` has exited (kills leftovers).
+
+    A pid counts only if its environment carries this test's mark: pids are reused
+    quickly on a busy machine, and other people's processes must never be signalled.
+    """
+    mark = f"{MARK}={result_dir}".encode() + b"\0"
     leftovers = []
     for name in os.listdir(result_dir):
         if not name.endswith(".pid"):
             continue
         pid = int(open(os.path.join(result_dir, name)).read())
         try:
-            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+            environ = open(f"/proc/{pid}/environ", "rb").read()
         except OSError:
             continue
-        if b"tfdist._task_main" in cmdline:
+        if mark in environ:
             leftovers.append(name)
             for signum in (signal.SIGCONT, signal.SIGKILL):
                 try:
@@ -275,6 +284,28 @@ def _assert_gone(result_dir):
                 except ProcessLookupError:
                     pass
     assert not leftovers, f"processes left behind: {leftovers}"
+
+
+def test_assert_gone_finds_and_kills_a_marked_leftover(tmp_path):
+    """The no-process-left-behind check itself can fail (and cleans up)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            env=dict(os.environ, **{MARK: str(tmp_path)}))
+    unmarked = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / "worker-1.pid").write_text(str(proc.pid))
+        (tmp_path / "worker-0.pid").write_text(str(unmarked.pid))
+        time.sleep(0.5)  # let the children exec so /proc/<pid>/environ is theirs
+        with pytest.raises(AssertionError, match="worker-1.pid"):
+            _assert_gone(tmp_path)
+        assert proc.wait(10) == -signal.SIGKILL
+        assert unmarked.poll() is None  # not ours to kill
+    finally:
+        for p in (proc, unmarked):
+            p.kill()
+            p.wait()
 
 
 def _read(result_dir, name):
@@ -286,7 +317,7 @@ def _read(result_dir, name):
 def test_missing_peer_is_named_after_startup_timeout(tmp_path):
     try:
         chief, other = run_cluster(_fault_task, str(tmp_path), "missing", "worker-1",
-                                   timeout=100, stream=None)
+                                   timeout=100, stream=None, env={MARK: str(tmp_path)})
     finally:
         _assert_gone(tmp_path)
     assert other == "absent"
@@ -304,7 +335,7 @@ def test_frozen_peer_fails_after_collective_timeout(tmp_path):
     try:
         with pytest.raises(tfdist.LaunchError) as info:
             run_cluster(_fault_task, str(tmp_path), "stop", "worker-1", timeout=100,
-                        stream=None, grace_period=1)
+                        stream=None, grace_period=1, env={MARK: str(tmp_path)})
     finally:
         _assert_gone(tmp_path)
     assert info.value.task == "worker-0", info.value
@@ -322,7 +353,7 @@ def test_killed_peer_makes_survivor_exit(tmp_path):
         with pytest.raises(tfdist.LaunchError) as info:
             # The survivor ignores SIGTERM: it has grace_period seconds to stop itself.
             run_cluster(_fault_task, str(tmp_path), "kill", "worker-1", timeout=100,
-                        stream=None, grace_period=15)
+                        stream=None, grace_period=15, env={MARK: str(tmp_path)})
     finally:
         _assert_gone(tmp_path)
     assert info.value.task == "worker-1" and info.value.returncode == -signal.SIGKILL
