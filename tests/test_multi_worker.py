@@ -408,3 +408,21 @@ def test_missing_tasks_are_read_from_tf_messages():
                    "/job:worker/replica:0/task:0 while calling RegisterTask")
     assert _missing_tasks(leader_down, cluster) == "worker-0"
     assert _missing_tasks("Deadline Exceeded", cluster) == ""
+
+
+def test_tfdist_keras_loads_on_first_use_only():
+    import subprocess
+    import sys
+
+    code = ("import sys, tfdist; assert 'tensorflow' not in sys.modules; "
+            "cbs = tfdist.keras.callbacks; assert 'tensorflow' in sys.modules; "
+            "print(cbs.ModelCheckpoint.__name__, cbs.BackupAndRestore.__name__, "
+            "cbs.MetricsLogger.__name__, cbs.task_info()); import os; "
+            "os.environ['TF_CONFIG'] = tfdist.ClusterSpec(worker=('h:1', 'h:2'), "
+            "task=tfdist.TaskSpec('worker', 1)).to_tf_config(); print(cbs.task_info())")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, PYTHONPATH=root, TF_CONFIG=""))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["ModelCheckpoint", "BackupAndRestore", "MetricsLogger",
+                                  "(True,", "'worker-0')", "(False,", "'worker-1')"]
