@@ -107,8 +107,9 @@ def _markdown(report):
         "A sync step reads one batch on each worker, sums the K gradients on the ps and "
         "applies them once (two barriers per step: gradients, then the update), so its "
         "examples/s is K x batch x steps/s. Async steps need no barrier. Every process "
-        "shares the machine's cores, so adding a worker adds compute only where cores "
-        "are idle.",
+        "(chief, K workers, ps) shares the machine's cores with whatever else runs there "
+        "(see the load average above), so a second worker adds compute only where cores "
+        "are idle; on a 2-core machine that is already busy it mostly cannot.",
         "",
     ]
     return "\n".join(lines)
@@ -133,8 +134,8 @@ def main(argv=None):
     if args.quick:
         return 0
     report = {
-        "command": "python benchmarks/parameter_server.py " + " ".join(
-            sys.argv[1:] if argv is None else argv),
+        "command": " ".join(["python benchmarks/parameter_server.py",
+                             *(sys.argv[1:] if argv is None else argv)]),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python "
                    f"{platform.python_version()}",

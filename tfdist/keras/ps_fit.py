@@ -362,7 +362,7 @@ def _fetch(coordinator, remote_value):
 
 
 def _driver(model) -> _Driver:
-    strategy = model._distribute_strategy
+    strategy = model.distribute_strategy
     driver = _drivers.get(model)
     if driver is None or driver.optimizer is not model.optimizer or \
             driver.compile_loss is not getattr(model, "_compile_loss", None):
@@ -413,7 +413,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
         sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
         validation_batch_size=None, validation_freq=1):
     """`keras.Model.fit` on a parameter-server cluster (same arguments)."""
-    strategy = model._distribute_strategy
+    strategy = model.distribute_strategy
     if not model.compiled:
         raise ValueError("You must call `compile()` before calling `fit()`.")
     if validation_split:
@@ -501,7 +501,7 @@ def evaluate(model, x=None, y=None, batch_size=None, verbose="auto", sample_weig
     free worker."""
     if kwargs:
         raise ValueError(f"Arguments not recognized: {kwargs}")
-    strategy = model._distribute_strategy
+    strategy = model.distribute_strategy
     if not model.compiled:
         raise ValueError("You must call `compile()` before calling `evaluate()`.")
     dataset = _chief_dataset(strategy, x, y, sample_weight, batch_size, steps)
@@ -538,7 +538,7 @@ def evaluate(model, x=None, y=None, batch_size=None, verbose="auto", sample_weig
 
 def predict(model, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
     """`keras.Model.predict` on a parameter-server cluster; outputs keep the input order."""
-    strategy = model._distribute_strategy
+    strategy = model.distribute_strategy
     dataset = _chief_dataset(strategy, x, None, None, batch_size, steps)
     driver = _driver(model)
     if not model.built:
