@@ -301,6 +301,8 @@ def test_bad_mode_and_dispatch_are_clear_errors():
         tfdist.ParameterServerStrategy(spec, mode="hogwild")
     with pytest.raises(ValueError, match="steps_per_dispatch must be"):
         tfdist.ParameterServerStrategy(spec, steps_per_dispatch=0)
+    with pytest.raises(ValueError, match="chief_poll_seconds must be"):
+        tfdist.ParameterServerStrategy(spec, chief_poll_seconds=0)
 
 
 # ---- a ps killed in the middle of fit: clear error, then resume from the checkpoint -------

@@ -138,6 +138,10 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
                 or steps_per_dispatch < 1):
             raise ValueError("steps_per_dispatch must be None or an integer >= 1. "
                              f"Received: steps_per_dispatch={steps_per_dispatch!r}")
+        if isinstance(chief_poll_seconds, bool) or not isinstance(
+                chief_poll_seconds, (int, float)) or not chief_poll_seconds > 0:
+            raise ValueError("chief_poll_seconds must be a number > 0. "
+                             f"Received: chief_poll_seconds={chief_poll_seconds!r}")
         spec = resolve_cluster(cluster_resolver)
         validate_ps_cluster(spec)
         # Fail fast on a dead peer instead of retrying forever; the coordinator reschedules.
