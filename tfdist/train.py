@@ -9,6 +9,7 @@ or launches one local process per task through `tfdist.launch`. Every task runs
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
@@ -48,16 +49,21 @@ def build_strategy(config: dict[str, Any]):
 
 
 def _optimizer_from_table(table: dict[str, Any]):
-    """``{name = "sgd", learning_rate = 0.7, ...}`` -> a Keras optimizer."""
+    """``{name = "sgd", learning_rate = 0.7, ...}`` -> a function making that Keras
+    optimizer (multi-worker strategies must exist before the optimizer is created)."""
     import keras
 
     table = dict(table)
     name = table.pop("name", "sgd")
+    cls = {"sgd": keras.optimizers.SGD, "adam": keras.optimizers.Adam}.get(name.lower())
+    if cls is None:
+        raise ConfigError(f"strategy.options.outer_optimizer.name must be 'sgd' or 'adam'. "
+                          f"Received: {name!r}")
     try:
-        return keras.optimizers.get({"class_name": name, "config": table})
-    except (ValueError, TypeError) as error:
-        raise ConfigError(f"strategy.options.outer_optimizer is not a Keras optimizer: "
-                          f"{error}") from None
+        inspect.signature(cls).bind(**table)
+    except TypeError as error:
+        raise ConfigError(f"strategy.options.outer_optimizer: {error}") from None
+    return lambda: cls(**table)
 
 
 def export_slurm_cluster(config: dict[str, Any]) -> None:
