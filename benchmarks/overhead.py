@@ -168,7 +168,7 @@ def main(argv=None) -> dict:
     if args.quick:
         m_rounds, m_repeats, w_rounds, w_blocks, w_steps, timeout = 2, 2, 1, 2, 3, 240
     else:
-        m_rounds, m_repeats, w_rounds, w_blocks, w_steps, timeout = 15, 10, 3, 5, 15, 600
+        m_rounds, m_repeats, w_rounds, w_blocks, w_steps, timeout = 15, 10, 2, 5, 15, 600
     data = {"machine": machine_info(), "batch": BATCH}
     errors = {}
     print("overhead: mirrored (2 logical CPUs) ...", flush=True)

@@ -90,7 +90,11 @@ def run_section(name: str, quick: bool, out: Path, timeout: float, log_dir: Path
         return {"status": "skipped", "why": f"benchmarks/{name}.py does not exist yet",
                 "seconds": 0.0}
     argv = section_argv(name, quick, out)
-    shown = " ".join(["python"] + argv[1:]).replace(str(out), "OUT")
+    try:
+        out_shown = str(out.relative_to(ROOT))  # e.g. "benchmarks"
+    except ValueError:
+        out_shown = "OUT"
+    shown = " ".join(["python"] + argv[1:]).replace(str(out), out_shown)
     _say(f"[{name}] $ {shown}")
     log_path = log_dir / f"{name}.log"
     tail: list[str] = []
