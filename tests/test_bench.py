@@ -4,6 +4,7 @@ crashing and skipping sections; the goals table; the launcher's cluster=/wrap= o
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -130,11 +131,21 @@ def test_goals_say_why_a_section_gave_no_numbers():
 @pytest.mark.timeout(900)
 def test_quick_bench_writes_a_report_with_every_section(tmp_path):
     out = tmp_path / "bench"
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "tfdist.cli", "bench", "--quick", "--output", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=840,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    try:
+        output, _ = proc.communicate(timeout=840)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGINT)  # the bench stops its sections and their tasks
+        try:
+            output, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+        pytest.fail("tfdist bench --quick did not finish in 840 s:\n" + output[-3000:])
+    assert proc.returncode == 0, output[-3000:]
     report = (out / "RESULTS.md").read_text()
     status = json.loads((out / "bench_status.json").read_text())
     for name, title, _ in bench.SECTIONS:

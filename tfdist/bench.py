@@ -46,6 +46,7 @@ FULL_TIMEOUT = 1800.0
 _NOISE = re.compile(r"oneDNN custom operations|cpu_feature_guard|AVX2 AVX512|rebuild "
                     r"TensorFlow with|absl::InitializeLog|^\s*$|WARNING: All log messages")
 _print_lock = threading.Lock()
+_running: set = set()  # section processes, stopped if the bench itself is interrupted
 
 
 def _say(line: str) -> None:
@@ -102,7 +103,14 @@ def run_section(name: str, quick: bool, out: Path, timeout: float, log_dir: Path
         proc = subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 text=True, errors="replace", start_new_session=True)
-        timer = threading.Timer(timeout, lambda: _kill_group(proc))
+        _running.add(proc)
+        timed_out = threading.Event()
+
+        def expire():
+            timed_out.set()
+            _stop_group(proc)
+
+        timer = threading.Timer(timeout, expire)
         timer.start()
         try:
             for line in proc.stdout:
@@ -114,10 +122,11 @@ def run_section(name: str, quick: bool, out: Path, timeout: float, log_dir: Path
                         _say(line if line.startswith(f"[{name}]") else f"[{name}] {line}")
             code = proc.wait()
         except BaseException:
-            _kill_group(proc)
+            _stop_group(proc)
             raise
         finally:
             timer.cancel()
+            _running.discard(proc)
     seconds = time.time() - started
     result = {"command": shown, "seconds": seconds, "returncode": code,
               "log": str(log_path), "tail": "\n".join(tail[-25:])}
@@ -133,7 +142,7 @@ def run_section(name: str, quick: bool, out: Path, timeout: float, log_dir: Path
         else:
             result["status"] = "ok"
     else:
-        if seconds >= timeout:
+        if timed_out.is_set():
             why = f"timed out after {timeout:g} s (every process of the section was killed)"
         elif code != 0:
             why = f"exited with code {code}: {_last_error(tail)}"
@@ -145,11 +154,20 @@ def run_section(name: str, quick: bool, out: Path, timeout: float, log_dir: Path
     return result
 
 
-def _kill_group(proc):
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+def _stop_group(proc, grace: float = 20.0):
+    """SIGINT the section's process group (Python unwinds: the launcher stops its tasks,
+    which run in their own sessions, and slow_link removes its namespaces), then SIGKILL
+    whatever is left after ``grace`` seconds."""
+    for signum in (signal.SIGINT, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            return
+        try:
+            proc.wait(grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def _last_error(lines: list[str]) -> str:
@@ -458,7 +476,8 @@ def main(args) -> int:
     for name in names:
         results[name] = {"status": "pending", "why": "not finished when this was written",
                          "seconds": 0.0}
-    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs)
+    try:
         futures = {pool.submit(run_section, n, quick, out, timeout, log_dir): n for n in names}
         for i, future in enumerate(concurrent.futures.as_completed(futures), 1):
             name = futures[future]
@@ -471,6 +490,12 @@ def main(args) -> int:
             write_results(out, results, facts, quick, time.time() - started)
             _say(f"tfdist bench: {i}/{len(names)} done ({name}), "
                  f"{(time.time() - started) / 60:.1f} min so far")
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in list(_running):
+            _stop_group(proc)
+        raise
+    pool.shutdown()
     path = write_results(out, results, facts, quick, time.time() - started)
     ok = sum(r["status"] == "ok" for r in results.values())
     _say(f"tfdist bench: wrote {path} ({ok} ok, "
