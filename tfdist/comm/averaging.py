@@ -26,7 +26,8 @@ def is_average_step(step, period: int, warmup_steps: int):
                          tf.equal(tf.math.floormod(step - warmup_steps, period), 0))
 
 
-def allreduce_mean(distribution, values, destinations, backend: str = "tf"):
+def allreduce_mean(distribution, values, destinations, backend: str = "tf",
+                   name: str = "tfdist_model_average"):
     """Means of per-replica ``values`` across every replica of every worker.
 
     Call in cross-replica context (inside a ``merge_call``).
@@ -38,6 +39,7 @@ def allreduce_mean(distribution, values, destinations, backend: str = "tf"):
         destinations: Variables whose devices receive the result (one per value).
         backend: ``"tf"`` (the strategy's own cross-device / collective ops) or
             ``"horovod"`` (`tfdist.comm.horovod.allreduce`; one replica per rank).
+        name: Name prefix of the Horovod ops (ranks match tensors by name).
 
     Returns:
         One reduced value per input: mirrored on ``destinations`` (tf), or a plain
@@ -60,6 +62,5 @@ def allreduce_mean(distribution, values, destinations, backend: str = "tf"):
                 raise ValueError("backend='horovod' runs one replica per process (rank). "
                                  f"Received: {len(parts)} local replicas")
             local.append(parts[0])
-        return hvd_comm.allreduce(local, op="average", compression=None,
-                                  name="tfdist_model_average")
+        return hvd_comm.allreduce(local, op="average", compression=None, name=name)
     raise ValueError(f"backend must be one of {BACKENDS}. Received: backend={backend!r}")

@@ -350,8 +350,9 @@ class ModelAverageStrategy(tf.distribute.Strategy):
         """Cross-replica: all-reduce, then set anchors and every replica's weights."""
         anchors = [_tf_variable(a) for a in state.anchors]
         plain_tf = [_tf_variable(v) for v in plain_vars]
-        reduced = allreduce_mean(distribution, list(deltas) + list(plain),
-                                 anchors + plain_tf, self.backend)
+        reduced = allreduce_mean(
+            distribution, list(deltas) + list(plain), anchors + plain_tf, self.backend,
+            name="tfdist_model_average" if outer else "tfdist_model_average_forced")
         self._average_bytes.add(nbytes)
         mean_deltas, mean_plain = reduced[:len(anchors)], reduced[len(anchors):]
         extended = distribution.extended
