@@ -345,6 +345,36 @@ def test_argument_errors(logical_cpus):
         model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0)
 
 
+def test_horovod_backend_routes_through_comm_horovod(logical_cpus, monkeypatch):
+    """One process stands for rank 0 of 1: the averaging goes through
+    tfdist.comm.horovod.allreduce (faked here; the real run is in the Horovod tests)."""
+    from tfdist.comm import horovod as hvd_comm
+
+    import tfdist
+
+    calls = []
+
+    def fake_allreduce(tensors, op="average", compression=None, name=None):
+        calls.append((name, op, len(tensors)))
+        return list(tensors)
+
+    monkeypatch.setattr(hvd_comm, "allreduce", fake_allreduce)
+    monkeypatch.setattr(hvd_comm, "broadcast_variables",
+                        lambda variables, root_rank=0: calls.append(("broadcast", root_rank,
+                                                                      len(variables))))
+    strategy = tfdist.ModelAverageStrategy(period=2, backend="horovod", devices=["/cpu:0"])
+    assert strategy.num_replicas_in_sync == 1
+    x, y = linear_data(n=48)  # 3 steps of 16: averages at 2, then one when fit returns
+    initial, model = fit_linear(strategy, x, y, epochs=1)
+    assert calls[0] == ("broadcast", 0, 2)
+    assert ("tfdist_model_average", "average", 2) in calls
+    ref = numpy_local_sgd(x, y, initial[0], initial[1], steps=3, period=2, replicas=1)
+    assert_weights_close(model.get_weights(), ref, atol=1e-5)
+    assert strategy.bytes_communicated == 2 * (3 + 1) * 4
+    with pytest.raises(ValueError, match="one replica per rank"):
+        tfdist.ModelAverageStrategy(backend="horovod", devices=logical_cpus)
+
+
 def test_schedule():
     from tfdist.comm.averaging import is_average_step
 
