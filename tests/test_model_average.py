@@ -375,6 +375,18 @@ def test_horovod_backend_routes_through_comm_horovod(logical_cpus, monkeypatch):
         tfdist.ModelAverageStrategy(backend="horovod", devices=logical_cpus)
 
 
+def test_fit_refuses_steps_that_bypassed_the_local_update(logical_cpus):
+    """If Keras stopped routing the optimizer step through tfdist (simulated by removing
+    the strategy's handler), fit must fail instead of having trained synchronously."""
+    import tfdist
+
+    strategy = tfdist.ModelAverageStrategy(period=4)
+    strategy._tfdist_local_apply = None
+    x, y = linear_data(n=32)
+    with pytest.raises(RuntimeError, match="did not go through tfdist's local update"):
+        fit_linear(strategy, x, y, epochs=1)
+
+
 def test_schedule():
     from tfdist.comm.averaging import is_average_step
 
