@@ -14,7 +14,7 @@ Accuracy is measured by ``model.evaluate`` on the held-out 20% (every worker get
 same number). Run it from the repository root:
 
     python -m benchmarks.model_average            # writes benchmarks/model_average.{json,md,png}
-    python -m benchmarks.model_average --quick    # 1 epoch, 2 configurations (smoke run)
+    python -m benchmarks.model_average --quick    # 1 epoch, 2 configurations: model_average_quick.*
     python -m benchmarks.model_average --render   # rewrite .md/.png from the .json
 """
 
@@ -115,17 +115,18 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", default=str(HERE))
+    parser.add_argument("--output", "--out", dest="out", default=None,
+                        help="directory for model_average.{md,json,png} (default: "
+                             "benchmarks/, where --quick writes model_average_quick.*)")
     parser.add_argument("--render", action="store_true",
                         help="only rewrite the .md/.png from the existing .json")
     args = parser.parse_args(argv)
+    out = Path(args.out) if args.out else HERE
+    stem = "model_average_quick" if args.quick and not args.out else "model_average"
     if args.render:
-        stem = "model_average" + ("_quick" if args.quick else "")
-        data = json.loads((Path(args.out) / f"{stem}.json").read_text())
-        write_report(Path(args.out), stem, data)
+        write_report(out, stem, json.loads((out / f"{stem}.json").read_text()))
         return
     epochs = 1 if args.quick else args.epochs
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
     results = []
@@ -146,7 +147,7 @@ def main(argv=None) -> None:
     data = {"epochs": epochs, "global_batch": GLOBAL_BATCH, "learning_rate": LEARNING_RATE,
             "outer": OUTER, "results": results, "total_seconds": total,
             "machine": machine_info(), "command": command}
-    write_report(out, "model_average" + ("_quick" if args.quick else ""), data)
+    write_report(out, stem, data)
 
 
 def write_report(out: Path, stem: str, data: dict) -> None:
@@ -162,6 +163,10 @@ def write_report(out: Path, stem: str, data: dict) -> None:
                      "-" if r["period"] is None else f"{sync_bytes / r['bytes']:.1f}x",
                      f"{r['fit_seconds']:.1f}"])
     steps, param_bytes = results[0]["steps"], results[0]["param_bytes"]
+    longest = max((r["period"] for r in results if r["period"]), default=1)
+    extra_average = (f"hence {steps // longest + 1} averages, not {steps / longest:g}, for "
+                     f"`period={longest}`" if steps % longest else "here every run ended "
+                     "on an average")
     markdown = f"""# Model averaging: accuracy vs bytes (2 workers, digits)
 
 Digits CNN ({param_bytes // 4:,} parameters), {epochs} epochs, {steps} optimizer steps,
@@ -169,7 +174,7 @@ global batch {GLOBAL_BATCH} (2 workers x {GLOBAL_BATCH // 2}), inner SGD {LEARNI
 outer optimizer: Nesterov SGD 0.7, momentum 0.9. Test set: the held-out 20% of digits.
 Bytes: one worker's payload, summed over all all-reduces (for sync: steps x parameter
 bytes, one gradient all-reduce a step). Wall time of the whole run: {total:.0f} s
-(7 launches of 2 workers; most of it is process and cluster start-up).
+({len(results)} launches of 2 workers; most of it is process and cluster start-up).
 
 {markdown_table(rows)}
 
@@ -177,7 +182,7 @@ bytes, one gradient all-reduce a step). Wall time of the whole run: {total:.0f} 
 a few steps to 1e-5); over {steps} steps rounding differences grow (about 1e-3 in the
 weights here), which is the gap between those two rows. When the steps are not a
 multiple of `period`, `fit` ends with one more average (so the model is one model):
-hence {steps // 16 + 1} averages, not {steps / 16:g}, for `period=16`. Fit seconds include tracing and
+{extra_average}. Fit seconds include tracing and
 were measured on a shared 2-core machine: read them as rough.
 
 Reproduce: `{command}` (from the repository root). Plot: `{stem}.png`.

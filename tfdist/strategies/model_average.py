@@ -144,6 +144,9 @@ class ModelAverageStrategy(tf.distribute.Strategy):
         ValueError: an argument is invalid (the message names it and its value).
     """
 
+    # No synchronous gradient all-reduce to compress or count: replicas update locally.
+    _tfdist_reduce_gradients = None
+
     def __new__(cls, *args, **kwargs):
         if cls is ModelAverageStrategy:
             cluster_resolver = kwargs.get("cluster_resolver", args[5] if len(args) > 5 else None)
