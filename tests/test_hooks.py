@@ -356,3 +356,21 @@ def test_shard_aware_gradients_join_shard_gradients():
     (expected,) = tape.gradient(loss, [plain])
     np.testing.assert_allclose(tf.convert_to_tensor(grad), tf.convert_to_tensor(expected))
     assert tf.GradientTape.gradient.__name__ == "gradient"  # restored
+
+
+def test_keras_gradient_reduce_and_update_step_exist():
+    """tfdist's compression/counting wraps _all_reduce_sum_gradients; its accumulation
+    applies reduced gradients with _distributed_tf_update_step."""
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    for name in ("_all_reduce_sum_gradients", "_distributed_tf_update_step",
+                 "_backend_apply_gradients", "_clip_gradients"):
+        assert callable(getattr(TFOptimizer, name, None)), f"Keras removed TFOptimizer.{name}"
+    import inspect
+
+    params = list(inspect.signature(TFOptimizer._distributed_tf_update_step).parameters)
+    assert params == ["self", "distribution", "grads_and_vars", "learning_rate"], params
+    assert "self._iterations.assign_add(1)" in inspect.getsource(
+        __import__("keras").optimizers.Optimizer.apply), (
+        "Keras' apply() no longer adds 1 to _iterations after the step: tfdist's "
+        "accumulation (which subtracts 1 on non-update micro-steps) must change")

@@ -10,6 +10,7 @@ import importlib
 
 from tfdist import devices
 from tfdist.cluster import ClusterSpec, TaskSpec
+from tfdist.comm.options import CommunicationOptions
 from tfdist.launch import LaunchError, LaunchResult, launch
 
 # Public name -> module that defines it; imported on first attribute access.
@@ -23,6 +24,7 @@ _LAZY = {
 
 __all__ = [
     "ClusterSpec",
+    "CommunicationOptions",
     "HorovodStrategy",
     "LaunchError",
     "LaunchResult",

@@ -532,3 +532,50 @@ def set_initial_epoch(model, epoch: int) -> None:
     (``initial_epoch = self._initial_epoch or initial_epoch``).
     """
     model._initial_epoch = int(epoch)
+
+
+# ---- synchronous strategies: compression, byte counting, accumulation ------------------
+
+# Strategy method that takes over Keras' gradient all-reduce (install_sync_gradient_hooks).
+GRADIENT_REDUCER_ATTR = "_tfdist_reduce_gradients"
+
+
+def install_sync_gradient_hooks() -> None:
+    """Lets a synchronous strategy compress and count Keras' gradient all-reduce.
+
+    Why: Keras 3's ``TFOptimizer._all_reduce_sum_gradients`` SUM-all-reduces the
+    gradients with no place to cast them for the wire or to count the bytes. When the
+    strategy of the step has ``_tfdist_reduce_gradients(grads_and_vars, reduce)``, the
+    all-reduce goes through it (``reduce`` is Keras' own). Other strategies get Keras'
+    code. Idempotent. (Accumulation uses `install_local_update_hooks`.)
+    """
+    import functools
+
+    import tensorflow as tf
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    if getattr(TFOptimizer, "_tfdist_sync_gradient_hooks", False):
+        return
+    previous_reduce = TFOptimizer._all_reduce_sum_gradients
+
+    @functools.wraps(previous_reduce)
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        context = tf.distribute.get_replica_context()
+        reducer = getattr(context.strategy, GRADIENT_REDUCER_ATTR, None) if context else None
+        if reducer is None:
+            return previous_reduce(self, grads_and_vars)
+        return reducer(list(grads_and_vars), functools.partial(previous_reduce, self))
+
+    TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients
+    TFOptimizer._tfdist_sync_gradient_hooks = True
+
+
+def keras_distributed_update(optimizer, distribution, grads, variables) -> None:
+    """Applies already-reduced ``grads`` with the Keras optimizer in cross-replica context.
+
+    Why: tfdist's gradient accumulation all-reduces once per k micro-batches inside a
+    cross-replica ``cond`` and then needs Keras' per-variable update without its
+    all-reduce. That is ``TFOptimizer._distributed_tf_update_step``, a private method.
+    """
+    optimizer._distributed_tf_update_step(distribution, list(zip(grads, variables)),
+                                          optimizer.learning_rate)

@@ -22,6 +22,8 @@ import keras
 
 from tfdist import _hooks
 from tfdist.cluster import ClusterSpec
+from tfdist.keras.guards import StopOnNaN  # noqa: F401  (re-exported)
+from tfdist.keras.warmup import LinearScalingWarmup  # noqa: F401  (re-exported)
 
 BACKUP_DIR_ENV = "TFDIST_BACKUP_DIR"
 

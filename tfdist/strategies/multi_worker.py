@@ -31,6 +31,8 @@ import tensorflow as tf
 
 from tfdist import _hooks
 from tfdist.cluster import ClusterSpec, resolve_cluster
+from tfdist.comm.options import CommunicationOptions, merge_options
+from tfdist.strategies._sync import SyncGradientsMixin
 
 DEFAULT_STARTUP_TIMEOUT = 60.0
 # Seconds a collective may wait for its peers before failing. Long enough for a chief
@@ -52,10 +54,35 @@ def _positive(name, value, allow_none=False):
     return float(value)
 
 
-MultiWorkerExtended = _hooks.collective_all_reduce_extended_class()
+class MultiWorkerExtended(_hooks.collective_all_reduce_extended_class()):
+    """TF's ``CollectiveAllReduceExtended`` that names a model mismatch between workers.
+
+    Every variable's initial value is broadcast from the chief when it is created. If the
+    workers built different models, TF fails deep inside Keras' ``build`` with "Shape
+    mismatch in the collective instance"; this turns that into a `ValueError`.
+    """
+
+    def _create_variable(self, next_creator, **kwargs):
+        try:
+            return super()._create_variable(next_creator, **kwargs)
+        except tf.errors.InvalidArgumentError as error:
+            if "Shape mismatch in the collective" not in (error.message or ""):
+                raise
+            import re
+
+            shapes = re.search(r"Op at device /job:(\w+)/replica:\d+/task:(\d+)\S* expected "
+                               r"shape (\[[^\]]*\]) but another member in the group expected "
+                               r"shape (\[[^\]]*\])", error.message)
+            seen = (f": its shape is {shapes.group(3)} on {shapes.group(1)}-{shapes.group(2)} "
+                    f"and {shapes.group(4)} on another worker") if shapes else ""
+            raise ValueError(
+                f"the workers built different models: variable {kwargs.get('name')!r} "
+                f"does not match between workers{seen}. Every worker must create the same "
+                "variables, with the same shapes, in the same order, in strategy.scope(). "
+                f"TensorFlow said: {error.message.strip().splitlines()[0]}") from None
 
 
-class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
+class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerMirroredStrategy):
     """`tf.distribute.MultiWorkerMirroredStrategy` for Keras 3 that never hangs.
 
     Every worker runs the same program; gradients are summed across all replicas of
@@ -66,8 +93,10 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         cluster_resolver: None or ``"env"`` (TF_CONFIG, the default), a TF
             ``ClusterResolver`` (Slurm, Kubernetes, ...), a `tfdist.ClusterSpec`, a
             TF_CONFIG-shaped dict, or ``"slurm"``.
-        communication_options: A ``tf.distribute.experimental.CommunicationOptions``.
-            Its ``timeout_seconds``, when set, wins over ``collective_timeout``.
+        communication_options: A `tfdist.CommunicationOptions` (compression, gradient
+            accumulation, timeout, implementation) or TF's
+            ``tf.distribute.experimental.CommunicationOptions``. Its
+            ``timeout_seconds``, when set, wins over ``collective_timeout``.
         startup_timeout: Seconds to wait for every worker to join; after that the
             constructor raises `tf.errors.DeadlineExceededError` naming the missing
             task(s).
@@ -75,6 +104,8 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             for its peers, e.g. a frozen peer; None for no limit (TF's default).
         heartbeat_timeout: Seconds without a heartbeat before the coordination
             service declares a task dead and fails the others.
+        compression: Shortcut for ``communication_options.compression``.
+        accumulate_steps: Shortcut for ``communication_options.accumulate_steps``.
 
     Raises:
         ValueError: the cluster is invalid (the message names the field and value).
@@ -85,14 +116,17 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     def __init__(self, cluster_resolver=None, communication_options=None,
                  startup_timeout=DEFAULT_STARTUP_TIMEOUT,
                  collective_timeout=DEFAULT_COLLECTIVE_TIMEOUT,
-                 heartbeat_timeout=DEFAULT_HEARTBEAT_TIMEOUT):
+                 heartbeat_timeout=DEFAULT_HEARTBEAT_TIMEOUT, compression=None,
+                 accumulate_steps=None):
         self.startup_timeout = _positive("startup_timeout", startup_timeout)
         self.collective_timeout = _positive("collective_timeout", collective_timeout,
                                             allow_none=True)
         self.heartbeat_timeout = _positive("heartbeat_timeout", heartbeat_timeout)
         self.cluster = self._resolve(cluster_resolver)
         tf_resolver = self._make_cluster_resolver(cluster_resolver)
-        communication_options = self._make_communication_options(communication_options)
+        options = merge_options(communication_options, compression=compression,
+                                accumulate_steps=accumulate_steps)
+        communication_options = self._make_communication_options(options.to_tf())
         if self.cluster.task is not None and self.cluster.num_workers > 1:
             self._configure_coordination()
         try:
@@ -102,6 +136,7 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         # Same as TF's CollectiveAllReduceStrategy.__init__, with the extended
         # object made by an overridable factory.
         tf.distribute.Strategy.__init__(self, extended)
+        self._init_sync_gradients(options)
         self.shared_seed = self._share_random_seed()
 
     # ---- overridable set-up -----------------------------------------------------------
