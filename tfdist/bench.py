@@ -38,6 +38,7 @@ SECTIONS = (
     ("throughput", "Throughput by mode, 2 workers", False),
     ("parameter_server", "Parameter server: steps/s, async and sync", False),
     ("model_average", "Model averaging: accuracy against bytes", False),
+    ("communication", "Compression and accumulation: time per step, 2 workers", False),
     ("slow_link", "Model averaging against sync on a 100 Mbit/s link", True),
     ("gpu", "GPU throughput", False),
 )
