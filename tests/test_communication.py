@@ -127,3 +127,12 @@ def test_multi_worker_accumulate_and_compression():
     assert fp16[0]["bytes"] * 2 == results[0]["bytes"]
     assert_weights_close([np.array(w) for w in fp16[0]["weights"]], ref.get_weights(),
                          atol=1e-3)
+
+
+def test_model_average_takes_the_same_options(logical_cpus):
+    strategy = tfdist.ModelAverageStrategy(
+        period=2, communication_options=tfdist.CommunicationOptions(compression="bf16"))
+    assert strategy.compression.name == "bf16"
+    with pytest.raises(ValueError, match="accumulate_steps=2"):
+        tfdist.ModelAverageStrategy(
+            communication_options=tfdist.CommunicationOptions(accumulate_steps=2))

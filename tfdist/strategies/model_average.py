@@ -35,6 +35,7 @@ from tfdist import _hooks
 from tfdist.comm.accounting import ByteCounter
 from tfdist.comm.averaging import BACKENDS, allreduce_mean, is_average_step
 from tfdist.comm.compression import get_compression
+from tfdist.comm.options import merge_options
 
 
 class _State:
@@ -138,6 +139,9 @@ class ModelAverageStrategy(tf.distribute.Strategy):
             per rank (``devices`` names this rank's one device; shard the data by rank).
         compression: None, ``"fp16"`` or ``"bf16"``: weight deltas are cast for the
             all-reduce (`bytes_communicated` shows the saving).
+        communication_options: A `tfdist.CommunicationOptions`: its ``compression``
+            (as above) and ``timeout_seconds`` (collective timeout on several
+            workers) apply; ``accumulate_steps`` > 1 is refused (no gradient all-reduce).
         **base_kwargs: Passed to the multi-worker base (e.g. ``collective_timeout``).
 
     Raises:
@@ -174,7 +178,15 @@ class ModelAverageStrategy(tf.distribute.Strategy):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}. Received: backend={backend!r}")
         self.backend = backend
-        self.compression = get_compression(compression)
+        options = merge_options(base_kwargs.pop("communication_options", None),
+                                compression=compression)
+        if options.accumulate_steps > 1:
+            raise ValueError("ModelAverageStrategy applies every micro-batch locally; "
+                             "accumulate_steps is for the synchronous strategies. Received: "
+                             f"accumulate_steps={options.accumulate_steps}")
+        self.compression = options.compression_policy
+        if options.timeout_seconds is not None:
+            base_kwargs.setdefault("collective_timeout", options.timeout_seconds)
         if backend == "horovod" and cluster_resolver is not None:
             raise ValueError("backend='horovod' takes its processes from horovodrun, not a "
                              f"cluster. Received: cluster_resolver={cluster_resolver!r}")
