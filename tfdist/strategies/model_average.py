@@ -34,7 +34,6 @@ import tensorflow as tf
 from tfdist import _hooks
 from tfdist.comm.accounting import ByteCounter
 from tfdist.comm.averaging import BACKENDS, allreduce_mean, is_average_step
-from tfdist.comm.compression import get_compression
 from tfdist.comm.options import merge_options
 
 
