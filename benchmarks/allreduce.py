@@ -12,7 +12,8 @@ Engines, each as two processes on this host:
 Reported: median time per all-reduce and bus bandwidth ``S / t * 2(N-1)/N`` (N = 2).
 
     python -m benchmarks.allreduce            # full run, writes benchmarks/allreduce.{json,md,png}
-    python -m benchmarks.allreduce --quick    # tiny sizes, one repetition (CI smoke run)
+    python -m benchmarks.allreduce --quick    # tiny sizes, one repetition (CI smoke run;
+                                              # writes to the temp dir unless --out)
 """
 
 from __future__ import annotations
@@ -276,8 +277,10 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes, one repetition (CI smoke run)")
-    parser.add_argument("--out", default=str(HERE / "allreduce"),
-                        help="output path without suffix (default: benchmarks/allreduce)")
+    parser.add_argument("--out", default=None,
+                        help="output path without suffix (default: benchmarks/allreduce; "
+                             "with --quick: <tmp>/tfdist_allreduce_quick, so a smoke run "
+                             "never overwrites the committed results)")
     parser.add_argument("--timeout", type=float, default=900,
                         help="seconds per engine before its processes are killed")
     args = parser.parse_args(argv)
@@ -302,7 +305,8 @@ def main(argv=None) -> dict:
                "load_average_1min": {"before": round(load_before[0], 2),
                                      "after": round(os.getloadavg()[0], 2)},
                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    out = Path(args.out)
+    out = Path(args.out or (Path(tempfile.gettempdir()) / "tfdist_allreduce_quick"
+                            if args.quick else HERE / "allreduce"))
     out.with_suffix(".json").write_text(json.dumps(results, indent=2))
     out.with_suffix(".md").write_text(report(results, command))
     plot(results, out.with_suffix(".png"))
