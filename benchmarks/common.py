@@ -155,9 +155,16 @@ def run_horovod(fn, *args, np: int = 2, timeout: float = 600, env=None, **kwargs
         args_path = os.path.join(tmp, "args.pkl")
         with open(args_path, "wb") as f:
             pickle.dump((args, kwargs), f)
+        module = fn.__module__
+        if module == "__main__":  # a section run as `python -m benchmarks.x`
+            spec = getattr(sys.modules["__main__"], "__spec__", None)
+            if spec is None:
+                raise ValueError(f"run_horovod needs a function of an importable module. "
+                                 f"Received: {fn.__qualname__} of a script")
+            module = spec.name
         cmd = [horovodrun, "-np", str(np), "-H", f"localhost:{np}", "--gloo",
                "--start-timeout", "120", sys.executable, "-c", _HOROVOD_TASK,
-               fn.__module__, fn.__name__, args_path, tmp]
+               module, fn.__name__, args_path, tmp]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 env=dict(os.environ, **task_env(env)),
                                 start_new_session=True, text=True)
