@@ -109,6 +109,15 @@ def horovod_train_task():
         out[f"{name}_weights"] = model.get_weights()
         out[f"{name}_bytes_fit"] = compressed.bytes_communicated
 
+    # accumulate_steps=2 with half the global batch: the same as the reference batch.
+    accumulating = tfdist.HorovodStrategy(accumulate_steps=2)
+    with accumulating.scope():
+        model = _model(seed=0)
+    xa, ya = _data()
+    model.fit(xa, ya, batch_size=BATCH // 2, epochs=EPOCHS, shuffle=False, verbose=0)
+    out["accumulate_weights"] = model.get_weights()
+    out["accumulate_iterations"] = int(model.optimizer.iterations.numpy())
+
     # One replica-context all-reduce of 1000 float32, counted exactly.
     def all_reduce_bytes(strat):
         before = strat.bytes_communicated
@@ -231,6 +240,14 @@ def test_fit_matches_single_process_reference(horovod_results):
     for key in ("loss", "mae"):   # epoch loss/metrics are global averages on every rank
         np.testing.assert_allclose(rank0["history"][key], reference["history"][key], atol=1e-5)
         np.testing.assert_allclose(rank1["history"][key], reference["history"][key], atol=1e-5)
+
+
+@pytest.mark.timeout(260)
+def test_accumulate_steps_equals_the_larger_batch(horovod_results):
+    reference = horovod_results[0]["reference"]
+    for result in horovod_results:
+        assert result["accumulate_iterations"] == EPOCHS * 64 // BATCH
+        assert_weights_close(result["accumulate_weights"], reference["weights"], atol=1e-5)
 
 
 @pytest.mark.timeout(260)

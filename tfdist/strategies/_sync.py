@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from tfdist import _hooks
 from tfdist.comm.accounting import ByteCounter
+from tfdist.comm.compression import get_compression
 from tfdist.comm.options import CommunicationOptions
 
 
@@ -35,8 +36,12 @@ class SyncGradientsMixin:
 
     The strategy then casts floating gradients to the compression dtype for the
     all-reduce, counts the bytes each worker contributes (`bytes_communicated`), and
-    sums ``accumulate_steps`` micro-batches locally before each all-reduce.
+    sums ``accumulate_steps`` micro-batches locally before each all-reduce. A strategy
+    whose cross-device ops compress and count themselves sets
+    ``_compresses_in_cross_device_ops`` (and ``_tfdist_reduce_gradients = None``).
     """
+
+    _compresses_in_cross_device_ops = False
 
     def _init_sync_gradients(self, options: CommunicationOptions) -> None:
         self.communication = options
@@ -97,13 +102,18 @@ class SyncGradientsMixin:
         context = tf.distribute.get_replica_context()
         context.merge_call(functools.partial(self._ensure_accumulators, optimizer, variables))
         sums = self._accumulators[id(optimizer)]
-        compression = self.communication.compression_policy
+        compression = self._accumulate_compression()
         totals = [acc.read_value() + tf.convert_to_tensor(g) for acc, g in zip(sums, grads)]
         wire = [compression.compress(t)[0] for t in totals]
         is_update = context.merge_call(
             functools.partial(self._merge_accumulated, optimizer, variables), args=(wire,))
         for acc, total in zip(sums, totals):
             acc.assign(total * (1 - tf.cast(is_update, total.dtype)))
+
+    def _accumulate_compression(self):
+        if self._compresses_in_cross_device_ops:
+            return get_compression(None)
+        return self.communication.compression_policy
 
     def _ensure_accumulators(self, optimizer, variables, distribution):
         if id(optimizer) not in self._accumulators:
@@ -113,14 +123,15 @@ class SyncGradientsMixin:
     def _merge_accumulated(self, optimizer, variables, distribution, wire):
         """Cross-replica: on every k-th micro-batch, all-reduce the sums and apply them."""
         steps = self.communication.accumulate_steps
-        compression = self.communication.compression_policy
+        compression = self._accumulate_compression()
         is_update = tf.equal(tf.math.floormod(self._micro_steps.add(1), steps), 0)
 
         def update():
             reduced = distribution.extended.batch_reduce_to(
                 tf.distribute.ReduceOp.SUM, list(zip(wire, variables)))
-            self._byte_counter.add(_wire_bytes(distribution.experimental_local_results(w)[0]
-                                               for w in wire))
+            if not self._compresses_in_cross_device_ops:
+                self._byte_counter.add(_wire_bytes(
+                    distribution.experimental_local_results(w)[0] for w in wire))
             grads = [compression.decompress(
                 distribution.experimental_local_results(r)[0], v.dtype) / steps
                 for r, v in zip(reduced, variables)]
@@ -137,8 +148,6 @@ class SyncGradientsMixin:
 
 
 def _wire_bytes(grads, compression=None) -> int:
-    from tfdist.comm.compression import get_compression
-
     compression = compression or get_compression(None)
     total = 0
     for grad in grads:

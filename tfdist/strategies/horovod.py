@@ -14,6 +14,8 @@ from tfdist import _hooks
 from tfdist.comm import horovod as comm
 from tfdist.comm.accounting import ByteCounter
 from tfdist.comm.compression import get_compression
+from tfdist.comm.options import merge_options
+from tfdist.strategies._sync import SyncGradientsMixin
 from tfdist.devices import default_devices, validate_devices
 
 _tf = _hooks.tf_distribute_internals()
@@ -195,7 +197,7 @@ class HorovodExtended(_tf.MirroredExtended):
         return _tf.regroup(values, always_wrap=True)
 
 
-class HorovodStrategy(tf.distribute.MultiWorkerMirroredStrategy):
+class HorovodStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerMirroredStrategy):
     """Synchronous data parallelism with Horovod's collective ops as the engine.
 
     Start one process per worker with ``horovodrun -np N -H host:N --gloo python
@@ -217,13 +219,26 @@ class HorovodStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             rank) if there are GPUs, else the local CPU(s).
         compression: None, ``"fp16"`` or ``"bf16"``: dtype of floating gradients on
             the wire (as Horovod's ``Compression.fp16``). Metrics are never compressed.
+        communication_options: A `tfdist.CommunicationOptions` (compression,
+            accumulate_steps); timeouts and implementation are Horovod's own.
+        accumulate_steps: Sum this many micro-batches locally before each all-reduce
+            (Horovod's ``backward_passes_per_step``).
 
     Attributes:
         bytes_communicated: Bytes this process contributed to all-reduces so far.
         rank, size: This process's Horovod rank and the number of processes.
     """
 
-    def __init__(self, devices=None, compression=None):
+    # HorovodCrossDeviceOps compresses and counts every all-reduce itself.
+    _tfdist_reduce_gradients = None
+    _compresses_in_cross_device_ops = True
+
+    def __init__(self, devices=None, compression=None, communication_options=None,
+                 accumulate_steps=None):
+        options = merge_options(communication_options, compression=compression,
+                                accumulate_steps=accumulate_steps)
+        compression = options.compression
+        self._init_sync_gradients(options)
         comm.init()
         if devices is not None:
             devices = validate_devices(devices)
