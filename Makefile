@@ -24,7 +24,7 @@ train: $(VENV)/.installed
 	$(VENV)/bin/tfdist train configs/default.toml
 
 test: $(VENV)/.installed $(VENV)/.horovod
-	$(PY) -m pytest
+	TFDIST_REQUIRE_HOROVOD=1 $(PY) -m pytest
 
 bench: $(VENV)/.installed $(VENV)/.horovod
 	$(VENV)/bin/tfdist bench
