@@ -91,3 +91,18 @@ def test_slurm_script_is_valid_and_its_environment_resolves():
     args = build_parser().parse_args(argv[2:])
     config = load_config(ROOT / args.config, args.set)
     assert config["cluster"]["mode"] == "env"
+
+
+@pytest.mark.timeout(330)
+def test_compare_writes_one_table_and_one_plot(tmp_path):
+    command = [sys.executable, "-m", "tfdist.cli", "compare", "configs/default.toml",
+               "configs/mirrored.toml", "--output", str(tmp_path)]
+    for item in ["train.epochs=1", "data.limit=256", "train.global_batch_size=32"]:
+        command += ["--set", item]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    summary = json.loads((tmp_path / "compare.json").read_text())
+    assert [s["name"] for s in summary] == ["default", "mirrored"]
+    table = (tmp_path / "compare.md").read_text()
+    assert "val_accuracy" in table and "bytes all-reduced" in table
+    assert (tmp_path / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
