@@ -142,13 +142,13 @@ def run_section(name: str, quick: bool, out: Path, timeout: float, log_dir: Path
             result.update(status="skipped", why=str(data["skipped"]))
         else:
             result["status"] = "ok"
+    elif code == 0:  # ran fine but wrote no report (some sections write none in --quick)
+        result.update(status="ok", why="wrote no report; its output is shown")
     else:
         if timed_out.is_set():
             why = f"timed out after {timeout:g} s (every process of the section was killed)"
         elif code != 0:
             why = f"exited with code {code}: {_last_error(tail)}"
-        else:
-            why = "finished but wrote no report (.md)"
         result.update(status="failed", why=why)
     _say(f"[{name}] {result['status']}" + (f": {result['why']}" if result.get("why") else "")
          + f" ({seconds:.0f} s)")
@@ -421,12 +421,15 @@ def write_results(out: Path, results: dict, facts: dict, quick: bool, seconds: f
         r = results[name]
         lines += [f"## {title}", ""]
         body = ""
-        if r["status"] == "ok" or (r["status"] == "skipped" and r.get("markdown")):
+        if r.get("markdown") and r["status"] in ("ok", "skipped"):
             body = Path(r["markdown"]).read_text().strip()
             body = re.sub(r"\A#[^\n]*\n", "", body).strip()  # our own heading replaces it
         if r.get("command") and not re.search(r"Command|Reproduce", body):
             lines += [f"Command: `{r['command']}`", ""]
-        if body:
+        if r["status"] == "ok" and not body:
+            lines += ["The section wrote no report; the end of its output:", "", "```",
+                      r.get("tail", "")[-1500:], "```", ""]
+        elif body:
             lines += [_demote(body), ""]
             shown = set(re.findall(r"!\[[^\]]*\]\(([^)]+)\)", body))
             for png in r.get("pngs", []):
