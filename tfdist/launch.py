@@ -263,13 +263,16 @@ def run(argv: Sequence[str], *, workers: int = 1, chief: bool = False, ps: int =
             cause = f"{failed.name} exited with code {code}" + (
                 f" (signal {signal.Signals(-code).name})" if code < 0 and -code in
                 signal.valid_signals() else "")
+            clash = _is_port_clash(failed)
+            if clash:
+                cause += (f": it could not bind its port "
+                          f"{cluster.with_task(failed.spec).task_address} (in use?)")
             error = LaunchError(
                 f"{cause} after {time.monotonic() - started:.1f}s; the other tasks were "
                 f"stopped. Last output of {failed.name}:\n{failed.tail_text()}",
                 task=failed.name, returncode=code, output_tail=failed.tail_text(),
                 attempts=attempt + 1)
-            if (fixed_cluster is None and _is_port_clash(failed)
-                    and port_retries < MAX_PORT_RETRIES):
+            if fixed_cluster is None and clash and port_retries < MAX_PORT_RETRIES:
                 port_retries += 1
                 attempt += 1
                 print(f"tfdist launch: {failed.name} could not bind its port "

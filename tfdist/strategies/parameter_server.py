@@ -106,6 +106,27 @@ def serve_until_chief_done(spec: ClusterSpec, poll_seconds: float = 1.0) -> None
     os._exit(0)
 
 
+def _wait_for_servers(spec: ClusterSpec, timeout: float) -> None:
+    """Waits until every worker and ps server accepts connections (the chief's check).
+
+    Raises:
+        tf.errors.DeadlineExceededError: some did not within ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    waiting = [t for t in spec.tasks() if t.type in ("worker", "ps")]
+    while waiting:
+        waiting = [t for t in waiting if not _is_listening(spec.with_task(t).task_address)]
+        if waiting and time.monotonic() > deadline:
+            names = ", ".join(t.name for t in waiting)
+            raise tf.errors.DeadlineExceededError(
+                None, None, f"{spec.task.name}: task(s) {names} did not start within "
+                f"startup_timeout={timeout:g}s (nothing listens on "
+                f"{', '.join(spec.with_task(t).task_address for t in waiting)}). Check that "
+                "every task was started with the same cluster.")
+        if waiting:
+            time.sleep(0.2)
+
+
 class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
     """`tf.distribute.ParameterServerStrategy` that works with Keras 3 ``model.fit``.
 
@@ -124,13 +145,17 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
             ``steps_per_execution`` if above 1, else ``4 * workers`` in async mode and 1
             in sync mode.
         chief_poll_seconds: How often worker and ps tasks check that the chief is alive.
+        startup_timeout: Seconds the chief waits for every worker and ps server to
+            listen; TF itself would wait forever for a task that never starts.
 
     Raises:
         ValueError: bad ``mode``, or a cluster without chief, ps or worker.
+        tf.errors.DeadlineExceededError: on the chief, a worker or ps did not start
+            within ``startup_timeout`` (the message names it).
     """
 
     def __init__(self, cluster_resolver=None, mode="async", variable_partitioner=None, *,
-                 steps_per_dispatch=None, chief_poll_seconds=1.0):
+                 steps_per_dispatch=None, chief_poll_seconds=1.0, startup_timeout=60.0):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {list(MODES)}. Received: mode={mode!r}")
         if steps_per_dispatch is not None and (
@@ -146,8 +171,13 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         validate_ps_cluster(spec)
         # Fail fast on a dead peer instead of retrying forever; the coordinator reschedules.
         os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
+        if isinstance(startup_timeout, bool) or not isinstance(
+                startup_timeout, (int, float)) or not startup_timeout > 0:
+            raise ValueError("startup_timeout must be a number > 0. "
+                             f"Received: startup_timeout={startup_timeout!r}")
         if spec.task.type in ("worker", "ps"):
             serve_until_chief_done(spec, chief_poll_seconds)  # never returns
+        _wait_for_servers(spec, startup_timeout)
         self._spec = spec
         self._mode = mode
         self._steps_per_dispatch = steps_per_dispatch
