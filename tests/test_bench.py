@@ -115,7 +115,7 @@ def test_goals_compare_the_measured_ratios_with_the_targets(tmp_path):
     assert "stock: 10.0-12.0 ms" in text and "collective_timeout=300" in text
     assert "tfdist: +2.00 threads per step" in text
     assert "Horovod with Gloo" in text and "20.0x" in text
-    assert "550 KB per step" in text
+    assert "550 KB per step" in text and "at most 3.5x" in text
 
 
 def test_goals_say_why_a_section_gave_no_numbers():

@@ -335,17 +335,23 @@ def goal_rows(results: dict) -> tuple[list[list[str]], list[str]]:
         sync = res.get(f"{key}sync", {})
         p16 = res.get(f"{key}period=16", {})
         if speedup < 5 and sync and p16:
+            steps = (slow.get("steps") or 28)
+            t_sync, t_16 = sync["epoch_seconds"] / steps, p16["epoch_seconds"] / steps
+            # t_sync = rest + comm and t_16 = rest + comm / 16, per step.
+            comm = max(0.0, (t_sync - t_16) * 16 / 15)
+            rest = max(1e-9, t_sync - comm)
             notes.append(
                 f"- Slow link ({label}): sync {sync['epoch_seconds']:.2f} s/epoch vs "
                 f"period=16 {p16['epoch_seconds']:.2f} s/epoch. Sync sends "
-                f"{sync['wire_tx_bytes_per_step'] / 1e3:.0f} KB per step per worker, "
-                f"{sync['wire_tx_bytes_per_step'] * 8 / 100e6 * 1e3:.0f} ms at 100 Mbit/s; "
-                "the rest of a step (compute of both workers on the same 2 cores, Keras' "
-                "per-step metric all-reduce, TF's per-step overhead) does not shrink with "
-                "the period, so the speed-up is capped at (compute + comm) / compute. "
-                "With gradients this small relative to the step's compute the link is "
-                "not the bottleneck; the goal needs a model whose gradient takes several "
-                "step-times to send (see the wide variant), or faster compute per step.")
+                f"{sync['wire_tx_bytes_per_step'] / 1e3:.0f} KB per step per worker "
+                f"({sync['wire_tx_bytes_per_step'] * 8 / 100e6 * 1e3:.0f} ms at 100 Mbit/s). "
+                f"Solving sync = rest + comm and period=16 = rest + comm/16 per step gives "
+                f"comm = {comm * 1e3:.0f} ms and rest = {rest * 1e3:.0f} ms (compute of both "
+                "workers on the same 2 cores, Keras' per-step metric all-reduce, TF's "
+                "per-step overhead), which no averaging period removes: even with no "
+                f"communication at all the speed-up would be at most {t_sync / rest:.1f}x. "
+                "5x needs a gradient that takes at least 4x the rest of the step to send: "
+                "a larger model (the wide variant below), a slower link, or faster compute.")
     if not any_speedup:
         rows.append(["model average period=16 vs sync, 100 Mbit/s", ">= 5x", "not measured",
                      _why_missing(results, "slow_link")])
