@@ -142,7 +142,7 @@ def plot(rows, path):
 
     names = [r[0] for r in rows]
     ratios = [r[1] for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 2.6))
+    fig, ax = plt.subplots(figsize=(10, 0.6 * len(names) + 1.2))
     colors = ["tab:green" if r <= 1.03 else "tab:red" for r in ratios]
     ax.barh(names, ratios, color=colors)
     ax.axvline(1.0, color="black", lw=0.8)
@@ -152,7 +152,7 @@ def plot(rows, path):
     ax.set_xlim(min(0.9, min(ratios) - 0.02), max(1.1, max(ratios) + 0.08))
     ax.set_xlabel("tfdist step time / stock TF step time")
     ax.invert_yaxis()
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper right", fontsize=8, bbox_to_anchor=(1.0, 1.25), ncol=1)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

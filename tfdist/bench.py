@@ -319,7 +319,8 @@ def goal_rows(results: dict) -> tuple[list[list[str]], list[str]]:
                 + (" Gloo misses 2x here too: its ring also sums and copies every chunk "
                    "on each rank, and both ranks share this machine's 2 cores, while the "
                    "bound is one stream with nothing to add; between hosts, where the "
-                   "network and not memory bounds the ring, that gap narrows."
+                   "network and not memory bounds the ring, that gap "
+                   "should narrow (not measured here)."
                    if hvd_ratio is not None and hvd_ratio > 2 else ""))
     else:
         rows.append(["multi-worker all-reduce 64 MB / loopback TCP bound", "<= 2",
