@@ -13,8 +13,9 @@ cells at once, since starting a cluster costs ~10 s:
 - mirrored multi-worker: the chief killed at a random step; the restarted job ends at
   the synchronous-SGD weights; then the same NaN and different-model checks.
 - model average: a frozen (SIGSTOP) worker and a worker that never starts.
-- parameter server: a worker that never starts and the chief killed (restart resumes,
-  every requested step applied); a frozen worker.
+- parameter server, one job restarted 3 times: a worker that never starts, a frozen
+  worker (fit hangs until the launcher's deadline), the chief killed; the last start
+  resumes from BackupAndRestore and every requested step was applied.
 - Horovod (under horovodrun): a rank killed at a random step, the chief (rank 0)
   killed, a frozen rank, a rank that never starts.
 - ports: a port in use is named in the error (fixed cluster) or retried (free ports).
@@ -240,10 +241,10 @@ def test_model_average_missing_or_frozen_peer_is_an_error(tmp_path, fault):
 # ---- parameter server ---------------------------------------------------------------------
 
 
-def _ps_task(result_dir, fault):
-    """``fault="missing_then_chief"``: attempt 0, worker-1 never starts; attempt 1, the
-    chief is killed in epoch 3; attempt 2 resumes. ``fault="stop"``: the chief freezes
-    worker-1 (SIGSTOP) after its first dispatch."""
+def _ps_task(result_dir):
+    """Attempt 0: worker-1 never starts. Attempt 1: the chief freezes worker-1 (SIGSTOP)
+    after the first dispatch. Attempt 2: the chief is killed after the backup of epoch 2.
+    Attempt 3 resumes."""
     import keras
     import tensorflow as tf
 
@@ -252,7 +253,7 @@ def _ps_task(result_dir, fault):
     me, attempt = os.environ["TFDIST_TASK"], int(os.environ["TFDIST_RESTART"])
     for name in (f"{me}.pid", f"{me}.attempt{attempt}.pid"):
         _write(result_dir, name, str(os.getpid()))
-    if fault == "missing_then_chief" and attempt == 0 and me == "worker-1":
+    if attempt == 0 and me == "worker-1":
         return "absent"
     try:
         strategy = tfdist.ParameterServerStrategy(startup_timeout=5)  # workers, ps block
@@ -263,11 +264,11 @@ def _ps_task(result_dir, fault):
 
     class Fault(keras.callbacks.Callback):
         def on_epoch_end(self, epoch, logs=None):
-            if fault == "missing_then_chief" and attempt == 1 and epoch == 1:
+            if attempt == 2 and epoch == 1:
                 os.kill(os.getpid(), signal.SIGKILL)  # after the backup of epoch 2
 
         def on_train_batch_end(self, batch, logs=None):
-            if fault == "stop" and not os.path.exists(os.path.join(result_dir, "stopped")):
+            if attempt == 1 and not os.path.exists(os.path.join(result_dir, "stopped")):
                 os.kill(int(_read(result_dir, "worker-1.pid")), signal.SIGSTOP)
                 _write(result_dir, "stopped", "worker-1")
 
@@ -282,36 +283,29 @@ def _ps_task(result_dir, fault):
             "loss": history.history["loss"], "weights": model.get_weights()}
 
 
-@pytest.mark.timeout(240)
-def test_ps_missing_worker_then_killed_chief_resumes_every_step(tmp_path, capfd):
-    chief = run_cluster(_ps_task, str(tmp_path), "missing_then_chief", workers=2, chief=True,
-                        ps=1, timeout=200, stream=None, max_restarts=2, grace_period=2)[0]
+@pytest.mark.timeout(300)
+def test_ps_missing_frozen_worker_and_killed_chief_then_resume_every_step(tmp_path, capfd):
+    """A missing worker is named after startup_timeout; a frozen worker hangs fit (TF's
+    coordinator has no step timeout) until the launcher's deadline; a killed chief stops
+    the job. Each time the launcher restarts the job, and BackupAndRestore resumes."""
+    try:
+        chief = run_cluster(_ps_task, str(tmp_path), workers=2, chief=True, ps=1, timeout=45,
+                            stream=None, max_restarts=3, grace_period=1,
+                            env={MARK: str(tmp_path)})[0]
+    finally:
+        _assert_gone(tmp_path)  # the frozen worker too (SIGKILL ends a stopped process)
     log = capfd.readouterr().err
-    assert "restart 1/2: chief-0 exited with code 1" in log, log
-    assert "restart 2/2: chief-0 exited with code -9 (signal SIGKILL)" in log, log
+    assert "restart 1/3: chief-0 exited with code 1" in log, log
+    assert "restart 2/3: timed out after 45s; every task was killed" in log, log
+    assert "restart 3/3: chief-0 exited with code -9 (signal SIGKILL)" in log, log
     message = _read(tmp_path, "chief-0.error-0")
     assert message.startswith("DeadlineExceededError: chief-0: task(s) worker-1 did not "
                               "start within startup_timeout=5s"), message
-    assert chief["attempt"] == 2
+    assert _read(tmp_path, "stopped") == "worker-1"
+    assert chief["attempt"] == 3
     assert chief["epochs"] == [2, 3]  # resumed after the two epochs backed up
     assert chief["iterations"] == 4 * 8  # every requested step was applied
     assert all(np.isfinite(w).all() for w in chief["weights"])
-
-
-@pytest.mark.timeout(200)
-def test_ps_frozen_worker_hangs_until_launch_timeout_then_restart_resumes(tmp_path, capfd):
-    """TF's coordinator has no step timeout: a closure on a frozen worker never returns.
-    The launcher's deadline ends the attempt; the restart resumes from the backup."""
-    chief = run_cluster(_ps_task, str(tmp_path), "stop", workers=2, chief=True, ps=1,
-                        timeout=45, stream=None, grace_period=1, max_restarts=1,
-                        env={MARK: str(tmp_path)})[0]
-    _assert_gone(tmp_path)  # the frozen worker too (SIGKILL stops a stopped process)
-    log = capfd.readouterr().err
-    assert _read(tmp_path, "stopped") == "worker-1"
-    assert "restart 1/1: timed out after 45s; every task was killed" in log, log
-    assert chief["attempt"] == 1
-    assert chief["iterations"] == 4 * 8  # every requested step was applied
-    assert chief["epochs"][-1] == 3 and all(np.isfinite(w).all() for w in chief["weights"])
 
 
 # ---- Horovod (horovodrun --gloo) ----------------------------------------------------------
@@ -387,9 +381,12 @@ def test_horovod_faults(tmp_path, fault, victim):
 # ---- ports -------------------------------------------------------------------------------
 
 _PORT_SCRIPT = """
+import tensorflow as tf
 import tfdist
-tfdist.MultiWorkerMirroredStrategy(startup_timeout=20)
-print("joined")
+spec = tfdist.ClusterSpec.from_env()
+tf.distribute.Server(tf.train.ClusterSpec(spec.jobs()), job_name=spec.task.type,
+                     task_index=spec.task.index, start=True)
+print("serving")
 """
 
 
@@ -433,7 +430,7 @@ def test_port_in_use_is_named_or_retried(tmp_path):
     assert result.attempts == 2
     assert (f"worker-1 could not bind its port 127.0.0.1:{port}; retrying on new ports"
             in log.getvalue()), log.getvalue()
-    assert all("joined" in t.output_tail for t in result.tasks)
+    assert all("serving" in t.output_tail for t in result.tasks)
 
 
 def test_ps_startup_timeout_is_validated():
