@@ -146,3 +146,56 @@ def test_missing_script_is_named(tmp_path):
     result = _cli("--workers", 1, tmp_path / "nope.py")
     assert result.returncode == 2
     assert "nope.py" in result.stderr and "does not exist" in result.stderr
+
+
+def _can_make_namespaces():
+    probe = subprocess.run(["ip", "netns", "add", f"tfdist-probe-{os.getpid()}"],
+                           capture_output=True)
+    subprocess.run(["ip", "netns", "del", f"tfdist-probe-{os.getpid()}"], capture_output=True)
+    return probe.returncode == 0
+
+
+def test_isolated_network_keeps_task_ports_unreachable_from_outside(tmp_path):
+    """Tasks listen on 0.0.0.0 as TF's servers do; in the private namespace they reach
+    each other, and the host cannot reach them."""
+    import socket
+    import threading
+
+    if not _can_make_namespaces():
+        pytest.fail("this test needs `ip netns` as root (the CI machine has it)")
+    script = _script(tmp_path, """
+        import json, os, socket, sys, time
+        out = sys.argv[1]
+        config = json.loads(os.environ["TF_CONFIG"])
+        me = config["cluster"]["worker"][config["task"]["index"]]
+        server = socket.socket()
+        server.bind(("0.0.0.0", int(me.rsplit(":", 1)[1])))
+        server.listen()
+        open(os.path.join(out, os.environ["TFDIST_TASK"] + ".ready"), "w").write(me)
+        for peer in config["cluster"]["worker"]:
+            host, port = peer.rsplit(":", 1)
+            socket.create_connection((host, int(port)), timeout=10).close()
+        deadline = time.time() + 60
+        while not os.path.exists(os.path.join(out, "checked")) and time.time() < deadline:
+            time.sleep(0.1)
+    """)
+    outcome = {}
+    job = threading.Thread(target=lambda: outcome.setdefault("result", tfdist.launch(
+        script, tmp_path, workers=2, timeout=90, isolate_network=True, stream=None)))
+    job.start()
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("*.ready"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        addresses = [p.read_text() for p in tmp_path.glob("*.ready")]
+        assert len(addresses) == 2
+        for address in addresses:
+            host, port = address.rsplit(":", 1)
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection((host, int(port)), timeout=5)
+    finally:
+        (tmp_path / "checked").write_text("")
+        job.join(120)
+    assert [t.returncode for t in outcome["result"].tasks] == [0, 0]
+    leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"tfdist-{os.getpid()}-" not in leftover

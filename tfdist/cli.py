@@ -13,11 +13,12 @@ def _launch(args: argparse.Namespace) -> int:
     try:
         launch(args.script, *args.args, workers=args.workers, chief=args.chief, ps=args.ps,
                timeout=args.timeout, max_restarts=args.max_restarts,
-               backup_dir=args.backup_dir, grace_period=args.grace_period)
+               backup_dir=args.backup_dir, grace_period=args.grace_period,
+               isolate_network=args.isolate_network)
     except LaunchError as error:
         print(f"tfdist launch: FAILED: {error}", file=sys.stderr, flush=True)
         return 1
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, RuntimeError) as error:
         print(f"tfdist launch: error: {error}", file=sys.stderr, flush=True)
         return 2
     return 0
@@ -58,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="exported as TFDIST_BACKUP_DIR; restarts resume from it")
     launch.add_argument("--grace-period", type=float, default=5.0,
                         help="seconds between SIGTERM and SIGKILL when stopping tasks")
+    launch.add_argument("--isolate-network", action="store_true",
+                        help="run the job in a private network namespace (root): TF's "
+                             "servers listen on 0.0.0.0, this keeps them unreachable")
     launch.add_argument("script", help="Python script every task runs")
     launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
     launch.set_defaults(handler=_launch)

@@ -7,7 +7,9 @@ task runs in its own process group, so stopping a task stops everything it start
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import itertools
 import os
 import signal
 import socket
@@ -24,6 +26,7 @@ from tfdist.cluster import ClusterSpec, TaskSpec
 DEFAULT_GRACE_SECONDS = 5.0
 TAIL_LINES = 40
 MAX_PORT_RETRIES = 3
+_namespace_ids = itertools.count()
 _PORT_IN_USE_MARKERS = ("Address already in use", "address already in use",
                         "Could not start gRPC server", "Failed to add port")
 
@@ -153,6 +156,33 @@ def stop_tasks(tasks: Sequence[_Task], grace: float = DEFAULT_GRACE_SECONDS) -> 
         task.finish_output()
 
 
+@contextlib.contextmanager
+def private_network():
+    """A fresh network namespace with only loopback up; yields the ``wrap`` prefix.
+
+    TensorFlow's gRPC server listens on ``0.0.0.0`` whatever address the cluster names
+    (hard-coded in TF's ``grpc_server_lib.cc``). Tasks run with this prefix share one
+    namespace whose only interface is its own loopback, so nothing outside the job can
+    reach their ports. Needs root (``ip netns``); the namespace is removed on exit.
+
+    Raises:
+        RuntimeError: namespaces cannot be created here (not root, no ``ip``).
+    """
+    name = f"tfdist-{os.getpid()}-{next(_namespace_ids)}"
+    try:
+        subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True, text=True)
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", "") or error
+        raise RuntimeError(f"isolate_network needs `ip netns` as root; creating namespace "
+                           f"{name} failed: {str(detail).strip()}") from None
+    try:
+        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True,
+                       capture_output=True)
+        yield ["ip", "netns", "exec", name]
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
 def _task_env(cluster: ClusterSpec, spec: TaskSpec, env: dict[str, str] | None,
               attempt: int, backup_dir: str | None) -> dict[str, str]:
     task_env = dict(os.environ)
@@ -205,7 +235,8 @@ def run(argv: Sequence[str], *, workers: int = 1, chief: bool = False, ps: int =
         backup_dir: str | os.PathLike | None = None, grace_period: float = DEFAULT_GRACE_SECONDS,
         host: str = "127.0.0.1", stream=sys.stdout, log=None,
         cluster: ClusterSpec | None = None,
-        wrap: Callable[[TaskSpec], Sequence[str]] | None = None) -> LaunchResult:
+        wrap: Callable[[TaskSpec], Sequence[str]] | None = None,
+        isolate_network: bool = False) -> LaunchResult:
     """Starts ``argv`` once per task and waits for the job.
 
     Args:
@@ -227,6 +258,9 @@ def run(argv: Sequence[str], *, workers: int = 1, chief: bool = False, ps: int =
             namespaces.
         wrap: Called with each task's `TaskSpec`; returns an argv prefix for that
             task, e.g. ``["ip", "netns", "exec", "ns0"]`` to run it in a namespace.
+        isolate_network: Run the job in a private network namespace where only its
+            own loopback exists (see `private_network`; needs root). TF's servers
+            listen on 0.0.0.0: without this, other hosts can reach their ports.
 
     Returns:
         A `LaunchResult` when every chief and worker exited 0.
@@ -241,6 +275,14 @@ def run(argv: Sequence[str], *, workers: int = 1, chief: bool = False, ps: int =
         cluster = dataclasses.replace(cluster, task=None)
         workers, chief, ps = len(cluster.worker), bool(cluster.chief), len(cluster.ps)
     _validate_counts(workers, chief, ps, timeout, max_restarts)
+    if isolate_network:
+        if wrap is not None:
+            raise ValueError("isolate_network and wrap both place the tasks; give one.")
+        with private_network() as prefix:
+            return run(argv, workers=workers, chief=chief, ps=ps, timeout=timeout,
+                       max_restarts=max_restarts, env=env, backup_dir=backup_dir,
+                       grace_period=grace_period, host=host, stream=stream, log=log,
+                       cluster=cluster, wrap=lambda spec: prefix)
     log = log or sys.stderr
     fixed_cluster = cluster
     attempt = restarts = port_retries = 0
@@ -303,7 +345,7 @@ def launch(target: str | os.PathLike | Callable, *args: Any, workers: int = 1,
            chief: bool = False, ps: int = 0, timeout: float | None = None,
            max_restarts: int = 0, env: dict | None = None, backup_dir=None,
            grace_period: float = DEFAULT_GRACE_SECONDS, stream=sys.stdout,
-           **kwargs: Any):
+           isolate_network: bool = False, **kwargs: Any):
     """Runs a script or a function as a local cluster, one fresh process per task.
 
     A function (from a notebook, say) is pickled by value with cloudpickle, run in every
@@ -323,6 +365,8 @@ def launch(target: str | os.PathLike | Callable, *args: Any, workers: int = 1,
         backup_dir: Directory exported as ``TFDIST_BACKUP_DIR`` for resuming.
         grace_period: Seconds between SIGTERM and SIGKILL.
         stream: Where the prefixed output goes; None to silence it.
+        isolate_network: Run the job in a private network namespace (needs root): TF's
+            servers listen on 0.0.0.0, and this keeps them unreachable from outside.
         **kwargs: Keyword arguments of the function.
 
     Returns:
@@ -334,7 +378,7 @@ def launch(target: str | os.PathLike | Callable, *args: Any, workers: int = 1,
     """
     options = dict(workers=workers, chief=chief, ps=ps, timeout=timeout,
                    max_restarts=max_restarts, env=env, backup_dir=backup_dir,
-                   grace_period=grace_period, stream=stream)
+                   grace_period=grace_period, stream=stream, isolate_network=isolate_network)
     if callable(target):
         return _launch_function(target, args, kwargs, options)
     if kwargs:
