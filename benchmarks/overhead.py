@@ -240,8 +240,8 @@ def main(argv=None) -> dict:
             f"{k}: {v:+.2f}" for k, v in t.items()) + ". A collective with a timeout makes "
             "TensorFlow start one thread that sleeps for the whole timeout "
             "(`Env::SchedClosureAfter` in tensorflow/core/platform/default/env.cc), so with "
-            "tfdist's default `collective_timeout=300` every collective costs a thread "
-            "creation and a thread lives 300 s per collective.")
+            "`collective_timeout=300` every collective costs a thread creation and a "
+            "thread lives 300 s per collective; this is why tfdist's default is None.")
     text = ["# Strategy overhead against stock TF", "",
             "Command: `.venv/bin/python -m benchmarks.overhead`", "",
             f"MLP 256-512-512-10, global batch {BATCH}, Keras' compiled train step. Mirrored: "

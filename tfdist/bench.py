@@ -374,7 +374,7 @@ def _multi_worker_overhead_note(overhead: dict, value: float) -> str:
             f"{spread}.")
     if no_timeout is not None and no_timeout < value:
         text += (
-            f" Without tfdist's default `collective_timeout=300` the ratio is "
+            f" Without `collective_timeout=300` the ratio is "
             f"{no_timeout:.3f}: TF implements a collective's timeout by starting one OS "
             "thread per collective that sleeps for the whole timeout "
             "(`Env::SchedClosureAfter`, tensorflow/core/platform/default/env.cc); measured "

@@ -35,10 +35,11 @@ from tfdist.comm.options import CommunicationOptions, merge_options
 from tfdist.strategies._sync import SyncGradientsMixin
 
 DEFAULT_STARTUP_TIMEOUT = 60.0
-# Seconds a collective may wait for its peers before failing. Long enough for a chief
-# that writes a large checkpoint or runs validation while the others wait, short
-# enough that a frozen (SIGSTOPped, swapping, deadlocked) peer ends the job.
-DEFAULT_COLLECTIVE_TIMEOUT = 300.0
+# Seconds a collective may wait for its peers before failing; None: no limit. None by
+# default because TF implements the timeout with one OS thread per collective that
+# sleeps for the whole timeout (benchmarks/overhead.md: ~4 threads per step, each
+# living that long). A frozen or dead peer is still caught by the heartbeat.
+DEFAULT_COLLECTIVE_TIMEOUT = None
 # Seconds without a heartbeat before the coordination service declares a task dead.
 DEFAULT_HEARTBEAT_TIMEOUT = 10.0
 
@@ -101,7 +102,9 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
             constructor raises `tf.errors.DeadlineExceededError` naming the missing
             task(s).
         collective_timeout: Seconds any one collective (all-reduce, broadcast) may wait
-            for its peers, e.g. a frozen peer; None for no limit (TF's default).
+            for its peers, e.g. a deadlocked peer; None (the default) for no limit.
+            Each timed collective costs TF one sleeping OS thread for that long.
+            Frozen (SIGSTOPped) or dead peers are caught by ``heartbeat_timeout``.
         heartbeat_timeout: Seconds without a heartbeat before the coordination
             service declares a task dead and fails the others.
         compression: Shortcut for ``communication_options.compression``.
