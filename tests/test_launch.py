@@ -172,16 +172,30 @@ def test_isolated_network_keeps_task_ports_unreachable_from_outside(tmp_path):
         server.bind(("0.0.0.0", int(me.rsplit(":", 1)[1])))
         server.listen()
         open(os.path.join(out, os.environ["TFDIST_TASK"] + ".ready"), "w").write(me)
-        for peer in config["cluster"]["worker"]:
+        for peer in config["cluster"]["worker"]:  # the peer may not listen yet: retry
             host, port = peer.rsplit(":", 1)
-            socket.create_connection((host, int(port)), timeout=10).close()
+            for attempt in range(300):
+                try:
+                    socket.create_connection((host, int(port)), timeout=10).close()
+                    break
+                except ConnectionRefusedError:
+                    time.sleep(0.1)
+            else:
+                sys.exit(f"could not reach {peer} inside the namespace")
         deadline = time.time() + 60
         while not os.path.exists(os.path.join(out, "checked")) and time.time() < deadline:
             time.sleep(0.1)
     """)
     outcome = {}
-    job = threading.Thread(target=lambda: outcome.setdefault("result", tfdist.launch(
-        script, tmp_path, workers=2, timeout=90, isolate_network=True, stream=None)))
+
+    def run_job():
+        try:
+            outcome["result"] = tfdist.launch(script, tmp_path, workers=2, timeout=90,
+                                              isolate_network=True, stream=None)
+        except Exception as error:  # re-raised below, in the test's thread
+            outcome["error"] = error
+
+    job = threading.Thread(target=run_job)
     job.start()
     try:
         deadline = time.monotonic() + 60
@@ -196,6 +210,8 @@ def test_isolated_network_keeps_task_ports_unreachable_from_outside(tmp_path):
     finally:
         (tmp_path / "checked").write_text("")
         job.join(120)
+    if "error" in outcome:
+        raise outcome["error"]
     assert [t.returncode for t in outcome["result"].tasks] == [0, 0]
     leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert f"tfdist-{os.getpid()}-" not in leftover
