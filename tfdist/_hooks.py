@@ -7,6 +7,7 @@ of reaching into private names themselves.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 # Group keys a strategy instance may use before the next instance's range starts.
@@ -135,6 +136,20 @@ def install_local_update_hooks() -> None:
     TFOptimizer._tfdist_local_update_hooks = True
 
 
+# Strategy method: ``(model, fit_arguments) -> context manager`` entered around ``fit``.
+FIT_CONTEXT_ATTR = "_tfdist_fit_context"
+
+
+def _bound_arguments(function, args, kwargs) -> dict:
+    """``{parameter: value}`` of a call, defaults left out."""
+    import inspect
+
+    try:
+        return dict(inspect.signature(function).bind(*args, **kwargs).arguments)
+    except TypeError:
+        return dict(kwargs)
+
+
 def install_model_hooks() -> None:
     """Tells the model's strategy when ``fit`` ends and before evaluate/predict/save.
 
@@ -143,9 +158,11 @@ def install_model_hooks() -> None:
     callback for these moments, so ``keras.Model``'s methods are wrapped: when
     ``model.distribute_strategy`` has a ``_tfdist_model_hook(model, method, when)``
     attribute it is called ``"before"`` and ``"after"`` fit and ``"before"`` the
-    others. Every other
+    others. A strategy with a ``_tfdist_fit_context(model, fit_arguments)`` method
+    also has ``fit`` run inside the context manager it returns. Every other
     strategy gets Keras' own methods. Idempotent.
     """
+    import contextlib
     import functools
 
     import keras
@@ -156,12 +173,17 @@ def install_model_hooks() -> None:
     def wrap(name, when, original):
         @functools.wraps(original)
         def method(self, *args, **kwargs):
-            hook = getattr(self.distribute_strategy, MODEL_HOOK_ATTR, None)
-            if hook is not None and when in ("before", "around"):
-                hook(self, name, "before")
-            result = original(self, *args, **kwargs)
-            if hook is not None and when in ("after", "around"):
-                hook(self, name, "after")
+            strategy = self.distribute_strategy
+            hook = getattr(strategy, MODEL_HOOK_ATTR, None)
+            fit_context = getattr(strategy, FIT_CONTEXT_ATTR, None) if name == "fit" else None
+            context = (fit_context(self, _bound_arguments(original, (self, *args), kwargs))
+                       if fit_context is not None else contextlib.nullcontext())
+            with context:
+                if hook is not None and when in ("before", "around"):
+                    hook(self, name, "before")
+                result = original(self, *args, **kwargs)
+                if hook is not None and when in ("after", "around"):
+                    hook(self, name, "after")
             return result
 
         return method
@@ -169,6 +191,108 @@ def install_model_hooks() -> None:
     for name, when in MODEL_HOOK_METHODS.items():
         setattr(keras.Model, name, wrap(name, when, getattr(keras.Model, name)))
     keras.Model._tfdist_model_hooks = True
+
+
+# Keras' BackupAndRestore: its private path attributes, each relative to backup_dir.
+_BACKUP_PATHS = {"_weights_path": "latest.weights.h5",
+                 "_training_metadata_path": "training_metadata.json",
+                 "_prev_weights_path": "latest.weights.h5.bkp",
+                 "_prev_training_metadata_path": "training_metadata.json.bkp"}
+
+
+@contextlib.contextmanager
+def keras_callbacks_write_elsewhere(callbacks, task_name: str):
+    """On a worker that is not the chief, Keras' own file callbacks write to a temp dir.
+
+    Why: Keras 3's ``ModelCheckpoint``, ``BackupAndRestore``, ``CSVLogger`` and
+    ``TensorBoard`` dropped tf-keras' multi-worker logic, so every worker writes the
+    chief's path (``FileExistsError``, h5 lock errors, mixed files). As tf-keras did,
+    each still runs (a save may take part in collectives) but writes under a private
+    temporary directory, removed when ``fit`` ends; ``BackupAndRestore`` still
+    restores from the real ``backup_dir``. Paths are public attributes except
+    ``BackupAndRestore``'s, which it computes in ``__init__`` (``_BACKUP_PATHS``).
+    Callbacks marked ``_tfdist_chief_aware`` (tfdist's own) are left alone.
+
+    Args:
+        callbacks: The callbacks given to ``fit`` (None, a list or a CallbackList).
+        task_name: This task, e.g. ``worker-1``; names the temporary directory.
+    """
+    import os
+    import shutil
+
+    import keras
+
+    from tfdist.files import private_temp_dir
+
+    callbacks = list(getattr(callbacks, "callbacks", callbacks) or [])
+    directory = None
+    saved = []  # (callback, attribute, value or _MISSING)
+
+    def temp(*parts):
+        nonlocal directory
+        directory = directory or private_temp_dir(task_name)
+        return os.path.join(directory, *parts)
+
+    def redirect(callback, attribute, value):
+        saved.append((callback, attribute, callback.__dict__.get(attribute, _MISSING)))
+        setattr(callback, attribute, value)
+
+    def restore_then_write_to_temp(callback, backup_dir):
+        original = callback.on_train_begin
+
+        def on_train_begin(logs=None):
+            original(logs)
+            callback.backup_dir = backup_dir
+            for attribute, name in _BACKUP_PATHS.items():
+                setattr(callback, attribute, os.path.join(backup_dir, name))
+
+        return on_train_begin
+
+    for index, callback in enumerate(callbacks):
+        if getattr(callback, "_tfdist_chief_aware", False):
+            continue
+        if isinstance(callback, keras.callbacks.ModelCheckpoint):
+            redirect(callback, "filepath", temp(f"checkpoint-{index}",
+                                                os.path.basename(callback.filepath)))
+        elif isinstance(callback, keras.callbacks.CSVLogger):
+            redirect(callback, "filename", temp(os.path.basename(callback.filename)))
+        elif isinstance(callback, keras.callbacks.TensorBoard):
+            redirect(callback, "log_dir", temp(f"tensorboard-{index}"))
+        elif isinstance(callback, keras.callbacks.BackupAndRestore):
+            for attribute in ("backup_dir", *_BACKUP_PATHS):
+                saved.append((callback, attribute, callback.__dict__[attribute]))
+            redirect(callback, "on_train_begin",
+                     restore_then_write_to_temp(callback, temp(f"backup-{index}")))
+    try:
+        yield
+    finally:
+        for callback, attribute, value in reversed(saved):
+            if value is _MISSING:
+                callback.__dict__.pop(attribute, None)
+            else:
+                setattr(callback, attribute, value)
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+_MISSING = object()
+
+
+def dataset_batch_size(dataset) -> int | None:
+    """The batch size a `tf.data.Dataset` was batched with, or None if unknown.
+
+    Why: a global batch that does not split evenly over the replicas fails in Keras'
+    first step; TF knows the batch size of a dataset (partial batches aside) only
+    through the private ``compute_batch_size``, which walks the dataset graph.
+    """
+    import tensorflow as tf
+    from tensorflow.python.data.experimental.ops import distribute
+
+    try:
+        size = int(distribute.compute_batch_size(dataset).numpy())
+    except (IndexError, ValueError, tf.errors.OpError):  # e.g. an unbatched dataset
+        return None
+    return size if size > 0 else None
 
 
 def overrides_backend_update_step(optimizer) -> bool:

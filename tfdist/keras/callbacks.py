@@ -1,7 +1,9 @@
 """Chief-aware Keras callbacks: only the chief writes the real path.
 
 Keras 3's `ModelCheckpoint`, `BackupAndRestore` and `CSVLogger` have no multi-worker
-logic: every worker writes the same file. These drop-in subclasses make every worker
+logic: every worker writes the same file. Under tfdist's strategies Keras' own classes
+work too (other workers write to a temporary directory during ``fit``); these classes
+are the explicit API, usable with any strategy. They make every worker
 run the same code (saving reads distributed variables, which may need all workers), but
 only the chief writes to the target path; the other workers write to a private
 temporary path that is removed right after.
@@ -16,12 +18,12 @@ import csv
 import json
 import os
 import shutil
-import tempfile
 
 import keras
 
 from tfdist import _hooks
 from tfdist.cluster import ClusterSpec
+from tfdist.files import private_temp_dir
 from tfdist.keras.guards import StopOnNaN  # noqa: F401  (re-exported)
 from tfdist.keras.warmup import LinearScalingWarmup  # noqa: F401  (re-exported)
 
@@ -34,6 +36,9 @@ def task_info(strategy=None) -> tuple[bool, str]:
     Args:
         strategy: The model's distribution strategy, or None to read TF_CONFIG only.
     """
+    extended = getattr(strategy, "extended", None)
+    if hasattr(strategy, "task_name") and hasattr(extended, "should_checkpoint"):
+        return bool(extended.should_checkpoint), strategy.task_name  # tfdist's strategies
     resolver = getattr(strategy, "cluster_resolver", None) if strategy is not None else None
     task_type = getattr(resolver, "task_type", None)
     if task_type is not None:
@@ -55,6 +60,7 @@ def _model_strategy(model):
 class _ChiefAware:
     """Mixin: ``self.is_chief``/``self.task_name`` and a private temp directory."""
 
+    _tfdist_chief_aware = True  # strategies leave these callbacks' paths alone
     _tmpdir: str | None = None
 
     def _task(self):
@@ -70,7 +76,7 @@ class _ChiefAware:
 
     def _temp_dir(self) -> str:
         if self._tmpdir is None or not os.path.isdir(self._tmpdir):
-            self._tmpdir = tempfile.mkdtemp(prefix=f"tfdist-{self.task_name}-")
+            self._tmpdir = private_temp_dir(self.task_name)
         return self._tmpdir
 
     def _remove_temp_dir(self):

@@ -19,6 +19,7 @@ from tfdist import _hooks
 from tfdist.comm.accounting import ByteCounter
 from tfdist.comm.compression import get_compression
 from tfdist.comm.options import CommunicationOptions
+from tfdist.strategies._fit import KerasFitMixin
 
 
 def _local_accumulators(variables) -> list:
@@ -31,7 +32,7 @@ def _local_accumulators(variables) -> list:
                 for v in variables]
 
 
-class SyncGradientsMixin:
+class SyncGradientsMixin(KerasFitMixin):
     """Mixed into a strategy class; call `_init_sync_gradients` in its ``__init__``.
 
     The strategy then casts floating gradients to the compression dtype for the
@@ -50,6 +51,7 @@ class SyncGradientsMixin:
         # Micro-batches seen, a host counter (created outside any scope).
         self._micro_steps = ByteCounter("tfdist_micro_steps")
         _hooks.install_sync_gradient_hooks()
+        _hooks.install_model_hooks()
         if options.accumulate_steps > 1:
             _hooks.install_local_update_hooks()
 

@@ -8,6 +8,9 @@ Initial variable values are broadcast from rank 0 when the variables are created
 
 from __future__ import annotations
 
+import logging
+import os
+
 import tensorflow as tf
 
 from tfdist import _hooks
@@ -19,6 +22,7 @@ from tfdist.strategies._sync import SyncGradientsMixin
 from tfdist.devices import default_devices, validate_devices
 
 _tf = _hooks.tf_distribute_internals()
+logger = logging.getLogger("tfdist")
 
 
 def _local_values(value):
@@ -143,7 +147,8 @@ class HorovodExtended(_tf.MirroredExtended):
             return value
 
         def reduce_one(v):
-            if not isinstance(v, tf.distribute.DistributedValues) and self._hvd_size == 1:
+            if not isinstance(v, tf.distribute.DistributedValues) and (
+                    self._num_replicas_in_sync == 1):
                 return _tf.reduce_non_distributed_value(reduce_op, v, destinations,
                                                         self._num_replicas_in_sync)
             # As in MultiWorkerMirroredStrategy, a plain tensor is this process's value.
@@ -201,7 +206,7 @@ class HorovodStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerMirroredStrat
     """Synchronous data parallelism with Horovod's collective ops as the engine.
 
     Start one process per worker with ``horovodrun -np N -H host:N --gloo python
-    train.py``. Inside each process the model is mirrored on ``devices`` as in
+    train.py``. Started otherwise, the process is the only rank (as Horovod does). Inside each process the model is mirrored on ``devices`` as in
     `tfdist.MirroredStrategy`; gradients, losses and metrics are reduced across all
     replicas of all processes. Keras 3 ``fit``/``evaluate``/``predict`` work in its
     scope with the global batch size, as with `tf.distribute.MultiWorkerMirroredStrategy`:
@@ -240,6 +245,9 @@ class HorovodStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerMirroredStrat
         compression = options.compression
         self._init_sync_gradients(options)
         comm.init()
+        if "HOROVOD_RANK" not in os.environ:
+            logger.info("HorovodStrategy: not started by horovodrun (HOROVOD_RANK is not "
+                        "set), so this process is the only rank (replicas: its devices).")
         if devices is not None:
             devices = validate_devices(devices)
         else:
@@ -260,6 +268,11 @@ class HorovodStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerMirroredStrat
     @property
     def rank(self) -> int:
         return comm.rank()
+
+    @property
+    def task_name(self) -> str:
+        """This process's name, ``worker-<rank>``."""
+        return f"worker-{comm.rank()}"
 
     @property
     def size(self) -> int:

@@ -35,6 +35,7 @@ from tfdist import _hooks
 from tfdist.comm.accounting import ByteCounter
 from tfdist.comm.averaging import BACKENDS, allreduce_mean, is_average_step
 from tfdist.comm.options import merge_options
+from tfdist.strategies._optimizer import inner_optimizer
 
 
 class _State:
@@ -230,7 +231,7 @@ class ModelAverageStrategy(tf.distribute.Strategy):
             True if the replicas could differ and were averaged, False if there was
             nothing to do.
         """
-        optimizer = getattr(model, "optimizer", None)
+        optimizer = inner_optimizer(getattr(model, "optimizer", None))
         state = self._states.get(id(optimizer))
         if state is None:
             return False
@@ -251,7 +252,7 @@ class ModelAverageStrategy(tf.distribute.Strategy):
 
     def _tfdist_model_hook(self, model, method, when):
         """``keras.Model`` calls this around fit and before evaluate/predict/save."""
-        optimizer = getattr(model, "optimizer", None)
+        optimizer = inner_optimizer(getattr(model, "optimizer", None))
         if method == "fit" and when == "before":
             self._fit_start[id(model)] = (
                 None if optimizer is None else int(optimizer.iterations.numpy()))

@@ -19,12 +19,14 @@ Extending it (e.g. model averaging on many workers): subclass and override
   options (implementation, timeout);
 - `_configure_coordination()` to change the coordination service set-up.
 
-The cluster is resolved before any of these run: ``self.cluster`` (a `ClusterSpec`)
-is available in all of them. Call ``super().__init__(...)`` from your ``__init__``.
+The cluster is resolved before any of these run: ``self.cluster`` (a `ClusterSpec`,
+or None when this process is the whole job) is available in all of them. Call ``super().__init__(...)`` from your ``__init__``.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import secrets
 
 import tensorflow as tf
@@ -45,6 +47,8 @@ DEFAULT_HEARTBEAT_TIMEOUT = 10.0
 
 # What tf.compat.v1.random.get_seed(op_seed) reports as the global seed when none was set.
 _DEFAULT_GRAPH_SEED = 87654321
+
+logger = logging.getLogger("tfdist")
 
 
 def _positive(name, value, allow_none=False):
@@ -91,7 +95,8 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
     worker reports the same global values.
 
     Args:
-        cluster_resolver: None or ``"env"`` (TF_CONFIG, the default), a TF
+        cluster_resolver: None (TF_CONFIG, the default; without TF_CONFIG one worker
+            over the local devices, as in TF), ``"env"`` (TF_CONFIG, required), a TF
             ``ClusterResolver`` (Slurm, Kubernetes, ...), a `tfdist.ClusterSpec`, a
             TF_CONFIG-shaped dict, or ``"slurm"``.
         communication_options: A `tfdist.CommunicationOptions` (compression, gradient
@@ -130,7 +135,7 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
         options = merge_options(communication_options, compression=compression,
                                 accumulate_steps=accumulate_steps)
         communication_options = self._make_communication_options(options.to_tf())
-        if self.cluster.task is not None and self.cluster.num_workers > 1:
+        if self.num_workers > 1:
             self._configure_coordination()
         try:
             extended = self._create_extended(tf_resolver, communication_options)
@@ -144,8 +149,16 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
 
     # ---- overridable set-up -----------------------------------------------------------
 
-    def _resolve(self, source) -> ClusterSpec:
-        """The cluster as a `ClusterSpec` (TF_CONFIG when ``source`` is None)."""
+    def _resolve(self, source) -> ClusterSpec | None:
+        """The cluster as a `ClusterSpec` (TF_CONFIG when ``source`` is None).
+
+        None when ``source`` is None and TF_CONFIG is unset: this process is the whole
+        job, one worker over the local devices, as `tf.distribute.MultiWorkerMirroredStrategy`.
+        """
+        if source is None and not os.environ.get("TF_CONFIG"):
+            logger.info("%s: TF_CONFIG is not set, so this process is the only worker "
+                        "(replicas: its local devices).", type(self).__name__)
+            return None
         cluster = resolve_cluster(source)
         if cluster.task is None and cluster.num_workers > 1:
             raise ValueError("the cluster has several workers but does not say which one "
@@ -268,17 +281,18 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
     @property
     def is_chief(self) -> bool:
         """True on the task that writes checkpoints and logs (TF's rule)."""
-        return self.cluster.is_chief()
+        return self.cluster is None or self.cluster.is_chief()
 
     @property
     def num_workers(self) -> int:
         """Training tasks in the cluster (chief plus workers)."""
-        return self.cluster.num_workers
+        return 1 if self.cluster is None else self.cluster.num_workers
 
     @property
     def task_name(self) -> str:
         """This task's name, e.g. ``worker-1``."""
-        return self.cluster.task.name if self.cluster.task else "worker-0"
+        task = self.cluster and self.cluster.task
+        return task.name if task else "worker-0"
 
 
 def _rank(value):

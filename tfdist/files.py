@@ -1,0 +1,80 @@
+"""Files that survive crashes: atomic writes, and temporary directories that a killed
+process does not leave behind for long. No TensorFlow import here."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+_PRIVATE_DIR = re.compile(r"^tfdist-(?P<task>.+)-pid(?P<pid>\d+)-")
+
+
+def is_process_alive(pid: int) -> bool:
+    """True if a process with this PID exists (on this host)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def private_temp_dir(task_name: str) -> str:
+    """A new temporary directory for this process, e.g. ``/tmp/tfdist-worker-1-pid42-x``.
+
+    Directories that earlier processes left there (named the same way, their PID no
+    longer alive: a SIGKILL gives no chance to clean up) are removed first.
+    """
+    root = tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for name in os.listdir(root):
+            match = _PRIVATE_DIR.match(name)
+            if match and not is_process_alive(int(match.group("pid"))):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"tfdist-{task_name}-pid{os.getpid()}-")
+
+
+def temp_path_for(path: str | os.PathLike) -> Path:
+    """A hidden sibling of ``path`` that keeps its suffixes (Keras checks them)."""
+    path = Path(path)
+    return path.with_name(f".tmp-{os.getpid()}-{path.name}")
+
+
+def commit(temp: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Flushes ``temp`` to disk and renames it to ``path`` in one step."""
+    with open(temp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(temp, path)
+    with contextlib.suppress(OSError):  # the rename itself, on filesystems that allow it
+        directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike):
+    """Yields a temporary path to write; on success it replaces ``path`` atomically.
+
+    A crash mid-write leaves the previous ``path`` intact (and at most a hidden
+    ``.tmp-PID-name`` file, removed here on errors).
+    """
+    temp = temp_path_for(path)
+    try:
+        yield temp
+        commit(temp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temp)
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Writes ``text`` to ``path`` atomically (temp file, fsync, rename)."""
+    with atomic_path(path) as temp:
+        Path(temp).write_text(text)
