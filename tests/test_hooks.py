@@ -374,3 +374,49 @@ def test_keras_gradient_reduce_and_update_step_exist():
         __import__("keras").optimizers.Optimizer.apply), (
         "Keras' apply() no longer adds 1 to _iterations after the step: tfdist's "
         "accumulation (which subtracts 1 on non-update micro-steps) must change")
+
+
+def test_keras_backup_and_restore_private_paths(tmp_path):
+    import os
+
+    import keras
+
+    from tfdist import _hooks
+
+    callback = keras.callbacks.BackupAndRestore(str(tmp_path))
+    for attribute, name in _hooks._BACKUP_PATHS.items():
+        assert getattr(callback, attribute) == os.path.join(str(tmp_path), name), (
+            f"keras BackupAndRestore.{attribute} changed: keras_callbacks_write_elsewhere "
+            "would write the chief's backup from other workers")
+
+
+def test_keras_callbacks_write_elsewhere_redirects_and_restores(tmp_path):
+    import keras
+
+    from tfdist import _hooks
+
+    real = {"checkpoint": str(tmp_path / "m.keras"), "csv": str(tmp_path / "log.csv"),
+            "tb": str(tmp_path / "tb"), "backup": str(tmp_path / "backup")}
+    callbacks = [keras.callbacks.ModelCheckpoint(real["checkpoint"]),
+                 keras.callbacks.CSVLogger(real["csv"]),
+                 keras.callbacks.TensorBoard(real["tb"]),
+                 keras.callbacks.BackupAndRestore(real["backup"])]
+    with _hooks.keras_callbacks_write_elsewhere(callbacks, "worker-1"):
+        checkpoint, csv, tensorboard, backup = callbacks
+        assert "tfdist-worker-1-" in checkpoint.filepath and checkpoint.filepath.endswith(
+            "m.keras")
+        assert "tfdist-worker-1-" in csv.filename and "tfdist-worker-1-" in tensorboard.log_dir
+        assert "on_train_begin" in vars(backup)
+    assert [callbacks[0].filepath, callbacks[1].filename, callbacks[2].log_dir,
+            callbacks[3].backup_dir] == list(real.values())
+    assert "on_train_begin" not in vars(callbacks[3])
+
+
+def test_tf_data_compute_batch_size():
+    import tensorflow as tf
+
+    from tfdist import _hooks
+
+    batched = tf.data.Dataset.range(10).batch(4).prefetch(2)
+    assert _hooks.dataset_batch_size(batched) == 4, (
+        "TF's compute_batch_size changed: the uneven-global-batch check misses datasets")
