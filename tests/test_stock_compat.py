@@ -325,3 +325,28 @@ def test_keras_callbacks_and_mixed_precision_under_horovod(tmp_path):
     assert os.listdir(task_tmp) == []
     assert sorted(os.listdir(out_dir)) == ["log.csv", "model-1.keras", "model-2.keras",
                                            "tensorboard"]
+
+
+def _parameter_server_task():
+    """Mixed precision under both parameter-server modes, in one cluster."""
+    import tfdist
+
+    strategy = tfdist.ParameterServerStrategy()
+    x, y = classification_data(n=64)
+    out = {}
+    for policy in POLICIES:
+        model, history = _fit_with_policy(strategy, policy, x, y)
+        out[policy] = {"loss": history.history["loss"],
+                       "optimizer": type(model.optimizer).__name__,
+                       "iterations": int(model.optimizer.iterations.numpy())}
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_mixed_precision_under_parameter_server():
+    chief = run_cluster(_parameter_server_task, workers=1, chief=True, ps=1, timeout=280)[0]
+    for policy, result in chief.items():
+        assert np.isfinite(result["loss"]).all(), (policy, result)
+        assert result["iterations"] == 2 * 64 // GLOBAL_BATCH, (policy, result)
+        if policy != "mixed_bfloat16":
+            assert result["optimizer"] == "LossScaleOptimizer"
