@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: train test bench horovod clean
+.PHONY: train test bench horovod notebooks clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ train: $(VENV)/.installed
 
 test: $(VENV)/.installed $(VENV)/.horovod
 	TFDIST_REQUIRE_HOROVOD=1 $(PY) -m pytest
+
+# Re-executes every notebook and stores it with its outputs (plots visible on the web).
+notebooks: $(VENV)/.installed $(VENV)/.horovod
+	$(PY) scripts/run_notebooks.py
 
 bench: $(VENV)/.installed $(VENV)/.horovod
 	$(VENV)/bin/tfdist bench
