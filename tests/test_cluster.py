@@ -41,6 +41,18 @@ BAD_TF_CONFIGS = {
                     ["cluster.worker", "host:port", "'127.0.0.1'"]),
     "cluster_not_an_object": ({"cluster": ["h:1"]}, ["TF_CONFIG.cluster", "['h:1']"]),
     "not_an_object": ("[1, 2]", ["JSON object", "[1, 2]"]),
+    "sparse_index_signed": ({"cluster": {"worker": {"-0": "h:1", "1": "h:2"}}},
+                            ["TF_CONFIG.cluster.worker", "index '-0'"]),
+    "sparse_index_padded": ({"cluster": {"worker": {"00": "h:1", "1": "h:2"}}},
+                            ["TF_CONFIG.cluster.worker", "index '00'"]),
+    "sparse_index_gap": ({"cluster": {"worker": {"0": "h:1", "2": "h:2"}}},
+                         ["0..n-1", "indices [0, 2]"]),
+    "deeply_nested_json": ("[" * 100_000 + "]" * 100_000, ["nested too deeply"]),
+    "deeply_nested_cluster": ('{"cluster": {"worker": ' + "[" * 100_000 + "]" * 100_000 + "}}",
+                              ["nested too deeply"]),
+    "loopback_duplicate": ({"cluster": {"worker": ["localhost:2222", "127.0.0.1:2222"]}},
+                           ["duplicate address", "'127.0.0.1:2222'", "'localhost:2222'",
+                            "worker-0", "worker-1"]),
 }
 
 

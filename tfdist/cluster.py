@@ -11,6 +11,7 @@ import ipaddress
 import json
 import os
 import re
+import reprlib
 import warnings
 from typing import Any, Mapping
 
@@ -75,12 +76,15 @@ class ClusterSpec:
         if not self.chief and not self.worker:
             raise ValueError("a cluster needs at least one worker (or a chief). "
                              f"Received: cluster={self.jobs()}")
-        seen: dict[str, str] = {}
+        seen: dict[str, tuple[str, str]] = {}
         for task_type, index, address in self.addresses():
-            if address in seen:
-                raise ValueError(f"duplicate address {address!r}: used by {seen[address]} "
+            key = _endpoint_key(address)
+            if key in seen:
+                first_task, first_address = seen[key]
+                same = "" if first_address == address else f" (the same as {first_address!r})"
+                raise ValueError(f"duplicate address {address!r}{same}: used by {first_task} "
                                  f"and {task_type}-{index}")
-            seen[address] = f"{task_type}-{index}"
+            seen[key] = (f"{task_type}-{index}", address)
         if self.task is not None:
             if isinstance(self.task, Mapping):
                 object.__setattr__(self, "task", TaskSpec(**self.task))
@@ -96,6 +100,14 @@ class ClusterSpec:
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> "ClusterSpec":
         """Builds a spec from a TF_CONFIG-shaped dict ``{"cluster": ..., "task": ...}``."""
+        try:
+            return cls._from_dict(config)
+        except RecursionError:
+            raise ValueError("TF_CONFIG is nested too deeply. Received: "
+                             f"{reprlib.repr(config)}") from None
+
+    @classmethod
+    def _from_dict(cls, config: Mapping[str, Any]) -> "ClusterSpec":
         if not isinstance(config, Mapping):
             raise ValueError(f"TF_CONFIG must be a JSON object. Received: {config!r}")
         unknown = set(config) - {"cluster", "task", "environment", "rpc_layer"}
@@ -127,26 +139,20 @@ class ClusterSpec:
         jobs = {}
         for task_type, addresses in cluster.items():
             if isinstance(addresses, Mapping):  # TF's sparse form {index: address}
-                try:
-                    keys = sorted(int(k) for k in addresses)
-                except (TypeError, ValueError):
-                    raise ValueError(f"TF_CONFIG.cluster.{task_type} indices must be integers. "
-                                     f"Received: {dict(addresses)!r}") from None
-                if keys != list(range(len(keys))):
-                    raise ValueError(f"TF_CONFIG.cluster.{task_type} must number its tasks "
-                                     f"0..n-1. Received: indices {keys}")
-                addresses = [addresses[k] if k in addresses else addresses[str(k)] for k in keys]
+                addresses = _sparse_addresses(task_type, addresses)
             jobs[task_type] = addresses
         return cls(task=task_spec, **jobs)
 
     @classmethod
     def from_json(cls, text: str) -> "ClusterSpec":
         """Parses TF_CONFIG text."""
+        shown = text if len(str(text)) <= 200 else str(text)[:200] + "..."
         try:
             config = json.loads(text)
         except (TypeError, json.JSONDecodeError) as error:
-            shown = text if len(str(text)) <= 200 else str(text)[:200] + "..."
             raise ValueError(f"TF_CONFIG is not valid JSON ({error}). Received: {shown!r}") from None
+        except RecursionError:
+            raise ValueError(f"TF_CONFIG is nested too deeply. Received: {shown!r}") from None
         return cls.from_dict(config)
 
     @classmethod
@@ -251,6 +257,36 @@ class ClusterSpec:
 
 
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+):(\d{1,5})$")
+
+
+# Names of this host's loopback interface that reach the same listening port.
+_LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def _endpoint_key(address: str) -> str:
+    """``address`` with loopback spellings made one (``localhost:P`` = ``127.0.0.1:P``)."""
+    host, port = address.rsplit(":", 1)
+    host = host.strip("[]").lower()
+    return f"{'loopback' if host in _LOOPBACK_NAMES else host}:{int(port)}"
+
+
+def _sparse_addresses(task_type: str, addresses: Mapping) -> list:
+    """TF's sparse form ``{"0": address, "1": address}`` as a list in index order."""
+    by_index = {}
+    for key, address in addresses.items():
+        text = str(key)
+        if not text.isdigit() or (len(text) > 1 and text[0] == "0"):
+            raise ValueError(f"TF_CONFIG.cluster.{task_type} indices must be integers "
+                             f"0..n-1 written plainly. Received: index {key!r} in "
+                             f"{reprlib.repr(dict(addresses))}")
+        if int(text) in by_index:
+            raise ValueError(f"TF_CONFIG.cluster.{task_type} gives index {int(text)} twice. "
+                             f"Received: {reprlib.repr(dict(addresses))}")
+        by_index[int(text)] = address
+    if sorted(by_index) != list(range(len(by_index))):
+        raise ValueError(f"TF_CONFIG.cluster.{task_type} must number its tasks 0..n-1. "
+                         f"Received: indices {sorted(by_index)}")
+    return [by_index[i] for i in range(len(by_index))]
 
 
 def validate_address(address: Any, field: str = "address") -> None:
