@@ -129,7 +129,8 @@ def _tf_config_resolver():
 
 
 def _fault_task(result_dir, mode, victim):
-    """``mode``: "missing", "stop" (SIGSTOP) or "kill" (SIGKILL) for task ``victim``."""
+    """``mode``: "missing", "stop" (SIGSTOP), "freeze" (SIGSTOP, default collective
+    timeout: the heartbeat catches it) or "kill" (SIGKILL) for task ``victim``."""
     import tfdist
 
     me = os.environ["TFDIST_TASK"]
@@ -144,12 +145,13 @@ def _fault_task(result_dir, mode, victim):
     # Each fault also exercises another cluster source.
     source = {"missing": lambda: tfdist.ClusterSpec.from_env(),
               "stop": lambda: _tf_config_resolver(),
+              "freeze": lambda: None,
               "kill": lambda: tfdist.ClusterSpec.from_env().to_dict()}[mode]()
     try:
         strategy = tfdist.MultiWorkerMirroredStrategy(
             source, startup_timeout=5 if mode == "missing" else 60,
-            collective_timeout=5 if mode == "stop" else 120,
-            heartbeat_timeout={"stop": 120, "kill": 3}.get(mode, 10))
+            collective_timeout={"stop": 5, "freeze": None}.get(mode, 120),
+            heartbeat_timeout={"stop": 120, "kill": 3, "freeze": 5}.get(mode, 10))
         import keras
 
         x, y = classification_data(n=64)
@@ -160,7 +162,7 @@ def _fault_task(result_dir, mode, victim):
         class Fault(keras.callbacks.Callback):
             def on_train_batch_end(self, batch, logs=None):
                 if me == victim and self._epoch == 1 and batch == 1:
-                    os.kill(os.getpid(), signal.SIGSTOP if mode == "stop" else signal.SIGKILL)
+                    os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
 
             def on_epoch_begin(self, epoch, logs=None):
                 self._epoch = epoch
@@ -343,6 +345,23 @@ def test_frozen_peer_fails_after_collective_timeout(tmp_path):
     assert message and message.startswith("DeadlineExceededError"), message
     assert "Collective has timed out" in message, message
     assert _read(tmp_path, "worker-1.error") is None
+
+
+@pytest.mark.timeout(120)
+def test_frozen_leader_is_named_by_the_survivor(tmp_path):
+    import tfdist
+
+    try:
+        with pytest.raises(tfdist.LaunchError) as info:
+            run_cluster(_fault_task, str(tmp_path), "freeze", "worker-0", timeout=100,
+                        stream=None, grace_period=1, env={MARK: str(tmp_path)})
+    finally:
+        _assert_gone(tmp_path)
+    assert info.value.task == "worker-1", info.value
+    message = _read(tmp_path, "worker-1.error")
+    assert message and message.startswith("DeadlineExceededError: worker-1: worker-0, the "
+                                          "coordination service leader, did not answer"), message
+    assert "heartbeat_timeout=5s" in message, message
 
 
 @pytest.mark.timeout(120)

@@ -25,6 +25,7 @@ or None when this process is the whole job) is available in all of them. Call ``
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -276,6 +277,33 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
             axis = None
         return super().reduce(reduce_op, value, axis)
 
+    @contextlib.contextmanager
+    def _tfdist_fit_context(self, model, arguments):
+        """Keras ``fit`` runs in this: an unanswered heartbeat names the frozen leader."""
+        with super()._tfdist_fit_context(model, arguments):
+            try:
+                yield
+            except tf.errors.OpError as error:
+                raise self._peer_error(error) from error
+
+    def _peer_error(self, error):
+        """``error``, or the same error type naming the leader if its heartbeats stopped.
+
+        Every task sends heartbeats to the coordination service on the leader (the
+        chief, else worker-0). When the leader is frozen, the others only see
+        "Deadline Exceeded, RPC: .../CoordinationService/Heartbeat".
+        """
+        leader = _coordination_leader(self.cluster)
+        if leader is None or leader == self.task_name or (
+                "CoordinationService/Heartbeat" not in (error.message or "")):
+            return error
+        return type(error)(
+            error.node_def, error.op,
+            f"{self.task_name}: {leader}, the coordination service leader, did not answer "
+            f"heartbeats within heartbeat_timeout={self.heartbeat_timeout:g}s: it is frozen "
+            f"(e.g. SIGSTOP), overloaded or unreachable. TensorFlow said: "
+            f"{_summary(error.message)}")
+
     # ---- conveniences --------------------------------------------------------------------
 
     @property
@@ -306,6 +334,21 @@ def _rank(value):
         return tf.TensorShape(shape).rank
     except (TypeError, ValueError):
         return None
+
+
+def _coordination_leader(cluster: ClusterSpec | None) -> str | None:
+    """The task that hosts the coordination service (see `_hooks.configure_coordination_service`)."""
+    if cluster is None or cluster.num_workers < 2:
+        return None
+    return "chief-0" if cluster.chief else "worker-0"
+
+
+def _summary(message: str | None) -> str:
+    """TF's message in one line: a graph error's last lines (the cause), else the first."""
+    lines = [line.strip() for line in (message or "").splitlines() if line.strip()]
+    if lines and lines[0].startswith("Graph execution"):
+        return " ".join(lines[-3:])
+    return lines[0] if lines else ""
 
 
 def _missing_tasks(message: str, cluster: ClusterSpec) -> str:
