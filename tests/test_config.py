@@ -46,10 +46,60 @@ def test_every_config_file_loads():
     ("[cluster]\nlogical_cpus = 3\n[train]\nglobal_batch_size = 64\n",
      r"global_batch_size=64 cannot be split evenly over 3 replicas"),
     ("[train\nepochs = 1\n", r"job.toml: not valid TOML"),
+    ("[strategy]\nname = 'model_average'\noptions = { periodd = 8 }\n",
+     r"job.toml: strategy.options.periodd is not an option of ModelAverageStrategy; "
+     r"expected one of \[.*'period'.*\]. Received: periodd=8"),
+    ("[strategy]\nname = 'parameter_server'\noptions = { period = 8 }\n"
+     "[cluster]\nchief = true\nps = 1\n",
+     r"strategy.options.period is not an option of ParameterServerStrategy"),
+    ("[strategy]\nname = 'none'\noptions = { period = 8 }\n",
+     r"strategy.options.period: strategy.name='none' takes no options"),
+    ("[train]\nlearning_rate = inf\n", r"train.learning_rate must be a finite number > 0. "
+                                        r"Received: inf"),
+    ("[train]\nlearning_rate = nan\n", r"train.learning_rate must be a finite number > 0"),
+    ("[cluster]\ntimeout = inf\n", r"cluster.timeout must be a finite number of seconds"),
 ])
 def test_bad_config_names_key_and_file(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match):
         load_config(_write(tmp_path, text))
+
+
+def test_every_strategy_option_name_is_known_without_tensorflow():
+    from tfdist.config import STRATEGY_CLASSES, strategy_option_names
+
+    for name in STRATEGY_CLASSES:
+        assert strategy_option_names(name), name
+    assert {"period", "warmup_steps", "outer_optimizer", "startup_timeout"} <= \
+        strategy_option_names("model_average")
+    assert {"mode", "steps_per_dispatch"} <= strategy_option_names("parameter_server")
+    code = ("import sys\nfrom tfdist.config import load_config\n"
+            "load_config(None, ['strategy.name=\"model_average\"', 'strategy.options.period=2'])\n"
+            "print('tensorflow' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60, cwd=ROOT)
+    assert result.stdout.strip() == "False", result.stderr
+
+
+def test_strategy_options_match_the_classes():
+    """The names read from the sources are the classes' own keyword arguments."""
+    import inspect
+
+    import tfdist
+    from tfdist.config import STRATEGY_CLASSES, strategy_option_names
+
+    for name, (_, class_name) in STRATEGY_CLASSES.items():
+        cls = getattr(tfdist, class_name)
+        own = set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs",
+                                                                 "base_kwargs"}
+        assert own - {"cluster_resolver", "variable_partitioner", "cross_device_ops"} <= \
+            strategy_option_names(name), name
+
+
+def test_output_dir_that_is_a_file(tmp_path):
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ConfigError, match="train.output_dir must be a directory, but .* is "
+                                          "a file"):
+        load_config(None, [f'train.output_dir="{tmp_path / "f" / "run"}"'])
 
 
 def test_missing_file_is_named(tmp_path):
@@ -58,8 +108,8 @@ def test_missing_file_is_named(tmp_path):
 
 
 def test_overrides(tmp_path):
-    config = load_config(None, ["train.epochs=2", "strategy.options.period=4",
-                                "train.output_dir=out/x"])
+    config = load_config(None, ["train.epochs=2", 'strategy.name="model_average"',
+                                "strategy.options.period=4", "train.output_dir=out/x"])
     assert config["train"]["epochs"] == 2
     assert config["strategy"]["options"] == {"period": 4}
     assert config["train"]["output_dir"] == "out/x"

@@ -104,5 +104,5 @@ def test_compare_writes_one_table_and_one_plot(tmp_path):
     summary = json.loads((tmp_path / "compare.json").read_text())
     assert [s["name"] for s in summary] == ["default", "mirrored"]
     table = (tmp_path / "compare.md").read_text()
-    assert "val_accuracy" in table and "bytes all-reduced" in table
+    assert "val_accuracy" in table and "bytes communicated" in table
     assert (tmp_path / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -6,7 +6,10 @@ integer >= 1. Received: 0``). No TensorFlow import here.
 
 from __future__ import annotations
 
+import ast
 import copy
+import functools
+import math
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -37,7 +40,8 @@ _CHECKS = {
     ("cluster", "chief"): (bool, None, "true or false"),
     ("cluster", "ps"): (int, lambda v: v >= 0, "an integer >= 0"),
     ("cluster", "logical_cpus"): (int, lambda v: v >= 1, "an integer >= 1"),
-    ("cluster", "timeout"): ((int, float), lambda v: v > 0, "a number of seconds > 0"),
+    ("cluster", "timeout"): ((int, float), lambda v: 0 < v < math.inf,
+                             "a finite number of seconds > 0"),
     ("cluster", "max_restarts"): (int, lambda v: v >= 0, "an integer >= 0"),
     ("model", "name"): (str, lambda v: v in ("mlp", "cnn") or ":" in v,
                         "'mlp', 'cnn' or 'module:function'"),
@@ -51,7 +55,8 @@ _CHECKS = {
     ("data", "validation_split"): ((int, float), lambda v: 0 <= v < 1, "a number in [0, 1)"),
     ("data", "limit"): (int, lambda v: v >= 0, "an integer >= 0 (0: all samples)"),
     ("train", "optimizer"): (str, lambda v: v in ("sgd", "adam"), "'sgd' or 'adam'"),
-    ("train", "learning_rate"): ((int, float), lambda v: v > 0, "a number > 0"),
+    ("train", "learning_rate"): ((int, float), lambda v: 0 < v < math.inf,
+                                 "a finite number > 0"),
     ("train", "momentum"): ((int, float), lambda v: 0 <= v < 1, "a number in [0, 1)"),
     ("train", "epochs"): (int, lambda v: v >= 1, "an integer >= 1"),
     ("train", "global_batch_size"): (int, lambda v: v >= 1, "an integer >= 1"),
@@ -60,6 +65,21 @@ _CHECKS = {
     ("train", "output_dir"): (str, lambda v: bool(v), "a non-empty path"),
     ("train", "verbose"): (int, lambda v: v in (0, 1, 2), "0, 1 or 2"),
 }
+
+
+# strategy.name -> (module in tfdist/strategies, class) for checking strategy.options.
+STRATEGY_CLASSES = {
+    "mirrored": ("mirrored", "MirroredStrategy"),
+    "multi_worker": ("multi_worker", "MultiWorkerMirroredStrategy"),
+    "parameter_server": ("parameter_server", "ParameterServerStrategy"),
+    "model_average": ("model_average", "ModelAverageStrategy"),
+    "horovod": ("horovod", "HorovodStrategy"),
+}
+# Classes whose ``**kwargs`` go on to these classes' ``__init__`` (the model-average
+# strategy builds on the mirrored one on one host, the multi-worker one across hosts).
+_KWARGS_GO_TO = {"model_average": ("mirrored", "multi_worker")}
+# Options tfdist train sets itself, or that a TOML value cannot express.
+_NOT_FROM_CONFIG = ("cluster_resolver", "cross_device_ops", "variable_partitioner")
 
 
 class ConfigError(ValueError):
@@ -134,8 +154,82 @@ def validate_config(raw: dict[str, Any], source: str = "<config>") -> dict[str, 
     return config
 
 
+@functools.lru_cache(maxsize=None)
+def _init_parameters(module: str, class_name: str) -> tuple[frozenset[str], bool] | None:
+    """``(keyword names, takes **kwargs)`` of a strategy class's ``__init__``, read from
+    its source with `ast` (importing it would start TensorFlow). None if unreadable."""
+    path = Path(__file__).parent / "strategies" / f"{module}.py"
+    try:
+        tree = ast.parse(path.read_text(), str(path))
+    except (OSError, SyntaxError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == class_name:
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+                    args = item.args
+                    names = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
+                    return frozenset(names[1:]), args.kwarg is not None
+    return None
+
+
+def strategy_option_names(name: str) -> frozenset[str] | None:
+    """The keyword arguments ``strategy.options`` may hold for a strategy name.
+
+    Returns:
+        The names, or None when they cannot be known (the source is not available).
+    """
+    if name not in STRATEGY_CLASSES:
+        return frozenset()
+    found = _init_parameters(*STRATEGY_CLASSES[name])
+    if found is None:
+        return None
+    names, var_kwargs = found
+    if var_kwargs:
+        for other in _KWARGS_GO_TO.get(name, ()):
+            more = strategy_option_names(other)
+            if more is None:
+                return None
+            names |= more
+    return frozenset(names - set(_NOT_FROM_CONFIG))
+
+
+def _check_strategy_options(strategy: dict[str, Any], source: str) -> None:
+    allowed = strategy_option_names(strategy["name"])
+    if allowed is None:
+        return
+    for key, value in strategy["options"].items():
+        if key in allowed:
+            continue
+        if not allowed:
+            raise ConfigError(f"{source}: strategy.options.{key}: strategy.name="
+                              f"{strategy['name']!r} takes no options. Received: "
+                              f"{key}={value!r}")
+        raise ConfigError(f"{source}: strategy.options.{key} is not an option of "
+                          f"{STRATEGY_CLASSES[strategy['name']][1]}; expected one of "
+                          f"{sorted(allowed)}. Received: {key}={value!r}")
+
+
+def _check_output_dir(path: str, source: str) -> None:
+    if "\0" in path:
+        raise ConfigError(f"{source}: train.output_dir must be a path. Received: {path!r}")
+    for parent in (Path(path), *Path(path).parents):
+        try:
+            exists, is_dir = parent.exists(), parent.is_dir()
+        except OSError as error:  # e.g. a name too long
+            raise ConfigError(f"{source}: train.output_dir cannot be used: {error}. "
+                              f"Received: {path!r}") from None
+        if exists:
+            if not is_dir:
+                raise ConfigError(f"{source}: train.output_dir must be a directory, but "
+                                  f"{str(parent)!r} is a file. Received: {path!r}")
+            return
+
+
 def _check_combination(config: dict[str, Any], source: str) -> None:
     strategy, cluster, data = config["strategy"], config["cluster"], config["data"]
+    _check_strategy_options(strategy, source)
+    _check_output_dir(config["train"]["output_dir"], source)
     if data["name"] != "digits" and not data["path"]:
         raise ConfigError(f"{source}: data.path is required for data.name="
                           f"{data['name']!r}")

@@ -1,0 +1,258 @@
+"""`tfdist train`: every config and data error is one line and exit 2, before anything
+starts; the output directory is locked; the tasks read their own job's config.
+
+In-process and fast: ``tfdist.cli.main`` is called with argv, and `run_task` and
+`launch_job` are replaced by stubs that fail the test if anything starts.
+"""
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tfdist import train
+from tfdist.cli import main
+
+SMALL = ["train.epochs=1", "data.limit=64", "train.global_batch_size=16"]
+
+
+@pytest.fixture
+def nothing_starts(monkeypatch):
+    """Fails the test if a task would run or a job would be launched."""
+    started = []
+
+    def refuse(*args, **kwargs):
+        started.append(args)
+        raise AssertionError("a task or a launch started")
+
+    monkeypatch.setattr(train, "run_task", refuse)
+    monkeypatch.setattr(train, "launch_job", refuse)
+    return started
+
+
+def _train(tmp_path, text="", sets=(), name="job.toml"):
+    config = tmp_path / name
+    config.write_text(text)
+    argv = ["train", str(config), "--set", f'train.output_dir="{tmp_path / "out"}"']
+    for item in [*SMALL, *sets]:
+        argv += ["--set", item]
+    return main(argv)
+
+
+def _one_line_error(capsys, *needles):
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("tfdist train: error: "), err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+def _csv(tmp_path, text, name="d.csv"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def _npz(tmp_path, x, y, name="d.npz"):
+    path = tmp_path / name
+    np.savez(path, x=x, y=y)
+    return path
+
+
+def _data(kind, path, *extra):
+    return [f'data.name="{kind}"', f'data.path="{path}"', "data.limit=0", *extra]
+
+
+CSV_OK = "a,b,label\n" + "".join(f"{i},{i % 3},{i % 2}\n" for i in range(20))
+
+
+@pytest.mark.parametrize("case,sets,needles", [
+    ("unknown strategy option",
+     ['strategy.name="model_average"', "strategy.options.periodd=8"],
+     ["job.toml: strategy.options.periodd is not an option of ModelAverageStrategy",
+      "Received: periodd=8"]),
+    ("option of another strategy", ["strategy.options.mode=\"sync\""],
+     ["strategy.options.mode is not an option of MirroredStrategy"]),
+    ("missing model module", ['model.name="no_such_module_xyz:build"'],
+     ["job.toml: model.name 'no_such_module_xyz:build'", "no module named"]),
+    ("missing model function", ['model.name="json:no_such_function"'],
+     ["model.name 'json:no_such_function'", "defines no 'no_such_function'"]),
+    ("learning rate inf", ["train.learning_rate=inf"],
+     ["job.toml: train.learning_rate must be a finite number > 0. Received: inf"]),
+    ("cnn on non-square data", lambda p: ['model.name="cnn"', *_data("csv", _csv(p, CSV_OK))],
+     ["model.name = 'cnn' needs square images"]),
+])
+def test_config_error_is_one_line_before_anything_starts(tmp_path, capsys, nothing_starts,
+                                                         case, sets, needles):
+    assert _train(tmp_path, sets=sets(tmp_path) if callable(sets) else sets) == 2
+    _one_line_error(capsys, *needles)
+    assert not nothing_starts
+
+
+def test_model_module_with_syntax_error(tmp_path, capsys, monkeypatch, nothing_starts):
+    (tmp_path / "broken_model_xyz.py").write_text("def build(:\n")
+    monkeypatch.chdir(tmp_path)
+    assert _train(tmp_path, sets=['model.name="broken_model_xyz:build"']) == 2
+    _one_line_error(capsys, "broken_model_xyz.py cannot be read or parsed")
+
+
+def test_model_from_working_directory_is_found(tmp_path, monkeypatch):
+    (tmp_path / "my_model_xyz.py").write_text("import keras\n\ndef build(shape, k):\n"
+                                              "    return None\n")
+    monkeypatch.chdir(tmp_path)
+    from tfdist.models import check_model_name
+
+    check_model_name("my_model_xyz:build")
+    with pytest.raises(ValueError, match="defines no 'other'"):
+        check_model_name("my_model_xyz:other")
+
+
+@pytest.mark.parametrize("case,make,needles", [
+    ("directory as data path", lambda p: _data("csv", p), ["data.path", "is a directory"]),
+    ("empty csv", lambda p: _data("csv", _csv(p, "")),
+     ["data.path", "needs a header and at least one row"]),
+    ("csv without label column", lambda p: _data("csv", _csv(p, "a,b\n1,2\n")),
+     ["job.toml: data.label", "no label column 'label'", "Received columns: ['a', 'b']"]),
+    ("non-numeric cell", lambda p: _data("csv", _csv(p, CSV_OK + "1,x,0\n")),
+     ["line 22, column 'b' is not a number. Received: 'x'"]),
+    ("nan cell", lambda p: _data("csv", _csv(p, CSV_OK + "1,nan,0\n")),
+     ["features must be finite numbers", "1 NaN or infinite"]),
+    ("fractional label", lambda p: _data("csv", _csv(p, CSV_OK + "1,2,1.7\n")),
+     ["labels must be whole numbers", "Received: 1.7"]),
+    ("negative label", lambda p: _data("csv", _csv(p, CSV_OK + "1,2,-1\n")),
+     ["labels must be class indices >= 0. Received: -1"]),
+    ("huge label", lambda p: _data("npz", _npz(p, np.ones((200, 3)),
+                                               np.r_[np.zeros(199), 100000])),
+     ["K at most the number of samples (200). Received: a label of 100000"]),
+    ("non-zip npz", lambda p: _data("npz", _csv(p, "not a zip", "d.npz")),
+     ["data.path", "is not an .npz archive"]),
+    ("npz without labels", lambda p: _data("npz", p / "x.npz") if np.savez(
+        p / "x.npz", x=np.ones((4, 2))) is None else None,
+     ["data.label", "needs arrays 'x' and 'label'"]),
+    ("no validation sample", lambda p: _data("csv", _csv(p, "a,label\n1,0\n2,1\n")),
+     ["data.validation_split", "leaves no validation sample"]),
+    ("no training sample",
+     lambda p: _data("csv", _csv(p, "a,label\n1,0\n"), "data.validation_split=0.9"),
+     ["data.validation_split", "leaves no training sample"]),
+])
+def test_data_error_is_one_line_before_anything_starts(tmp_path, capsys, nothing_starts,
+                                                       case, make, needles):
+    assert _train(tmp_path, sets=make(tmp_path)) == 2
+    _one_line_error(capsys, "job.toml: ", *needles)
+
+
+def test_output_dir_that_is_a_file(tmp_path, capsys, nothing_starts):
+    (tmp_path / "taken").write_text("")
+    assert _train(tmp_path, sets=[f'train.output_dir="{tmp_path / "taken" / "run"}"']) == 2
+    _one_line_error(capsys, "train.output_dir must be a directory", "is a file")
+
+
+def test_env_mode_without_tf_config(tmp_path, capsys, monkeypatch, nothing_starts):
+    for name in ("TF_CONFIG", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    assert _train(tmp_path, "[strategy]\nname = 'multi_worker'\n[cluster]\nmode = 'env'\n") == 2
+    _one_line_error(capsys, "job.toml: cluster.mode = 'env' needs TF_CONFIG")
+
+
+def test_env_mode_with_a_broken_tf_config(tmp_path, capsys, monkeypatch, nothing_starts):
+    monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": "nope"}}')
+    assert _train(tmp_path, "[strategy]\nname = 'multi_worker'\n[cluster]\nmode = 'env'\n") == 2
+    _one_line_error(capsys, "job.toml: cluster.mode = 'env': the environment does not")
+
+
+def test_horovod_env_mode_outside_horovodrun(tmp_path, capsys, monkeypatch, nothing_starts):
+    for name in train._HOROVOD_RANK_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert _train(tmp_path, "[strategy]\nname = 'horovod'\n[cluster]\nmode = 'env'\n") == 2
+    _one_line_error(capsys, "HOROVOD_RANK is not set")
+
+
+def test_horovod_without_horovodrun(tmp_path, capsys, monkeypatch, nothing_starts):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    assert _train(tmp_path, "[strategy]\nname = 'horovod'\n") == 2
+    _one_line_error(capsys, "job.toml: strategy.name = 'horovod'", "no horovodrun on PATH")
+
+
+# ---- the output directory's lock and the job's own config -------------------------------
+
+
+def test_second_job_on_a_locked_output_dir_is_refused(tmp_path, capsys, nothing_starts):
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time\n"
+         f"fd = os.open({str(out / '.tfdist.lock')!r}, os.O_RDWR | os.O_CREAT)\n"
+         "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+         "os.write(fd, f'pid {os.getpid()} on host h'.encode())\n"
+         "print('locked', flush=True)\ntime.sleep(120)\n"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert _train(tmp_path) == 2
+        _one_line_error(capsys, f"train.output_dir '{out}' is in use by another tfdist train "
+                        f"job (pid {holder.pid} on host h)")
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_stale_lock_of_a_dead_job_is_taken_over(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".tfdist.lock").write_text("pid 999999 on host h\n")  # no live flock
+    seen = {}
+
+    def fake_run_task(config, name=None):
+        fd = os.open(out / ".tfdist.lock", os.O_RDWR)
+        with pytest.raises(BlockingIOError):  # held by this job now
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.close(fd)
+        seen["holder"] = (out / ".tfdist.lock").read_text()
+
+    monkeypatch.setattr(train, "run_task", fake_run_task)
+    assert _train(tmp_path, sets=['strategy.name="none"']) == 0
+    assert seen["holder"].startswith(f"pid {os.getpid()} on host ")
+    fd = os.open(out / ".tfdist.lock", os.O_RDWR)  # released at the end
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.close(fd)
+
+
+def test_tasks_read_their_own_snapshot(tmp_path, monkeypatch):
+    seen = {}
+
+    def fake_launch(config, config_path):
+        seen["snapshot"] = json.loads(config_path.read_text())
+        seen["path"] = config_path
+        (tmp_path / "out" / "config.resolved.json").write_text("{}")  # another job's write
+        seen["again"] = json.loads(config_path.read_text())
+        return 0
+
+    monkeypatch.setattr(train, "launch_job", fake_launch)
+    assert _train(tmp_path, "[strategy]\nname = 'multi_worker'\n", name="mw.toml") == 0
+    assert seen["snapshot"]["name"] == "mw"
+    assert seen["snapshot"]["config"]["strategy"]["name"] == "multi_worker"
+    assert seen["again"] == seen["snapshot"]
+    assert not seen["path"].exists()  # removed with the job
+    assert (tmp_path / "out" / "backup" / train.BACKUP_CONFIG_FILE).is_file()
+
+
+def test_backup_of_another_config_is_removed(tmp_path, capsys):
+    config = train.load_config(None, ['train.output_dir="x"'])
+    backup = tmp_path / "backup"
+    train.prepare_backup(config, backup)
+    (backup / "state.json").write_text("{}")
+    train.prepare_backup(config, backup)
+    assert (backup / "state.json").exists()
+    assert "holds a backup of this config; the job resumes from it" in \
+        capsys.readouterr().out
+    other = train.load_config(None, ["train.learning_rate=0.1"])
+    train.prepare_backup(other, backup)
+    assert not (backup / "state.json").exists()
+    assert "a backup of another config" in capsys.readouterr().out
