@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
 
@@ -10,15 +11,17 @@ import sys
 def _launch(args: argparse.Namespace) -> int:
     from tfdist.launch import LaunchError, launch
 
+    # With -m, SCRIPT names a module and every positional argument is the module's.
+    target, module = (None, args.script) if args.module else (args.script, None)
     try:
-        launch(args.script, *args.args, workers=args.workers, chief=args.chief, ps=args.ps,
-               timeout=args.timeout, max_restarts=args.max_restarts,
+        launch(target, *args.args, module=module, workers=args.workers, chief=args.chief,
+               ps=args.ps, timeout=args.timeout, max_restarts=args.max_restarts,
                backup_dir=args.backup_dir, grace_period=args.grace_period,
                isolate_network=args.isolate_network)
     except LaunchError as error:
         print(f"tfdist launch: FAILED: {error}", file=sys.stderr, flush=True)
         return 1
-    except (ValueError, FileNotFoundError, RuntimeError) as error:
+    except (ValueError, FileNotFoundError, ImportError, RuntimeError) as error:
         print(f"tfdist launch: error: {error}", file=sys.stderr, flush=True)
         return 2
     return 0
@@ -47,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     launch = commands.add_parser(
-        "launch", help="run SCRIPT once per task of a local cluster on 127.0.0.1")
+        "launch", help="run SCRIPT (or -m MODULE) once per task of a local cluster on "
+                       "127.0.0.1")
     launch.add_argument("--workers", type=int, default=1, help="number of worker tasks")
     launch.add_argument("--chief", action="store_true", help="add a chief task")
     launch.add_argument("--ps", type=int, default=0, help="number of parameter servers")
@@ -62,8 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--isolate-network", action="store_true",
                         help="run the job in a private network namespace (root): TF's "
                              "servers listen on 0.0.0.0, this keeps them unreachable")
-    launch.add_argument("script", help="Python script every task runs")
-    launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
+    launch.add_argument("-m", "--module", action="store_true",
+                        help="SCRIPT is a module name: every task runs `python -m SCRIPT "
+                             "ARGS...`, as python -m does")
+    launch.add_argument("script", help="Python script every task runs (with -m: a module)")
+    launch.add_argument("args", nargs=argparse.REMAINDER,
+                        help="arguments of the script or module")
     launch.set_defaults(handler=_launch)
 
     train = commands.add_parser("train", help="run the main job from a TOML config")
@@ -92,13 +100,16 @@ def _interrupt(signum, frame):
 
 def main(argv=None) -> int:
     """Entry point of the ``tfdist`` console script."""
-    # SIGTERM unwinds the launcher like Ctrl-C, so it stops its tasks before exiting.
+    # SIGTERM and SIGHUP (the terminal went away) unwind the launcher like Ctrl-C, so
+    # it stops its tasks before exiting.
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGHUP, _interrupt)
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
     except KeyboardInterrupt:
-        print("tfdist: interrupted; tasks stopped", file=sys.stderr)
+        with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+            print("tfdist: interrupted; tasks stopped", file=sys.stderr)
         return 130
 
 

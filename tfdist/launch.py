@@ -1,16 +1,23 @@
 """Local multi-process launcher: one subprocess per task, each with its own TF_CONFIG.
 
 Used from the CLI (``tfdist launch``) and from Python or notebooks (`launch`). Every
-task runs in its own process group, so stopping a task stops everything it started.
+task runs in its own process group, so stopping a task stops everything it started, and
+every task dies with the launcher, however the launcher ends (`_start_process`). Task
+output is relayed as it comes, each line and progress-bar update prefixed with the
+task's name (`_relay`).
 """
 
 from __future__ import annotations
 
+import codecs
 import collections
 import contextlib
+import ctypes
 import dataclasses
-import itertools
+import importlib.machinery
 import os
+import re
+import select
 import signal
 import socket
 import subprocess
@@ -26,7 +33,16 @@ from tfdist.cluster import ClusterSpec, TaskSpec
 DEFAULT_GRACE_SECONDS = 5.0
 TAIL_LINES = 40
 MAX_PORT_RETRIES = 3
-_namespace_ids = itertools.count()
+IDLE_SECONDS = 0.5  # an unfinished line is shown after this long without output
+MAX_SEGMENT_CHARS = 65536  # a longer line without an end is cut there
+_LINE_END = re.compile(r"(\r|\n)")
+# A C++ log line in absl's format: "I0000 00:00:1795367414.655962    5257 port.cc:153] ..."
+_CPP_LOG_LINE = re.compile(r"[IWEF]\d{4} [\d:.]+ +\d+ \S+:\d+\] ")
+_ABSL_EARLY_LOG_NOTE = "WARNING: All log messages before absl::InitializeLog() is called"
+_ANSI_CODE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_HOROVOD_PREFIX = re.compile(r"\[(\d+)\]<(?:stdout|stderr)>:")
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+_GUARD_SCRIPT = Path(__file__).with_name("_task_guard.py")
 _PORT_IN_USE_MARKERS = ("Address already in use", "address already in use",
                         "Could not start gRPC server", "Failed to add port")
 
@@ -93,30 +109,233 @@ def make_local_cluster(workers: int, chief: bool = False, ps: int = 0,
     return ClusterSpec.local(by_type, workers=workers, chief=chief, ps=ps, host=host)
 
 
+class _Guard:
+    """Kills the tasks' process groups when this process ends, however it ends.
+
+    A small helper process (``_task_guard.py``, in a session of its own so signals sent
+    to our group miss it) reads each task's process-group ID from a pipe whose write end
+    only this process holds. When this process ends, even by SIGKILL, the kernel closes
+    that end: the helper reads EOF and SIGKILLs every group still alive. It forgets
+    groups that have emptied, so it never signals a reused ID. One helper serves every
+    job this process launches; it is started with the first task.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._helper: subprocess.Popen | None = None
+
+    def watch(self, pgid: int) -> None:
+        """Adds the process group ``pgid`` to those killed if this process dies."""
+        with self._lock:
+            if self._helper is None or self._helper.poll() is not None:
+                self._helper = subprocess.Popen(
+                    [sys.executable, "-I", "-S", str(_GUARD_SCRIPT)], stdin=subprocess.PIPE,
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                    start_new_session=True)
+            try:
+                self._helper.stdin.write(f"{pgid}\n".encode())
+                self._helper.stdin.flush()
+            except OSError:  # the helper was killed: the next task starts a new one
+                pass
+
+
+_GUARD = _Guard()
+_prctl = None
+
+
+def _parent_death_signal():
+    """A ``preexec_fn`` that makes the kernel SIGKILL the child when its parent dies.
+
+    Linux's prctl(PR_SET_PDEATHSIG) fires when the *thread* that started the child ends,
+    so tasks are started by the thread that waits for them. None off Linux.
+    """
+    global _prctl
+    if not sys.platform.startswith("linux"):
+        return None
+    if _prctl is None:
+        _prctl = ctypes.CDLL(None, use_errno=True).prctl
+        _prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
+        _prctl.restype = ctypes.c_int
+    prctl, parent, kill = _prctl, os.getpid(), int(signal.SIGKILL)
+
+    def set_parent_death_signal():  # runs in the child between fork and exec: no imports
+        prctl(_PR_SET_PDEATHSIG, kill, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl: no signal would come
+            os.kill(os.getpid(), kill)
+
+    return set_parent_death_signal
+
+
+def _start_process(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """Starts a task in a new session (its own process group) that dies with us.
+
+    Two mechanisms, so neither is a single point of failure: the kernel SIGKILLs the
+    task itself when the launching thread ends (`_parent_death_signal`), and `_Guard`
+    SIGKILLs the task's whole group (whatever the task started) when this process ends.
+    """
+    process = subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL, start_new_session=True,
+        preexec_fn=_parent_death_signal())
+    _GUARD.watch(process.pid)
+    return process
+
+
+def _relay(pipe, add: Callable[[str, str], None], idle: float = IDLE_SECONDS) -> None:
+    """Hands ``pipe``'s output to ``add(text, end)`` as it comes, until EOF, then closes it.
+
+    Reads whatever is there (not whole lines) and cuts it at every ``\n`` and ``\r``:
+    ``end`` is the character that ended ``text``, or "" for an unfinished segment shown
+    because the process printed nothing for ``idle`` seconds (it comes again, finished).
+    """
+    fd = pipe.fileno()
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    pending, shown = "", True
+    try:
+        while True:
+            if not shown and not select.select([fd], [], [], idle)[0]:
+                add(pending, "")
+                shown = True
+                continue
+            chunk = os.read(fd, 65536)
+            parts = _LINE_END.split(pending + decoder.decode(chunk, final=not chunk))
+            pending = parts.pop()
+            for text, end in zip(parts[::2], parts[1::2]):
+                add(text, end)
+            if len(pending) > MAX_SEGMENT_CHARS:
+                add(pending, "\n")
+                pending = ""
+            shown = not pending
+            if not chunk:
+                break
+        if pending:
+            add(pending, "\n")
+    finally:
+        pipe.close()
+
+
+def _cpp_log_level(env: dict[str, str]) -> int:
+    """The TF_CPP_MIN_LOG_LEVEL of an environment (0 when unset or not a number)."""
+    try:
+        return int(env.get("TF_CPP_MIN_LOG_LEVEL", "0"))
+    except ValueError:
+        return 0
+
+
+def _is_hidden(text: str, cpp_log_level: int) -> bool:
+    """Whether TF_CPP_MIN_LOG_LEVEL=cpp_log_level hides this C++ log line.
+
+    TF 2.21 logs its oneDNN banner before it reads its log level, so it shows at every
+    level (checked); the launcher drops such lines as TF would have.
+    """
+    if text.startswith(_ABSL_EARLY_LOG_NOTE):
+        return cpp_log_level >= 2
+    return bool(_CPP_LOG_LINE.match(text)) and "IWEF".index(text[0]) < cpp_log_level
+
+
+def _visible_len(text: str) -> int:
+    """Columns ``text`` takes on a terminal (colour codes take none)."""
+    return len(_ANSI_CODE.sub("", text))
+
+
+def _write(stream, text: str) -> None:
+    try:
+        stream.write(text)
+        stream.flush()
+    except (ValueError, OSError):  # closed, or the terminal hung up
+        pass
+
+
+class _Console:
+    """Writes the tasks' output segments to their streams, whole and prefixed.
+
+    A ``\r`` segment is a live update (a progress bar) and is written as one, so a
+    terminal redraws ``[worker-0] 3/10 ━━━...`` in place. Tasks share that bottom line:
+    whatever is written next (a line, or another task's update) covers the update.
+    """
+
+    def __init__(self):
+        # id(stream) -> (task, line, width on screen) of the update the cursor is on
+        self._open: dict[int, tuple[str | None, str, int]] = {}
+        self._lock = threading.Lock()
+
+    def write(self, stream, name: str | None, text: str, end: str) -> None:
+        """Writes ``text`` of task ``name`` (None: no prefix), ended by ``end``."""
+        line = text if name is None else f"[{name}] {text}"
+        with self._lock:
+            update = self._open.pop(id(stream), None)
+            out = line
+            if update is not None:
+                if end == "\r" and update[:2] == (name, line):
+                    self._open[id(stream)] = update  # unchanged
+                    return
+                if end == "\n" and not text and update[0] == name:
+                    out = ""  # "\r\n": the update stays as the line
+                else:  # cover all of the update (of this task or another)
+                    out += " " * (update[2] - _visible_len(line))
+            if end == "\r":
+                self._open[id(stream)] = (name, line, _visible_len(out))
+            _write(stream, out + end)
+
+    def close(self, stream, name: str | None) -> None:
+        """Ends an update of task ``name`` still open on ``stream``."""
+        with self._lock:
+            update = self._open.get(id(stream))
+            if update is not None and update[0] == name:
+                del self._open[id(stream)]
+                _write(stream, "\n")
+
+
+_CONSOLE = _Console()
+
+
+class _TaskOutput:
+    """One task's output: drops what its TF log level hides, keeps a tail, writes it."""
+
+    def __init__(self, name: str | None, stream, cpp_log_level: int, tail=None):
+        self.name, self.stream, self.cpp_log_level = name, stream, cpp_log_level
+        self.tail = collections.deque(maxlen=TAIL_LINES) if tail is None else tail
+        self._update = ""  # the last "\r" update, until a line ends it
+
+    def add(self, text: str, end: str) -> None:
+        """Takes one segment from `_relay`."""
+        text = text.rstrip("\b")  # Keras backspaces over its bar before each "\r"
+        if _is_hidden(text, self.cpp_log_level):
+            return
+        if end == "\n":
+            self.tail.append(text or self._update)
+            self._update = ""
+        elif not text:
+            return
+        elif end == "\r":
+            self._update = text
+        if self.stream is not None:
+            _CONSOLE.write(self.stream, self.name, text, end or "\r")
+
+    def close(self) -> None:
+        """At the end of the output: keeps the last update if no line ended it."""
+        if self._update:
+            self.tail.append(self._update)
+            self._update = ""
+        if self.stream is not None:
+            _CONSOLE.close(self.stream, self.name)
+
+
 class _Task:
-    """A running task: its process, and a thread that prefixes and keeps its output."""
+    """A running task: its process, and a thread that relays its output as it comes."""
 
     def __init__(self, spec: TaskSpec, argv: list[str], env: dict[str, str], stream):
         self.spec = spec
         self.name = spec.name
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-        self.process = subprocess.Popen(
-            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True)
-        self._reader = threading.Thread(target=self._pump, args=(stream,), daemon=True)
+        self.process = _start_process(argv, env)
+        self._output = _TaskOutput(self.name, stream, _cpp_log_level(env), self.tail)
+        self._reader = threading.Thread(target=self._pump, daemon=True)
         self._reader.start()
 
-    def _pump(self, stream):
-        for raw in iter(self.process.stdout.readline, b""):
-            line = raw.decode("utf-8", "replace").rstrip("\n")
-            self.tail.append(line)
-            if stream is not None:
-                try:
-                    stream.write(f"[{self.name}] {line}\n")
-                    stream.flush()
-                except (ValueError, OSError):
-                    pass
-        self.process.stdout.close()
+    def _pump(self):
+        _relay(self.process.stdout, self._output.add)
+        self._output.close()
 
     def poll(self):
         return self.process.poll()
@@ -156,6 +375,61 @@ def stop_tasks(tasks: Sequence[_Task], grace: float = DEFAULT_GRACE_SECONDS) -> 
         task.finish_output()
 
 
+def split_horovod_prefix(text: str) -> tuple[str | None, str]:
+    """``[1]<stdout>:text`` (horovodrun's prefix) -> ``("worker-1", "text")``.
+
+    For `run_command`'s ``route``: output without that prefix (horovodrun's own) gives
+    ``(None, text)``.
+    """
+    match = _HOROVOD_PREFIX.match(text)
+    return (f"worker-{match[1]}", text[match.end():]) if match else (None, text)
+
+
+def run_command(argv: Sequence[str], *, timeout: float | None = None, env: dict | None = None,
+                grace_period: float = DEFAULT_GRACE_SECONDS, stream=sys.stdout,
+                route: Callable[[str], tuple[str | None, str]] | None = None) -> int:
+    """Runs one command as `run` runs a task, for launchers of their own (``horovodrun``).
+
+    The command gets its own process group, dies with this process, and runs with the
+    tasks' environment (unbuffered Python, TF's start-up banners hidden). Its output is
+    relayed as it comes; ``route`` maps each line to ``(task name, text)`` so it gets
+    the same ``[worker-0]`` prefix as in `run` (None: the line as it is).
+
+    Returns:
+        The command's exit code. Its process group is stopped when it ends.
+
+    Raises:
+        LaunchError: the timeout passed (the process group was stopped).
+    """
+    env = _command_env(env)
+    process = _start_process(list(argv), env)
+    outputs: dict[str | None, _TaskOutput] = {}
+
+    def add(text, end):
+        name, text = route(text) if route is not None else (None, text)
+        if name not in outputs:
+            outputs[name] = _TaskOutput(name, stream, _cpp_log_level(env))
+        outputs[name].add(text, end)
+
+    reader = threading.Thread(target=_relay, args=(process.stdout, add), daemon=True)
+    reader.start()
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        raise LaunchError(f"{Path(argv[0]).name} timed out after {timeout:g}s; its process "
+                          f"group was stopped") from None
+    finally:
+        for signum, wait in ((signal.SIGTERM, grace_period), (signal.SIGKILL, 5.0)):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signum)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(wait)
+        reader.join(2.0)
+        for output in list(outputs.values()):
+            output.close()
+    return process.returncode
+
+
 @contextlib.contextmanager
 def private_network():
     """A fresh network namespace with only loopback up; yields the ``wrap`` prefix.
@@ -163,35 +437,50 @@ def private_network():
     TensorFlow's gRPC server listens on ``0.0.0.0`` whatever address the cluster names
     (hard-coded in TF's ``grpc_server_lib.cc``). Tasks run with this prefix share one
     namespace whose only interface is its own loopback, so nothing outside the job can
-    reach their ports. Needs root (``ip netns``); the namespace is removed on exit.
+    reach their ports. The namespace has no name: this process holds it open by a file
+    descriptor and the tasks by living in it, so the kernel frees it when they are all
+    gone, even if this process is killed (a named ``ip netns`` would stay behind).
+    Needs root (``unshare --net``, ``nsenter``).
 
     Raises:
-        RuntimeError: namespaces cannot be created here (not root, no ``ip``).
+        RuntimeError: namespaces cannot be created here (not root, no ``unshare``).
     """
-    name = f"tfdist-{os.getpid()}-{next(_namespace_ids)}"
+    # A helper makes the namespace and brings loopback up; we keep a handle, it exits.
+    command = ["unshare", "--net", "--", "sh", "-c", "ip link set lo up && echo up && read _"]
     try:
-        subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True, text=True)
-    except (OSError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", "") or error
-        raise RuntimeError(f"isolate_network needs `ip netns` as root; creating namespace "
-                           f"{name} failed: {str(detail).strip()}") from None
+        helper = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+    except OSError as error:
+        raise RuntimeError(f"isolate_network needs `unshare` (util-linux): {error}") from None
+    ready = helper.stdout.readline().strip() == "up"
+    handle = os.open(f"/proc/{helper.pid}/ns/net", os.O_RDONLY) if ready else None
+    _, errors = helper.communicate("")
+    if handle is None:
+        raise RuntimeError(f"isolate_network needs root to create a network namespace; "
+                           f"`{' '.join(command)}` failed with exit code "
+                           f"{helper.returncode}: {errors.strip()}")
     try:
-        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True,
-                       capture_output=True)
-        yield ["ip", "netns", "exec", name]
+        yield ["nsenter", f"--net=/proc/{os.getpid()}/fd/{handle}", "--"]
     finally:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        os.close(handle)
+
+
+def _command_env(env: dict[str, str] | None) -> dict[str, str]:
+    """Ours and ``env``, with unbuffered Python (live output) and TF's INFO and WARNING
+    start-up lines hidden (TF_CPP_MIN_LOG_LEVEL=2), unless the user set a level."""
+    command_env = dict(os.environ)
+    command_env.update(env or {})
+    command_env["PYTHONUNBUFFERED"] = "1"
+    command_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    return command_env
 
 
 def _task_env(cluster: ClusterSpec, spec: TaskSpec, env: dict[str, str] | None,
               attempt: int, backup_dir: str | None) -> dict[str, str]:
-    task_env = dict(os.environ)
-    task_env.update(env or {})
+    task_env = _command_env(env)
     task_env["TF_CONFIG"] = cluster.with_task(spec).to_tf_config()
     task_env["TFDIST_TASK"] = spec.name
     task_env["TFDIST_RESTART"] = str(attempt)
-    task_env["PYTHONUNBUFFERED"] = "1"
-    task_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if backup_dir:
         task_env["TFDIST_BACKUP_DIR"] = str(backup_dir)
     return task_env
@@ -341,7 +630,8 @@ def _validate_counts(workers, chief, ps, timeout, max_restarts):
                          f"Received: max_restarts={max_restarts!r}")
 
 
-def launch(target: str | os.PathLike | Callable, *args: Any, workers: int = 1,
+def launch(target: str | os.PathLike | Callable | None = None, *args: Any,
+           module: str | None = None, workers: int = 1,
            chief: bool = False, ps: int = 0, timeout: float | None = None,
            max_restarts: int = 0, env: dict | None = None, backup_dir=None,
            grace_period: float = DEFAULT_GRACE_SECONDS, stream=sys.stdout,
@@ -353,9 +643,15 @@ def launch(target: str | os.PathLike | Callable, *args: Any, workers: int = 1,
     task order (chief, workers, ps; ps tasks return None). Multi-worker TensorFlow
     cannot start twice in one process, so this is how a notebook trains on many workers.
 
+    With ``module="pkg.train"`` every task runs ``python -m pkg.train`` instead, and all
+    positional arguments are the module's: ``launch("--epochs", 3, module="pkg.train")``.
+
     Args:
-        target: A path to a Python script (``args`` become its argv) or a callable.
-        *args: Script arguments, or positional arguments of the function.
+        target: A path to a Python script (``args`` become its argv) or a callable;
+            with ``module``, the module's first argument (or nothing).
+        *args: Script or module arguments, or positional arguments of the function.
+        module: A module every task runs as ``python -m module``, found as ``python -m``
+            finds it (the current directory first).
         workers: Number of worker tasks.
         chief: Whether to add a chief task.
         ps: Number of parameter-server tasks.
@@ -370,15 +666,22 @@ def launch(target: str | os.PathLike | Callable, *args: Any, workers: int = 1,
         **kwargs: Keyword arguments of the function.
 
     Returns:
-        For a script, a `LaunchResult`; for a function, the list of return values.
+        For a script or module, a `LaunchResult`; for a function, the list of return
+        values.
 
     Raises:
         LaunchError: a task failed or the timeout passed; names the task.
         FileNotFoundError: the script does not exist.
+        ModuleNotFoundError: the module's top-level package is nowhere to be found.
+        TypeError: no target and no module, or keyword arguments without a function.
     """
     options = dict(workers=workers, chief=chief, ps=ps, timeout=timeout,
                    max_restarts=max_restarts, env=env, backup_dir=backup_dir,
                    grace_period=grace_period, stream=stream, isolate_network=isolate_network)
+    if module is not None:
+        return _launch_module(module, target, args, kwargs, options)
+    if target is None:
+        raise TypeError("launch needs a script path, a function or module=. Received none.")
     if callable(target):
         return _launch_function(target, args, kwargs, options)
     if kwargs:
@@ -408,3 +711,30 @@ def _launch_function(fn, args, kwargs, options):
             # Written by our own child process into our private temp dir: safe to load.
             values.append(cloudpickle.loads(path.read_bytes()) if path.exists() else None)
         return values
+
+
+def _launch_module(module, target, args, kwargs, options):
+    """``python -m module ARGS`` in every task; ``target``, if given, is the first ARG."""
+    if kwargs:
+        raise TypeError(f"keyword arguments are only for functions. Received: {sorted(kwargs)}")
+    if callable(target):
+        raise TypeError(f"give a function or module=, not both. Received: {target!r} and "
+                        f"module={module!r}")
+    _check_module(module, (options.get("env") or {}).get("PYTHONPATH", ""))
+    module_args = args if target is None else (target, *args)
+    return run([sys.executable, "-m", module, *map(str, module_args)], **options)
+
+
+def _check_module(module, pythonpath: str = "") -> None:
+    """Fails unless ``module`` is a dotted name whose top-level package a task's
+    ``python -m`` would find (the current directory first). Imports nothing."""
+    if not isinstance(module, str) or not all(p.isidentifier() for p in module.split(".")):
+        raise ValueError(f"module must be a dotted module name like 'pkg.train'. "
+                         f"Received: module={module!r}")
+    top = module.split(".")[0]
+    search = [os.getcwd(), *pythonpath.split(os.pathsep),
+              *os.environ.get("PYTHONPATH", "").split(os.pathsep), *sys.path]
+    if top not in sys.builtin_module_names and importlib.machinery.PathFinder.find_spec(
+            top, [p for p in search if p]) is None:
+        raise ModuleNotFoundError(f"no module named {top!r} in the current directory "
+                                  f"({os.getcwd()}) or on the path. Received: module={module!r}")
