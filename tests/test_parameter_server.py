@@ -305,6 +305,29 @@ def test_bad_mode_and_dispatch_are_clear_errors():
         tfdist.ParameterServerStrategy(spec, chief_poll_seconds=0)
 
 
+
+def test_ps_and_worker_without_a_chief_exit_non_zero_naming_it():
+    """A chief that never comes up: worker and ps tasks give up after startup_timeout."""
+    from tfdist.launch import make_local_cluster
+
+    cluster = make_local_cluster(workers=1, chief=True, ps=1)
+    code = "import tfdist; tfdist.ParameterServerStrategy(startup_timeout=3)"
+    processes = {}
+    for task in ("worker", "ps"):
+        env = dict(os.environ, TF_CONFIG=cluster.with_task(task).to_tf_config(),
+                   TF_CPP_MIN_LOG_LEVEL="2")
+        processes[task] = subprocess.Popen([sys.executable, "-c", code], env=env,
+                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                           text=True)
+    for task, process in processes.items():
+        try:
+            output, _ = process.communicate(timeout=150)  # before the fix: forever
+        finally:
+            process.kill()
+        assert process.returncode == 1, output
+        assert (f"DeadlineExceededError: {task}-0: the chief (chief-0 at {cluster.chief[0]}) "
+                "did not start within startup_timeout=3s") in output, output
+
 # ---- a ps killed in the middle of fit: clear error, then resume from the checkpoint -------
 
 def _killed_ps_task(work_dir):
@@ -364,3 +387,4 @@ def test_ps_killed_gives_clear_error_and_restart_resumes(tmp_path):
     assert chief["epochs"] == [2, 3]
     assert chief["iterations"] == 4 * 8
     assert all(np.isfinite(w).all() for w in chief["weights"])
+

@@ -18,6 +18,7 @@ import importlib.machinery
 import os
 import re
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -486,24 +487,92 @@ def _task_env(cluster: ClusterSpec, spec: TaskSpec, env: dict[str, str] | None,
     return task_env
 
 
+# A parameter-server chief asks the launcher to restart a worker by creating the file
+# ``<TFDIST_CONTROL_DIR>/restart-<task>`` (its text: why). See `_PsWorkerRestarts`.
+CONTROL_DIR_ENV = "TFDIST_CONTROL_DIR"
+
+
+class _PsWorkerRestarts:
+    """Restarts a dead parameter-server worker alone, at its address, while the chief runs.
+
+    In a cluster with a chief and ps tasks the chief's `ClusterCoordinator` reschedules
+    a dead worker's steps and takes a restarted worker back, so the job goes on. Each
+    restart uses one of ``max_restarts`` (shared with whole-job restarts); when none
+    is left, the worker's death fails the job as before. A worker the chief names in a
+    restart request (a frozen one) is SIGKILLed first.
+    """
+
+    def __init__(self, max_restarts: int, log):
+        self.max_restarts = max_restarts
+        self.log = log
+        self.used = 0  # worker restarts so far
+        self.job_restarts = 0  # whole-job restarts so far (set by `run`)
+        self.control_dir = None  # set by `_run_once` for each attempt
+
+    def kill_requested(self, tasks) -> None:
+        """SIGKILLs the running workers the chief asked to restart."""
+        for name in os.listdir(self.control_dir):
+            task = next((t for t in tasks if f"restart-{t.name}" == name), None)
+            path = os.path.join(self.control_dir, name)
+            if task is None or task.poll() is not None:
+                continue
+            reason = Path(path).read_text(errors="replace").strip()
+            os.unlink(path)
+            print(f"tfdist launch: the chief asked to restart {task.name} ({reason}); "
+                  "killing it", file=self.log, flush=True)
+            task.signal_group(signal.SIGKILL)
+
+    def replace(self, tasks, failed, start) -> bool:
+        """Restarts ``failed`` in ``tasks`` with ``start(spec, n)``; False if it may not."""
+        chief = next((t for t in tasks if t.spec.type == "chief"), None)
+        spent = self.used + self.job_restarts
+        if failed.spec.type != "worker" or chief is None or chief.poll() is not None or \
+                spent >= self.max_restarts:
+            return False
+        self.used += 1
+        code = failed.poll()
+        failed.signal_group(signal.SIGKILL)  # whatever it started goes too
+        failed.finish_output()
+        print(f"tfdist launch: restart {spent + 1}/{self.max_restarts}: {failed.name} exited "
+              f"with code {code}; restarting {failed.name} alone (parameter-server job)",
+              file=self.log, flush=True)
+        tasks[tasks.index(failed)] = start(failed.spec, self.used)
+        return True
+
+
 def _run_once(argv: list[str], cluster: ClusterSpec, env, timeout, grace, stream,
-              attempt, backup_dir, wrap=None) -> tuple[list[_Task], _Task | None, bool]:
+              attempt, backup_dir, wrap=None,
+              ps_restarts: _PsWorkerRestarts | None = None
+              ) -> tuple[list[_Task], _Task | None, bool]:
     """Runs every task of one attempt. Returns (tasks, failed task, timed out)."""
     tasks: list[_Task] = []
+    if ps_restarts is not None:
+        ps_restarts.control_dir = tempfile.mkdtemp(prefix="tfdist-control-")
+
+    def start(spec, task_restart=0):
+        prefix = [str(a) for a in wrap(spec)] if wrap is not None else []
+        task_env = _task_env(cluster, spec, env, attempt, backup_dir)
+        if ps_restarts is not None:
+            task_env[CONTROL_DIR_ENV] = ps_restarts.control_dir
+            task_env["TFDIST_TASK_RESTART"] = str(task_restart)
+        return _Task(spec, prefix + argv, task_env, stream)
+
     try:
         for spec in cluster.tasks():
-            prefix = [str(a) for a in wrap(spec)] if wrap is not None else []
-            tasks.append(_Task(spec, prefix + argv,
-                               _task_env(cluster, spec, env, attempt, backup_dir), stream))
-        required = [t for t in tasks if t.spec.type in ("chief", "worker")]
+            tasks.append(start(spec))
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            if ps_restarts is not None:
+                ps_restarts.kill_requested(tasks)
             failed = next((t for t in tasks if t.poll() not in (None, 0)), None)
+            if failed is not None and ps_restarts is not None and \
+                    ps_restarts.replace(tasks, failed, start):
+                continue
             if failed is not None:
                 stop_tasks([t for t in tasks if t is not failed], grace)
                 failed.finish_output()
                 return tasks, failed, False
-            if all(t.poll() == 0 for t in required):
+            if all(t.poll() == 0 for t in tasks if t.spec.type in ("chief", "worker")):
                 stop_tasks([t for t in tasks if t.poll() is None], grace)
                 return tasks, None, False
             if deadline is not None and time.monotonic() > deadline:
@@ -513,6 +582,9 @@ def _run_once(argv: list[str], cluster: ClusterSpec, env, timeout, grace, stream
     except BaseException:
         stop_tasks(tasks, grace)
         raise
+    finally:
+        if ps_restarts is not None:
+            shutil.rmtree(ps_restarts.control_dir, ignore_errors=True)
 
 
 def _is_port_clash(task: _Task) -> bool:
@@ -525,7 +597,7 @@ def run(argv: Sequence[str], *, workers: int = 1, chief: bool = False, ps: int =
         host: str = "127.0.0.1", stream=sys.stdout, log=None,
         cluster: ClusterSpec | None = None,
         wrap: Callable[[TaskSpec], Sequence[str]] | None = None,
-        isolate_network: bool = False) -> LaunchResult:
+        isolate_network: bool = False, restart_ps_workers: bool = True) -> LaunchResult:
     """Starts ``argv`` once per task and waits for the job.
 
     Args:
@@ -550,6 +622,10 @@ def run(argv: Sequence[str], *, workers: int = 1, chief: bool = False, ps: int =
         isolate_network: Run the job in a private network namespace where only its
             own loopback exists (see `private_network`; needs root). TF's servers
             listen on 0.0.0.0: without this, other hosts can reach their ports.
+        restart_ps_workers: In a cluster with a chief and ps tasks, a worker that dies
+            while the chief runs is restarted alone, at the same address (one of
+            ``max_restarts`` each), instead of the whole job; the chief may also ask
+            for a frozen worker to be killed and restarted (see `_PsWorkerRestarts`).
 
     Returns:
         A `LaunchResult` when every chief and worker exited 0.
@@ -571,15 +647,20 @@ def run(argv: Sequence[str], *, workers: int = 1, chief: bool = False, ps: int =
             return run(argv, workers=workers, chief=chief, ps=ps, timeout=timeout,
                        max_restarts=max_restarts, env=env, backup_dir=backup_dir,
                        grace_period=grace_period, host=host, stream=stream, log=log,
-                       cluster=cluster, wrap=lambda spec: prefix)
+                       cluster=cluster, wrap=lambda spec: prefix,
+                       restart_ps_workers=restart_ps_workers)
     log = log or sys.stderr
+    ps_restarts = _PsWorkerRestarts(max_restarts, log) if (
+        restart_ps_workers and chief and ps) else None
     fixed_cluster = cluster
     attempt = restarts = port_retries = 0
     while True:
         cluster = fixed_cluster or make_local_cluster(workers, chief, ps, host)
         started = time.monotonic()
+        if ps_restarts is not None:
+            ps_restarts.job_restarts = restarts
         tasks, failed, timed_out = _run_once(list(argv), cluster, env, timeout, grace_period,
-                                             stream, attempt, backup_dir, wrap)
+                                             stream, attempt, backup_dir, wrap, ps_restarts)
         if failed is None and not timed_out:
             return LaunchResult(
                 tuple(TaskResult(t.name, t.poll(), t.tail_text()) for t in tasks),
@@ -610,11 +691,12 @@ def run(argv: Sequence[str], *, workers: int = 1, chief: bool = False, ps: int =
                       f"{cluster.with_task(failed.spec).task_address}; retrying on new ports",
                       file=log, flush=True)
                 continue
-        if restarts >= max_restarts:
+        spent = restarts + (ps_restarts.used if ps_restarts is not None else 0)
+        if spent >= max_restarts:
             raise error
         restarts += 1
         attempt += 1
-        print(f"tfdist launch: restart {restarts}/{max_restarts}: {cause}", file=log,
+        print(f"tfdist launch: restart {spent + 1}/{max_restarts}: {cause}", file=log,
               flush=True)
 
 
@@ -635,7 +717,7 @@ def launch(target: str | os.PathLike | Callable | None = None, *args: Any,
            chief: bool = False, ps: int = 0, timeout: float | None = None,
            max_restarts: int = 0, env: dict | None = None, backup_dir=None,
            grace_period: float = DEFAULT_GRACE_SECONDS, stream=sys.stdout,
-           isolate_network: bool = False, **kwargs: Any):
+           isolate_network: bool = False, restart_ps_workers: bool = True, **kwargs: Any):
     """Runs a script or a function as a local cluster, one fresh process per task.
 
     A function (from a notebook, say) is pickled by value with cloudpickle, run in every
@@ -663,6 +745,8 @@ def launch(target: str | os.PathLike | Callable | None = None, *args: Any,
         stream: Where the prefixed output goes; None to silence it.
         isolate_network: Run the job in a private network namespace (needs root): TF's
             servers listen on 0.0.0.0, and this keeps them unreachable from outside.
+        restart_ps_workers: With a chief and ps tasks, restart a dead (or frozen)
+            worker alone while the chief runs, one of ``max_restarts`` each (see `run`).
         **kwargs: Keyword arguments of the function.
 
     Returns:
@@ -677,7 +761,8 @@ def launch(target: str | os.PathLike | Callable | None = None, *args: Any,
     """
     options = dict(workers=workers, chief=chief, ps=ps, timeout=timeout,
                    max_restarts=max_restarts, env=env, backup_dir=backup_dir,
-                   grace_period=grace_period, stream=stream, isolate_network=isolate_network)
+                   grace_period=grace_period, stream=stream, isolate_network=isolate_network,
+                   restart_ps_workers=restart_ps_workers)
     if module is not None:
         return _launch_module(module, target, args, kwargs, options)
     if target is None:

@@ -72,14 +72,29 @@ def _is_listening(address: str, timeout: float = 1.0) -> bool:
         return False
 
 
-def wait_for_chief(address: str, poll_seconds: float = 1.0, misses: int = 3) -> None:
+def wait_for_chief(address: str, poll_seconds: float = 1.0, misses: int = 3,
+                   startup_timeout: float | None = None, seen: bool = False) -> None:
     """Blocks until the chief at ``address`` has come up and then gone away.
 
     The chief's gRPC server listens while the chief process lives. Its port being
     closed ``misses`` polls in a row means the chief has finished (or died; with
     `tfdist launch` a failed chief stops the whole job anyway).
+
+    Args:
+        address: The chief's ``host:port``.
+        poll_seconds: Seconds between two connection attempts.
+        misses: Closed polls in a row that mean the chief is gone.
+        startup_timeout: Seconds to wait for the chief to listen at all; None: forever.
+        seen: The chief is known to have been up already (a restarted task): do not
+            wait for it to come up, only for it to be gone.
+
+    Raises:
+        TimeoutError: the chief did not listen within ``startup_timeout``.
     """
-    while not _is_listening(address):
+    deadline = None if startup_timeout is None else time.monotonic() + startup_timeout
+    while not seen and not _is_listening(address):
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"nothing listens on {address} after {startup_timeout:g}s")
         time.sleep(poll_seconds)
     missed = 0
     while missed < misses:
@@ -87,18 +102,34 @@ def wait_for_chief(address: str, poll_seconds: float = 1.0, misses: int = 3) -> 
         missed = 0 if _is_listening(address) else missed + 1
 
 
-def serve_until_chief_done(spec: ClusterSpec, poll_seconds: float = 1.0) -> None:
+def serve_until_chief_done(spec: ClusterSpec, poll_seconds: float = 1.0,
+                           startup_timeout: float | None = None) -> None:
     """Runs this worker or ps task's TF server; exits the process (code 0) after the chief.
 
     TF's in-process server cannot be shut down, so the process ends with `os._exit`
-    once the output is flushed.
+    once the output is flushed. A task restarted alone by `tfdist launch`
+    (``TFDIST_TASK_RESTART`` > 0) joins a chief that was already up, so a closed port
+    means the chief has finished.
+
+    Raises:
+        tf.errors.DeadlineExceededError: the chief did not start within
+            ``startup_timeout`` seconds (the message names it).
     """
     server = tf.distribute.Server(
         tf.train.ClusterSpec(spec.jobs()), job_name=spec.task.type,
         task_index=spec.task.index, protocol="grpc", start=True)
     print(f"tfdist: {spec.task.name} serving on {spec.task_address}; waiting for the chief "
           f"at {spec.chief[0]} to finish", flush=True)
-    wait_for_chief(spec.chief[0], poll_seconds)
+    restarted = os.environ.get("TFDIST_TASK_RESTART", "0") not in ("", "0")
+    try:
+        wait_for_chief(spec.chief[0], poll_seconds, startup_timeout=startup_timeout,
+                       seen=restarted)
+    except TimeoutError:
+        raise tf.errors.DeadlineExceededError(
+            None, None, f"{spec.task.name}: the chief (chief-0 at {spec.chief[0]}) did not "
+            f"start within startup_timeout={startup_timeout:g}s (nothing listens there); "
+            "without a chief nothing runs, so this task gives up. Check that the chief "
+            "was started with the same cluster, and its output.") from None
     print(f"tfdist: the chief has finished; {spec.task.name} exits", flush=True)
     del server
     sys.stdout.flush()
@@ -146,12 +177,14 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
             in sync mode.
         chief_poll_seconds: How often worker and ps tasks check that the chief is alive.
         startup_timeout: Seconds the chief waits for every worker and ps server to
-            listen; TF itself would wait forever for a task that never starts.
+            listen, and a worker or ps waits for the chief to listen; TF itself would
+            wait forever for a task that never starts.
 
     Raises:
         ValueError: bad ``mode``, or a cluster without chief, ps or worker.
         tf.errors.DeadlineExceededError: on the chief, a worker or ps did not start
-            within ``startup_timeout`` (the message names it).
+            within ``startup_timeout``; on a worker or ps, the chief did not (the message
+            names the task).
     """
 
     def __init__(self, cluster_resolver=None, mode="async", variable_partitioner=None, *,
@@ -176,7 +209,7 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
             raise ValueError("startup_timeout must be a number > 0. "
                              f"Received: startup_timeout={startup_timeout!r}")
         if spec.task.type in ("worker", "ps"):
-            serve_until_chief_done(spec, chief_poll_seconds)  # never returns
+            serve_until_chief_done(spec, chief_poll_seconds, startup_timeout)  # no return
         _wait_for_servers(spec, startup_timeout)
         self._spec = spec
         self._mode = mode
