@@ -438,3 +438,48 @@ def test_two_workers_period_4_matches_numpy():
         assert_weights_close(result["replicas"], results[0]["replicas"], atol=0)
     # averages at steps 4 and 8, one before fit returned at step 10
     assert results[0]["bytes"] == 3 * (3 + 1) * 4
+
+
+class _StopAfterEpoch:
+    """A callback class that interrupts fit once ``epoch`` has ended (and been backed up)."""
+
+    def __new__(cls, epoch):
+        import keras
+
+        class Stop(keras.callbacks.Callback):
+            def on_epoch_end(self, end, logs=None):
+                if end == epoch:
+                    raise KeyboardInterrupt(f"interrupted after epoch {end}")
+
+        return Stop()
+
+
+@pytest.mark.parametrize("period", [2, 3])
+def test_adam_backup_resumes_exactly(logical_cpus, tmp_path, period):
+    """Per-replica optimizer state is averaged into the backup; a resume equals the
+    uninterrupted run whether an epoch ends on a scheduled average (period 2) or not."""
+    import keras
+
+    import tfdist
+    from tfdist.keras.callbacks import BackupAndRestore
+
+    x, y = linear_data(n=64)  # 4 steps an epoch
+
+    def run(backup_dir, interrupt_after=None):
+        strategy = tfdist.ModelAverageStrategy(period=period)
+        with strategy.scope():
+            model = linear_model()
+            model.compile(keras.optimizers.Adam(LR), "mse")
+        callbacks = [BackupAndRestore(str(backup_dir))]
+        if interrupt_after is not None:
+            callbacks.append(_StopAfterEpoch(interrupt_after))
+        model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=3, shuffle=False, verbose=0,
+                  callbacks=callbacks)
+        return model
+
+    straight = run(tmp_path / "straight")
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "resumed", interrupt_after=1)
+    resumed = run(tmp_path / "resumed")
+    assert int(resumed.optimizer.iterations.numpy()) == 12
+    assert_weights_close(resumed.get_weights(), straight.get_weights(), atol=1e-5)

@@ -236,8 +236,9 @@ class ModelAverageStrategy(tf.distribute.Strategy):
         if state is None:
             return False
         step = int(optimizer.iterations.numpy())
-        if step == 0 or self.is_average_step(step) or state.averaged_at == step:
-            return False
+        if step == 0 or state.averaged_at == step or (
+                self.is_average_step(step) and not self._differs_after_average(model, optimizer)):
+            return False  # every per-replica variable is already one value
         anchored = {id(v) for v in state.variables}
         plain = [v for v in list(model.weights) + self._optimizer_slots(optimizer)
                  if id(v) not in anchored and _is_replicated_float(v)]
@@ -247,6 +248,14 @@ class ModelAverageStrategy(tf.distribute.Strategy):
         state.force_fns[key]()
         state.averaged_at = step
         return True
+
+    def _differs_after_average(self, model, optimizer) -> bool:
+        """Whether a scheduled average leaves per-replica floats different: the optimizer
+        slots (unless ``average_optimizer_state``) and non-trainable state (BatchNorm
+        statistics). Saving then needs a forced average too, or a backup would keep
+        only replica 0's copy and a resumed run would differ."""
+        slots = [] if self.average_optimizer_state else self._optimizer_slots(optimizer)
+        return bool(slots) or any(_is_replicated_float(v) for v in model.non_trainable_weights)
 
     # ---- hooks called by tfdist._hooks ---------------------------------------------------
 
