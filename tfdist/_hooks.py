@@ -138,6 +138,44 @@ def install_local_update_hooks() -> None:
 
 # Strategy method: ``(model, fit_arguments) -> context manager`` entered around ``fit``.
 FIT_CONTEXT_ATTR = "_tfdist_fit_context"
+# Strategy attribute: when true, model.save/save_weights are atomic and refuse NaN/inf.
+SAFE_SAVES_ATTR = "_tfdist_safe_saves"
+SAVE_METHODS = ("save", "save_weights")
+
+
+def non_finite_weights(model) -> list[str]:
+    """Paths of the model's floating weights holding NaN or infinity."""
+    import numpy as np
+    from keras import ops
+
+    return [v.path for v in model.weights
+            if "float" in str(v.dtype) and not np.isfinite(ops.convert_to_numpy(v)).all()]
+
+
+def _save_safely(original, model, args, kwargs):
+    """``model.save``/``save_weights`` to a temporary sibling, fsynced, then renamed.
+
+    A task killed mid-save leaves the previous file whole (Keras writes in place), and
+    weights with NaN or infinity are refused before anything is written, so no
+    checkpoint or backup holds a state that cannot train on. Calls Keras as it is for
+    file objects, ``overwrite=False`` and sharded weights.
+    """
+    import os
+
+    from tfdist.files import atomic_path
+
+    arguments = dict(kwargs)
+    path = args[0] if args else arguments.pop("filepath", None)
+    if (not isinstance(path, (str, os.PathLike)) or arguments.get("overwrite") is False
+            or arguments.get("max_shard_size") or str(path).startswith(("gs://", "s3://"))):
+        return original(model, *args, **kwargs)
+    bad = non_finite_weights(model)
+    if bad:
+        raise FloatingPointError(
+            f"refusing to save {os.fspath(path)!r}: weights {bad[:5]} hold NaN or infinity, "
+            "and a checkpoint of them could not train on. The previous file is kept.")
+    with atomic_path(path) as temp:
+        return original(model, temp, *args[1:], **arguments)
 
 
 def _bound_arguments(function, args, kwargs) -> dict:
@@ -181,7 +219,10 @@ def install_model_hooks() -> None:
             with context:
                 if hook is not None and when in ("before", "around"):
                     hook(self, name, "before")
-                result = original(self, *args, **kwargs)
+                if name in SAVE_METHODS and getattr(strategy, SAFE_SAVES_ATTR, False):
+                    result = _save_safely(original, self, args, kwargs)
+                else:
+                    result = original(self, *args, **kwargs)
                 if hook is not None and when in ("after", "around"):
                     hook(self, name, "after")
             return result

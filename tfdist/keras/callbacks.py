@@ -14,8 +14,10 @@ cluster resolver), or else from TF_CONFIG. Without a cluster every process is ch
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
+import logging
 import os
 import shutil
 
@@ -23,11 +25,12 @@ import keras
 
 from tfdist import _hooks
 from tfdist.cluster import ClusterSpec
-from tfdist.files import private_temp_dir
+from tfdist.files import private_temp_dir, write_text_atomic
 from tfdist.keras.guards import StopOnNaN  # noqa: F401  (re-exported)
 from tfdist.keras.warmup import LinearScalingWarmup  # noqa: F401  (re-exported)
 
 BACKUP_DIR_ENV = "TFDIST_BACKUP_DIR"
+logger = logging.getLogger("tfdist")
 
 
 def task_info(strategy=None) -> tuple[bool, str]:
@@ -127,6 +130,7 @@ class BackupAndRestore(_ChiefAware, keras.callbacks.BackupAndRestore):
     """
 
     _STATE = "tfdist_backup.json"
+    _PREVIOUS_STATE = "tfdist_backup.prev.json"
 
     def __init__(self, backup_dir=None, save_freq="epoch", delete_checkpoint=True):
         backup_dir = backup_dir or os.environ.get(BACKUP_DIR_ENV)
@@ -137,26 +141,52 @@ class BackupAndRestore(_ChiefAware, keras.callbacks.BackupAndRestore):
                          delete_checkpoint=delete_checkpoint)
         self._saves = 0
 
-    def _state_path(self, directory=None):
-        return os.path.join(directory or self.backup_dir, self._STATE)
-
-    def _read_state(self):
-        path = self._state_path()
-        if not os.path.exists(path):
-            return None
-        with open(path) as f:
-            return json.load(f)
+    def _state_path(self, directory=None, previous=False):
+        name = self._PREVIOUS_STATE if previous else self._STATE
+        return os.path.join(directory or self.backup_dir, name)
 
     def _load_model(self):
-        state = self._read_state()
-        if state is None:
+        """Restores the newest readable backup; a broken one is named and set aside."""
+        candidates = [p for p in (self._state_path(), self._state_path(previous=True))
+                      if os.path.exists(p)]
+        if not candidates:
             return
         if not self.model.built:
             raise ValueError("BackupAndRestore needs a built model before fit(). "
                              f"Received: an unbuilt model {self.model.name!r}")
         if self.model.optimizer is not None and not self.model.optimizer.built:
             self.model.optimizer.build(self.model.trainable_variables)
-        self.model.load_weights(os.path.join(self.backup_dir, state["weights"]))
+        problems = []
+        for state_path in candidates:
+            state, broken, problem = _read_backup(state_path, self.backup_dir)
+            if state is None:
+                problems.append(f"{broken}: {problem}")
+                logger.warning("BackupAndRestore: the backup %s is unreadable (%s); trying "
+                               "the previous one.", broken, problem)
+                if self.is_chief:
+                    _set_aside(broken)
+                continue
+            try:
+                self.model.load_weights(os.path.join(self.backup_dir, state["weights"]))
+            except (OSError, ValueError, KeyError) as error:
+                broken = os.path.join(self.backup_dir, state["weights"])
+                problems.append(f"{broken}: {type(error).__name__}: {error}")
+                logger.warning("BackupAndRestore: the backup %s is unreadable (%s: %s); "
+                               "trying the previous one.", broken, type(error).__name__, error)
+                if self.is_chief:
+                    _set_aside(broken)
+                continue
+            self._restored(state)
+            return
+        raise ValueError(f"no usable backup in {self.backup_dir!r}: "
+                         + "; ".join(problems) + ". Remove the directory to start afresh.")
+
+    def _restored(self, state):
+        epochs = (self.params or {}).get("epochs")
+        if epochs is not None and state["epoch"] >= epochs:
+            logger.warning("BackupAndRestore: the backup in %s is already complete: it "
+                           "holds epoch %d of %d, so fit has nothing left to train.",
+                           self.backup_dir, state["epoch"], epochs)
         _hooks.set_initial_epoch(self.model, state["epoch"])
         self._saves = int(state.get("saves", 0))
 
@@ -169,15 +199,14 @@ class BackupAndRestore(_ChiefAware, keras.callbacks.BackupAndRestore):
             self.model.save_weights(os.path.join(directory, weights), overwrite=True)
             state = {"epoch": self._current_epoch, "batch": self._last_batch_seen,
                      "weights": weights, "saves": self._saves}
-            tmp = self._state_path(directory) + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self._state_path(directory))  # the commit point
+            current, previous = self._state_path(directory), self._state_path(directory, True)
+            if os.path.exists(current):
+                os.replace(current, previous)  # kept, with its weights, as the fallback
+            write_text_atomic(current, json.dumps(state))  # the commit point
+            keep = {weights, _weights_named_in(previous)}
             for name in os.listdir(directory):  # older backups
                 if name.startswith("backup-") and name.endswith(".weights.h5") \
-                        and name != weights:
+                        and name not in keep:
                     os.remove(os.path.join(directory, name))
         finally:
             if not self.is_chief:
@@ -255,6 +284,36 @@ class MetricsLogger(_ChiefAware, keras.callbacks.Callback):
             if new:
                 writer.writeheader()
             writer.writerow(row)
+
+
+def _read_backup(state_path, backup_dir):
+    """``(state, None, None)``, or ``(None, broken_path, problem)`` if it is unusable."""
+    try:
+        with open(state_path) as f:
+            state = json.load(f)
+        if not isinstance(state, dict) or not isinstance(state.get("weights"), str) or \
+                not isinstance(state.get("epoch"), int):
+            raise ValueError(f"not a backup record: {state!r}"[:200])
+    except (OSError, ValueError) as error:  # JSONDecodeError is a ValueError
+        return None, state_path, f"{type(error).__name__}: {error}"
+    weights = os.path.join(backup_dir, state["weights"])
+    if not os.path.exists(weights):
+        return None, weights, "the file is missing"
+    return state, None, None
+
+
+def _weights_named_in(state_path):
+    try:
+        with open(state_path) as f:
+            return json.load(f).get("weights")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _set_aside(path):
+    """Renames a broken backup file to ``*.corrupt`` so no later attempt retries it."""
+    with contextlib.suppress(OSError):
+        os.replace(path, path + ".corrupt")
 
 
 def _plain(value):

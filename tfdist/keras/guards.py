@@ -9,7 +9,8 @@ import keras
 
 
 class StopOnNaN(keras.callbacks.Callback):
-    """Stops training with `FloatingPointError` when the loss is NaN or infinite.
+    """Stops training with `FloatingPointError` when the loss is NaN or infinite, or at
+    an epoch's end when a weight is (a step can break the weights with a finite loss).
 
     In the synchronous modes the logged loss is already reduced across workers, so every
     worker sees the same value at the same step and stops together: none is left waiting
@@ -22,6 +23,17 @@ class StopOnNaN(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        from tfdist._hooks import non_finite_weights
+
+        bad = non_finite_weights(self.model)
+        if bad:
+            task = os.environ.get("TFDIST_TASK", "this process")
+            raise FloatingPointError(
+                f"weights {bad[:5]} became NaN or infinite in epoch {epoch + 1} on {task} "
+                "(the loss was finite); training stopped. Lower the learning rate or check "
+                "the data.")
 
     def on_train_batch_end(self, batch, logs=None):
         loss = (logs or {}).get("loss")

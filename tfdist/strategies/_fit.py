@@ -6,6 +6,8 @@
   comes before any step and names both numbers.
 - On a worker that is not the chief, Keras' own file callbacks write to a temporary
   directory (see `tfdist._hooks.keras_callbacks_write_elsewhere`).
+- Saves (``model.save``/``save_weights``, so every checkpoint callback) are atomic and
+  refuse weights with NaN or infinity (see `tfdist._hooks._save_safely`).
 """
 
 from __future__ import annotations
@@ -40,7 +42,10 @@ def check_global_batch(batch_size: int | None, replicas: int, name: str = "batch
 
 
 class KerasFitMixin:
-    """Mixed into a strategy class: `_tfdist_fit_context` runs around ``fit``."""
+    """Mixed into a strategy class: `_tfdist_fit_context` runs around ``fit``, and
+    ``model.save``/``save_weights`` are atomic and refuse non-finite weights."""
+
+    _tfdist_safe_saves = True
 
     def _tfdist_fit_context(self, model, arguments):
         del model
