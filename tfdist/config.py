@@ -216,7 +216,7 @@ def _check_output_dir(path: str, source: str) -> None:
     for parent in (Path(path), *Path(path).parents):
         try:
             exists, is_dir = parent.exists(), parent.is_dir()
-        except OSError as error:  # e.g. a name too long
+        except (OSError, ValueError) as error:  # e.g. a name too long
             raise ConfigError(f"{source}: train.output_dir cannot be used: {error}. "
                               f"Received: {path!r}") from None
         if exists:
@@ -226,6 +226,13 @@ def _check_output_dir(path: str, source: str) -> None:
             return
 
 
+def _exists(path: str) -> bool:
+    try:
+        return Path(path).exists()
+    except (OSError, ValueError):  # a name too long, or not encodable
+        return False
+
+
 def _check_combination(config: dict[str, Any], source: str) -> None:
     strategy, cluster, data = config["strategy"], config["cluster"], config["data"]
     _check_strategy_options(strategy, source)
@@ -233,7 +240,7 @@ def _check_combination(config: dict[str, Any], source: str) -> None:
     if data["name"] != "digits" and not data["path"]:
         raise ConfigError(f"{source}: data.path is required for data.name="
                           f"{data['name']!r}")
-    if data["path"] and ("\0" in data["path"] or not Path(data["path"]).exists()):
+    if data["path"] and ("\0" in data["path"] or not _exists(data["path"])):
         raise ConfigError(f"{source}: data.path does not exist. Received: {data['path']!r}")
     if strategy["name"] == "parameter_server" and cluster["mode"] == "local":
         if cluster["ps"] < 1:

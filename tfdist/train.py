@@ -552,6 +552,7 @@ def _horovodrun(cluster: dict[str, Any], argv: list[str]) -> int:
         print(f"tfdist train: {error}", file=sys.stderr)
         return 1
 
+
 def config_name(path: str | os.PathLike | None) -> str:
     """The name a report gives a config: its file name without ``.toml``."""
     return Path(path).stem if path is not None else "defaults"
@@ -567,7 +568,7 @@ def main(args) -> int:
         out = Path(config["train"]["output_dir"])
         try:
             out.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
+        except (OSError, ValueError) as error:  # ValueError: a name not encodable
             raise ConfigError(f"{source}: train.output_dir cannot be created: {error}. "
                               f"Received: {str(out)!r}") from None
         lock = lock_output_dir(out) if _holds_lock(config) else None
@@ -579,6 +580,11 @@ def main(args) -> int:
         launched = is_multi_process(config) and config["cluster"]["mode"] == "local"
         if lock is not None:  # the launcher points its tasks at OUTPUT_DIR/backup
             prepare_backup(config, out / "backup" if launched else backup_dir(config))
+        if launched and config["strategy"]["name"] == "horovod" and \
+                config["cluster"]["max_restarts"]:
+            print("tfdist train: cluster.max_restarts does not apply to horovod (horovodrun "
+                  "does not restart ranks); run the same command again to resume from "
+                  f"{out / 'backup'}", file=sys.stderr, flush=True)
         if launched:
             text = json.dumps(config, indent=2)
             write_atomic(out / "config.resolved.json", lambda tmp: tmp.write_text(text))
