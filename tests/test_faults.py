@@ -33,6 +33,7 @@ import signal
 import socket
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -313,11 +314,14 @@ def test_ps_missing_frozen_worker_and_killed_chief_then_resume_every_step(tmp_pa
 
 def horovod_fault_task(result_dir, fault, victim, step):
     """``fault``: "kill" (rank ``victim`` SIGKILLs itself after ``step``), "stop"
-    (it freezes after ``step``) or "missing" (it exits before `hvd.init`)."""
+    (it freezes after ``step``), "missing" (it exits before `hvd.init`) or "hang" (it
+    never reaches `hvd.init`: a rank that never starts)."""
     rank = int(os.environ["HOROVOD_RANK"])
     _write(result_dir, f"rank{rank}.pid", str(os.getpid()))
     if fault == "missing" and rank == victim:
         return "absent"
+    if fault == "hang" and rank == victim:
+        time.sleep(600)
     import keras
 
     import tfdist
@@ -345,7 +349,7 @@ def horovod_fault_task(result_dir, fault, victim, step):
 @pytest.mark.horovod
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("fault, victim", [("kill", 1), ("kill", 0), ("stop", 1),
-                                           ("missing", 1)])
+                                           ("missing", 1), ("hang", 1)])
 def test_horovod_faults(tmp_path, fault, victim):
     from tfdist.comm import horovod as comm
 
@@ -367,13 +371,18 @@ def test_horovod_faults(tmp_path, fault, victim):
     assert output.startswith("horovodrun exited with"), (where, output[-3000:])
     # horovodrun names the first rank that failed and terminates the others. A killed
     # rank is usually first; its peer may raise before horovodrun polls (exit code 1).
-    firsts = [(victim, 137), (1 - victim, 1)] if fault == "kill" else [(1 - victim, 1)]
+    firsts = {"kill": [(victim, 137), (1 - victim, 1)],
+              "hang": [(1 - victim, 134)]}.get(fault, [(1 - victim, 1)])
     assert any(f"The first process to do so was:\nProcess name: {rank}\nExit code: {code}"
                in output for rank, code in firsts), (where, output[-3000:])
     if fault == "kill":
         assert f"Process {victim} exit with status code 137" in output, (where, output[-3000:])
     survivor = f"rank{1 - victim}"
     assert set(errors) <= {survivor}, (where, errors)
+    if fault == "hang":  # Gloo's rendezvous timeout aborts the survivor in C++
+        assert (f"Wait timeout after 10 seconds for key(s): {victim}" in output
+                and f"Process {victim} exit with status code 143" in output), (where, output)
+        return
     if fault != "kill":  # the survivor raised: it is the first failure
         assert errors[survivor].startswith("UnknownError") and \
             "Horovod has been shut down" in errors[survivor], (where, errors)
