@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+from tfdist.files import is_process_alive
+
 PREFIX = "tfdist-bench-"
 ADDRESSES = ("10.213.7.1", "10.213.7.2")
 PREFIX_LEN = 30
@@ -49,16 +51,6 @@ def _ip(*args, check=True):
                           timeout=30)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def cleanup_stale() -> list[str]:
     """Deletes namespaces of earlier runs of this benchmark whose process is gone."""
     removed = []
@@ -71,7 +63,7 @@ def cleanup_stale() -> list[str]:
             pid = int(name[len(PREFIX):].split("-")[0])
         except ValueError:
             continue
-        if not _pid_alive(pid) or pid == os.getpid():
+        if not is_process_alive(pid) or pid == os.getpid():
             _ip("netns", "del", name, check=False)
             removed.append(name)
     return removed
