@@ -13,7 +13,6 @@ atomically (a temporary file, fsync, rename).
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import importlib.util
 import inspect
@@ -278,24 +277,13 @@ def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
     """Writes ``path`` so that a reader sees the old file or the whole new one.
 
     ``write(tmp)`` writes a temporary file in the same directory (same suffix, so Keras
-    and matplotlib recognise the format); it is fsynced, renamed over ``path``, and the
-    directory is fsynced. A kill at any point leaves the previous file intact.
+    and matplotlib recognise the format); it is fsynced and renamed over ``path``
+    (`tfdist.files.atomic_path`). A kill at any point leaves the previous file intact.
     """
-    path = Path(path)
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        directory = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+    from tfdist.files import atomic_path
+
+    with atomic_path(path) as tmp:
+        write(Path(tmp))
 
 
 # ---- one task ---------------------------------------------------------------------------
