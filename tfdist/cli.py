@@ -10,6 +10,7 @@ import sys
 
 def _launch(args: argparse.Namespace) -> int:
     from tfdist.launch import LaunchError, launch
+    from tfdist.rendezvous import RendezvousError
 
     # With -m, SCRIPT names a module and every positional argument is the module's.
     target, module = (None, args.script) if args.module else (args.script, None)
@@ -17,8 +18,10 @@ def _launch(args: argparse.Namespace) -> int:
         launch(target, *args.args, module=module, workers=args.workers, chief=args.chief,
                ps=args.ps, timeout=args.timeout, max_restarts=args.max_restarts,
                backup_dir=args.backup_dir, grace_period=args.grace_period,
-               isolate_network=args.isolate_network)
-    except LaunchError as error:
+               isolate_network=args.isolate_network, gpus_per_task=args.gpus_per_task,
+               nnodes=args.nnodes, node_rank=args.node_rank, master=args.master,
+               node_addr=args.node_addr, token=args.token, join_timeout=args.join_timeout)
+    except (LaunchError, RendezvousError) as error:
         print(f"tfdist launch: FAILED: {error}", file=sys.stderr, flush=True)
         return 1
     except (ValueError, FileNotFoundError, ImportError, RuntimeError) as error:
@@ -50,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     launch = commands.add_parser(
-        "launch", help="run SCRIPT (or -m MODULE) once per task of a local cluster on "
-                       "127.0.0.1")
+        "launch", help="run SCRIPT (or -m MODULE) once per task of a cluster on "
+                       "127.0.0.1, or on several nodes with --nnodes")
     launch.add_argument("--workers", type=int, default=1, help="number of worker tasks")
     launch.add_argument("--chief", action="store_true", help="add a chief task")
     launch.add_argument("--ps", type=int, default=0, help="number of parameter servers")
@@ -66,6 +69,25 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--isolate-network", action="store_true",
                         help="run the job in a private network namespace (root): TF's "
                              "servers listen on 0.0.0.0, this keeps them unreachable")
+    launch.add_argument("--gpus-per-task", type=int, default=None, metavar="G",
+                        help="GPUs per task in CUDA_VISIBLE_DEVICES (default: this node's "
+                             "GPUs divided by its tasks; nothing without GPUs)")
+    nodes = launch.add_argument_group(
+        "multi-node", "run the same command on every node; --workers/--ps count this "
+                      "node's tasks")
+    nodes.add_argument("--nnodes", type=int, default=1, help="number of nodes (hosts)")
+    nodes.add_argument("--node-rank", type=int, default=0,
+                       help="this node's rank; node 0 hosts the rendezvous")
+    nodes.add_argument("--master", default=None, metavar="HOST:PORT",
+                       help="node 0's rendezvous address, reachable from every node")
+    nodes.add_argument("--node-addr", default=None,
+                       help="address the other nodes reach this node at (default: as "
+                            "node 0 sees it)")
+    nodes.add_argument("--token", default=None,
+                       help="shared rendezvous secret (default: $TFDIST_TOKEN; node 0 "
+                            "prints a new one if neither is set)")
+    nodes.add_argument("--join-timeout", type=float, default=120.0,
+                       help="seconds for every node to join (default 120)")
     launch.add_argument("-m", "--module", action="store_true",
                         help="SCRIPT is a module name: every task runs `python -m SCRIPT "
                              "ARGS...`, as python -m does")

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from tfdist.cluster import ClusterSpec, TaskSpec
+from tfdist.rendezvous import gpu_env, run_node
 
 DEFAULT_GRACE_SECONDS = 5.0
 TAIL_LINES = 40
@@ -542,9 +543,17 @@ class _PsWorkerRestarts:
 
 def _run_once(argv: list[str], cluster: ClusterSpec, env, timeout, grace, stream,
               attempt, backup_dir, wrap=None,
-              ps_restarts: _PsWorkerRestarts | None = None
-              ) -> tuple[list[_Task], _Task | None, bool]:
-    """Runs every task of one attempt. Returns (tasks, failed task, timed out)."""
+              ps_restarts: _PsWorkerRestarts | None = None, *,
+              specs: Sequence[TaskSpec] | None = None,
+              extra_env: Callable[[TaskSpec], dict] | None = None,
+              peers=None) -> tuple[list[_Task], _Task | None, bool]:
+    """Runs every task of one attempt. Returns (tasks, failed task, timed out).
+
+    ``specs`` are the tasks to start here (default: all of ``cluster``), ``extra_env``
+    adds variables per task, and ``peers`` (a `tfdist.rendezvous.NodeLink`) joins this
+    node to a multi-node job: a failure here is reported to node 0, and node 0's word
+    (stop, or end) stops the tasks here; the caller reads ``peers`` for which.
+    """
     tasks: list[_Task] = []
     if ps_restarts is not None:
         ps_restarts.control_dir = tempfile.mkdtemp(prefix="tfdist-control-")
@@ -552,13 +561,15 @@ def _run_once(argv: list[str], cluster: ClusterSpec, env, timeout, grace, stream
     def start(spec, task_restart=0):
         prefix = [str(a) for a in wrap(spec)] if wrap is not None else []
         task_env = _task_env(cluster, spec, env, attempt, backup_dir)
+        if extra_env is not None:
+            task_env.update(extra_env(spec))
         if ps_restarts is not None:
             task_env[CONTROL_DIR_ENV] = ps_restarts.control_dir
             task_env["TFDIST_TASK_RESTART"] = str(task_restart)
         return _Task(spec, prefix + argv, task_env, stream)
 
     try:
-        for spec in cluster.tasks():
+        for spec in (cluster.tasks() if specs is None else specs):
             tasks.append(start(spec))
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -569,13 +580,20 @@ def _run_once(argv: list[str], cluster: ClusterSpec, env, timeout, grace, stream
                     ps_restarts.replace(tasks, failed, start):
                 continue
             if failed is not None:
+                if peers is not None:
+                    peers.report_failure(failed.name, _exit_cause(failed.name, failed.poll()))
                 stop_tasks([t for t in tasks if t is not failed], grace)
                 failed.finish_output()
                 return tasks, failed, False
-            if all(t.poll() == 0 for t in tasks if t.spec.type in ("chief", "worker")):
+            done = all(t.poll() == 0 for t in tasks if t.spec.type in ("chief", "worker"))
+            if done and peers is not None:
+                peers.report_done()  # ps tasks serve on until every node is done
+            if (done and peers is None) or (peers is not None and peers.should_stop()):
                 stop_tasks([t for t in tasks if t.poll() is None], grace)
                 return tasks, None, False
             if deadline is not None and time.monotonic() > deadline:
+                if peers is not None:
+                    peers.report_failure(None, f"the job timed out after {timeout:g}s")
                 stop_tasks(tasks, grace)
                 return tasks, None, True
             time.sleep(0.05)
@@ -585,6 +603,13 @@ def _run_once(argv: list[str], cluster: ClusterSpec, env, timeout, grace, stream
     finally:
         if ps_restarts is not None:
             shutil.rmtree(ps_restarts.control_dir, ignore_errors=True)
+
+
+def _exit_cause(name: str, code: int) -> str:
+    """``worker-1 exited with code -9 (signal SIGKILL)``."""
+    return f"{name} exited with code {code}" + (
+        f" (signal {signal.Signals(-code).name})" if code < 0 and -code in
+        signal.valid_signals() else "")
 
 
 def _is_port_clash(task: _Task) -> bool:
@@ -597,8 +622,15 @@ def run(argv: Sequence[str], *, workers: int = 1, chief: bool = False, ps: int =
         host: str = "127.0.0.1", stream=sys.stdout, log=None,
         cluster: ClusterSpec | None = None,
         wrap: Callable[[TaskSpec], Sequence[str]] | None = None,
-        isolate_network: bool = False, restart_ps_workers: bool = True) -> LaunchResult:
+        isolate_network: bool = False, restart_ps_workers: bool = True,
+        gpus_per_task: int | None = None, nnodes: int = 1, node_rank: int = 0,
+        master: str | None = None, node_addr: str | None = None, token: str | None = None,
+        join_timeout: float = 120.0) -> LaunchResult:
     """Starts ``argv`` once per task and waits for the job.
+
+    With ``master`` (and ``nnodes`` > 1), this is one node of a multi-node job: every
+    node runs the same call with its own ``node_rank``; ``workers``, ``chief`` and
+    ``ps`` count the tasks of this node (see `tfdist.rendezvous`).
 
     Args:
         argv: The command every task runs, e.g. ``[sys.executable, "train.py"]``.
@@ -626,9 +658,22 @@ def run(argv: Sequence[str], *, workers: int = 1, chief: bool = False, ps: int =
             while the chief runs is restarted alone, at the same address (one of
             ``max_restarts`` each), instead of the whole job; the chief may also ask
             for a frozen worker to be killed and restarted (see `_PsWorkerRestarts`).
+        gpus_per_task: GPUs each task gets in ``CUDA_VISIBLE_DEVICES``; default: the
+            node's GPUs (CUDA_VISIBLE_DEVICES, else ``nvidia-smi -L``) divided by its
+            tasks. Without GPUs nothing is set.
+        nnodes: Nodes (hosts) in the job.
+        node_rank: This node's rank, 0..nnodes-1. Node 0 hosts the rendezvous.
+        master: ``HOST:PORT`` of node 0's rendezvous; needed when ``nnodes`` > 1.
+        node_addr: The address other nodes reach this node's tasks at (default: the
+            address node 0 sees this node's connection come from).
+        token: Shared rendezvous secret (default: $TFDIST_TOKEN; node 0 makes one and
+            prints it when neither is set).
+        join_timeout: Seconds for every node to join before each joined node fails,
+            naming the missing ones.
 
     Returns:
-        A `LaunchResult` when every chief and worker exited 0.
+        A `LaunchResult` when every chief and worker exited 0 (in a multi-node job:
+        this node's tasks, and the whole cluster).
 
     Raises:
         LaunchError: a task failed (after all restarts), or the timeout passed.
@@ -640,6 +685,14 @@ def run(argv: Sequence[str], *, workers: int = 1, chief: bool = False, ps: int =
         cluster = dataclasses.replace(cluster, task=None)
         workers, chief, ps = len(cluster.worker), bool(cluster.chief), len(cluster.ps)
     _validate_counts(workers, chief, ps, timeout, max_restarts)
+    if master is not None or nnodes != 1:
+        return _run_node(argv, workers=workers, chief=chief, ps=ps, timeout=timeout,
+                         max_restarts=max_restarts, env=env, backup_dir=backup_dir,
+                         grace_period=grace_period, stream=stream, log=log, cluster=cluster,
+                         wrap=wrap, isolate_network=isolate_network,
+                         gpus_per_task=gpus_per_task, nnodes=nnodes, node_rank=node_rank,
+                         master=master, node_addr=node_addr, token=token,
+                         join_timeout=join_timeout)
     if isolate_network:
         if wrap is not None:
             raise ValueError("isolate_network and wrap both place the tasks; give one.")
@@ -648,7 +701,7 @@ def run(argv: Sequence[str], *, workers: int = 1, chief: bool = False, ps: int =
                        max_restarts=max_restarts, env=env, backup_dir=backup_dir,
                        grace_period=grace_period, host=host, stream=stream, log=log,
                        cluster=cluster, wrap=lambda spec: prefix,
-                       restart_ps_workers=restart_ps_workers)
+                       restart_ps_workers=restart_ps_workers, gpus_per_task=gpus_per_task)
     log = log or sys.stderr
     ps_restarts = _PsWorkerRestarts(max_restarts, log) if (
         restart_ps_workers and chief and ps) else None
@@ -659,8 +712,10 @@ def run(argv: Sequence[str], *, workers: int = 1, chief: bool = False, ps: int =
         started = time.monotonic()
         if ps_restarts is not None:
             ps_restarts.job_restarts = restarts
+        pins = gpu_env(cluster.tasks(), _command_env(env), gpus_per_task)
         tasks, failed, timed_out = _run_once(list(argv), cluster, env, timeout, grace_period,
-                                             stream, attempt, backup_dir, wrap, ps_restarts)
+                                             stream, attempt, backup_dir, wrap, ps_restarts,
+                                             extra_env=lambda spec: pins[spec.name])
         if failed is None and not timed_out:
             return LaunchResult(
                 tuple(TaskResult(t.name, t.poll(), t.tail_text()) for t in tasks),
@@ -672,9 +727,7 @@ def run(argv: Sequence[str], *, workers: int = 1, chief: bool = False, ps: int =
                                                       for t in tasks))
         else:
             code = failed.poll()
-            cause = f"{failed.name} exited with code {code}" + (
-                f" (signal {signal.Signals(-code).name})" if code < 0 and -code in
-                signal.valid_signals() else "")
+            cause = _exit_cause(failed.name, code)
             clash = _is_port_clash(failed)
             if clash:
                 cause += (f": it could not bind its port "
@@ -700,6 +753,20 @@ def run(argv: Sequence[str], *, workers: int = 1, chief: bool = False, ps: int =
               flush=True)
 
 
+def _run_node(argv, *, master, nnodes, max_restarts, cluster, isolate_network, **options):
+    """One node of a multi-node job (`tfdist.rendezvous.run_node`), after checks."""
+    if master is None:
+        raise ValueError(f"a multi-node job needs master='HOST:PORT' (node 0's rendezvous). "
+                         f"Received: nnodes={nnodes!r}, master=None")
+    unsupported = {"max_restarts": max_restarts, "cluster": cluster,
+                   "isolate_network": isolate_network}
+    given = {k: v for k, v in unsupported.items() if v}
+    if given:
+        raise ValueError(f"a multi-node job does not support {', '.join(given)} yet. "
+                         f"Received: {given}")
+    return run_node(argv, master=master, nnodes=nnodes, **options)
+
+
 def _validate_counts(workers, chief, ps, timeout, max_restarts):
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be an integer >= 1. Received: workers={workers!r}")
@@ -717,7 +784,10 @@ def launch(target: str | os.PathLike | Callable | None = None, *args: Any,
            chief: bool = False, ps: int = 0, timeout: float | None = None,
            max_restarts: int = 0, env: dict | None = None, backup_dir=None,
            grace_period: float = DEFAULT_GRACE_SECONDS, stream=sys.stdout,
-           isolate_network: bool = False, restart_ps_workers: bool = True, **kwargs: Any):
+           isolate_network: bool = False, restart_ps_workers: bool = True,
+           gpus_per_task: int | None = None, nnodes: int = 1, node_rank: int = 0,
+           master: str | None = None, node_addr: str | None = None,
+           token: str | None = None, join_timeout: float = 120.0, **kwargs: Any):
     """Runs a script or a function as a local cluster, one fresh process per task.
 
     A function (from a notebook, say) is pickled by value with cloudpickle, run in every
@@ -747,11 +817,18 @@ def launch(target: str | os.PathLike | Callable | None = None, *args: Any,
             servers listen on 0.0.0.0, and this keeps them unreachable from outside.
         restart_ps_workers: With a chief and ps tasks, restart a dead (or frozen)
             worker alone while the chief runs, one of ``max_restarts`` each (see `run`).
+        gpus_per_task: GPUs pinned per task with CUDA_VISIBLE_DEVICES (see `run`).
+        nnodes: Nodes in a multi-node job; every node makes the same call.
+        node_rank: This node's rank (node 0 hosts the rendezvous at ``master``).
+        master: ``HOST:PORT`` of node 0's rendezvous.
+        node_addr: This node's address as the others reach it (default: as node 0 sees it).
+        token: Shared rendezvous secret (default: $TFDIST_TOKEN, else node 0 prints one).
+        join_timeout: Seconds for every node to join.
         **kwargs: Keyword arguments of the function.
 
     Returns:
         For a script or module, a `LaunchResult`; for a function, the list of return
-        values.
+        values (in a multi-node job: None for the tasks of other nodes).
 
     Raises:
         LaunchError: a task failed or the timeout passed; names the task.
@@ -762,7 +839,9 @@ def launch(target: str | os.PathLike | Callable | None = None, *args: Any,
     options = dict(workers=workers, chief=chief, ps=ps, timeout=timeout,
                    max_restarts=max_restarts, env=env, backup_dir=backup_dir,
                    grace_period=grace_period, stream=stream, isolate_network=isolate_network,
-                   restart_ps_workers=restart_ps_workers)
+                   restart_ps_workers=restart_ps_workers, gpus_per_task=gpus_per_task,
+                   nnodes=nnodes, node_rank=node_rank, master=master, node_addr=node_addr,
+                   token=token, join_timeout=join_timeout)
     if module is not None:
         return _launch_module(module, target, args, kwargs, options)
     if target is None:
