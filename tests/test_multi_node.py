@@ -1,0 +1,334 @@
+"""Multi-node `tfdist launch`: two network namespaces joined by a veth pair act as hosts.
+
+Each "host" runs ``tfdist launch --nnodes 2 --node-rank R --master ADDR:PORT`` (through
+``ip netns exec``). The namespaces are made once per module and removed at its end.
+The rendezvous rules (refusals, fail-fast messages) and GPU pinning are also checked
+without namespaces, on loopback and with a faked GPU list.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import tfdist
+from tfdist import rendezvous
+from tfdist.launch import find_free_ports
+
+from helpers import TESTS_DIR, assert_weights_close
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+REPO = os.path.dirname(TESTS_DIR)
+TOKEN = "s3cret-test-token"
+
+
+# ---- two hosts -----------------------------------------------------------------------------
+
+class Hosts:
+    """Two namespaces ``names`` with veth addresses ``addrs`` (node 0, node 1)."""
+
+    def __init__(self, names, addrs):
+        self.names, self.addrs = names, addrs
+
+    def pids(self, rank):
+        out = subprocess.run(["ip", "netns", "pids", self.names[rank]], capture_output=True,
+                             text=True).stdout
+        return [int(p) for p in out.split()]
+
+
+def _ip(*args):
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create network namespaces (ip netns add)")
+    if shutil.which("ip") is None:
+        pytest.skip("needs the `ip` command (iproute2)")
+    pid = os.getpid()
+    names = [f"tfdist{pid}n0", f"tfdist{pid}n1"]
+    links = [f"tfd{pid}v0", f"tfd{pid}v1"]  # <= 15 characters
+    subnet = f"10.{200 + pid % 50}.{pid // 50 % 250}"
+    addrs = [f"{subnet}.1", f"{subnet}.2"]
+    made = []
+    try:
+        for name in names:
+            _ip("netns", "add", name)
+            made.append(name)
+        _ip("link", "add", links[0], "netns", names[0], "type", "veth",
+            "peer", "name", links[1], "netns", names[1])
+        for name, link, addr in zip(names, links, addrs):
+            _ip("-n", name, "addr", "add", f"{addr}/24", "dev", link)
+            _ip("-n", name, "link", "set", link, "up")
+            _ip("-n", name, "link", "set", "lo", "up")
+        yield Hosts(names, addrs)
+    finally:
+        for name in made:  # whatever a failed test left in them, then the namespace
+            for task in Hosts(names, addrs).pids(names.index(name)):
+                try:
+                    os.kill(task, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def _env(extra=None):
+    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+    env["PYTHONPATH"] = os.pathsep.join([TESTS_DIR, REPO, env.get("PYTHONPATH", "")])
+    env.update(extra or {})
+    return env
+
+
+def _start_node(hosts, rank, script, *args, master_port, options=(), env=None):
+    """Starts node ``rank``'s launcher in its namespace; returns the Popen."""
+    argv = ["ip", "netns", "exec", hosts.names[rank], sys.executable, "-m", "tfdist.cli",
+            "launch", "--nnodes", "2", "--node-rank", str(rank),
+            "--master", f"{hosts.addrs[0]}:{master_port}", "--workers", "1",
+            *options, str(script), *map(str, args)]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=_env(env), cwd=REPO, start_new_session=True)
+
+
+def _finish(process, timeout=240):
+    """(exit code, output) of a launcher; killed (and failed) if it outlives ``timeout``."""
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"launcher still running after {timeout}s:\n{output[-3000:]}")
+    return process.returncode, output
+
+
+def _port():
+    return 29000 + os.getpid() % 1000  # only used inside the namespaces: no clash outside
+
+
+def _script(tmp_path, body, name="job.py"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+# ---- across two hosts ----------------------------------------------------------------------
+
+_TRAIN = """
+    import json, os, sys
+    import numpy as np
+    import tfdist
+    from test_multi_worker import _fit
+    from helpers import classification_data
+
+    strategy = tfdist.MultiWorkerMirroredStrategy(startup_timeout=90, collective_timeout=120)
+    out, me = sys.argv[1], os.environ["TFDIST_TASK"]
+    x, y = classification_data(n=64)
+    weights = _fit(strategy, x, y, "sgd", False)["weights"]
+    np.savez(os.path.join(out, me + ".npz"), *weights)
+    if me == "worker-0":
+        np.savez(os.path.join(out, "reference.npz"), *_fit(None, x, y, "sgd", False)["weights"])
+"""
+
+
+def _load(path):
+    with np.load(path) as data:
+        return [data[f"arr_{i}"] for i in range(len(data.files))]
+
+
+def test_two_node_multi_worker_job_matches_the_single_process_reference(hosts, tmp_path):
+    script = _script(tmp_path, _TRAIN)
+    port = _port()
+    nodes = [_start_node(hosts, r, script, tmp_path, master_port=port,
+                         options=("--token", TOKEN, "--join-timeout", "120"))
+             for r in (0, 1)]
+    results = [_finish(n) for n in nodes]
+    for rank, (code, output) in enumerate(results):
+        assert code == 0, f"node {rank}:\n{output[-4000:]}"
+    reference = _load(tmp_path / "reference.npz")
+    for task in ("worker-0", "worker-1"):
+        assert_weights_close(_load(tmp_path / f"{task}.npz"), reference, atol=1e-5)
+
+
+_SLEEP = """
+    import json, os, sys, time
+    out, me = sys.argv[1], os.environ["TFDIST_TASK"]
+    keys = ("TF_CONFIG", "TFDIST_NODE_RANK", "TFDIST_LOCAL_RANK", "CUDA_VISIBLE_DEVICES")
+    seen = {k: os.environ.get(k) for k in keys}
+    seen["pid"] = os.getpid()
+    with open(os.path.join(out, me + ".tmp"), "w") as f:
+        json.dump(seen, f)
+    os.replace(os.path.join(out, me + ".tmp"), os.path.join(out, me + ".json"))
+    time.sleep(600)
+"""
+
+
+def _wait_for_files(paths, processes, seconds=120):
+    deadline = time.monotonic() + seconds
+    while not all(p.exists() for p in paths):
+        if time.monotonic() > deadline or any(p.poll() is not None for p in processes):
+            outputs = [_finish(p, 30)[1][-2000:] for p in processes]
+            pytest.fail(f"tasks did not start: {outputs}")
+        time.sleep(0.1)
+
+
+def test_tf_config_has_both_veth_addresses_and_a_killed_worker_stops_both_nodes(
+        hosts, tmp_path):
+    script = _script(tmp_path, _SLEEP)
+    nodes = [_start_node(hosts, r, script, tmp_path, master_port=_port() + 1,
+                         options=("--token", TOKEN, "--grace-period", "2"))
+             for r in (0, 1)]
+    try:
+        files = [tmp_path / "worker-0.json", tmp_path / "worker-1.json"]
+        _wait_for_files(files, nodes)
+        seen = [json.loads(f.read_text()) for f in files]
+        for rank, task in enumerate(seen):
+            config = json.loads(task["TF_CONFIG"])
+            workers = config["cluster"]["worker"]
+            assert [w.rsplit(":", 1)[0] for w in workers] == hosts.addrs
+            assert config["task"] == {"type": "worker", "index": rank}
+            assert (task["TFDIST_NODE_RANK"], task["TFDIST_LOCAL_RANK"]) == (str(rank), "0")
+        os.kill(seen[1]["pid"], signal.SIGKILL)
+        started = time.monotonic()
+        results = [_finish(n, 120) for n in nodes]
+        stopped_after = time.monotonic() - started
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    for rank, (code, output) in enumerate(results):
+        assert code == 1, f"node {rank}:\n{output[-3000:]}"
+        assert "worker-1 exited with code -9 (signal SIGKILL) on node 1" in output, output
+    assert stopped_after < 60, f"the launchers took {stopped_after:.0f}s to stop"
+    for rank in (0, 1):
+        assert hosts.pids(rank) == [], f"processes left on node {rank}"
+
+
+def test_a_node_that_never_joins_is_named(hosts, tmp_path):
+    script = _script(tmp_path, "print('never runs')\n")
+    node = _start_node(hosts, 0, script, master_port=_port() + 2,
+                       options=("--token", TOKEN, "--join-timeout", "3"))
+    code, output = _finish(node, 120)
+    assert code == 1, output
+    assert "node(s) 1 did not join within 3s" in output, output
+    assert "never runs" not in output
+
+
+def test_a_wrong_token_is_refused(hosts, tmp_path):
+    script = _script(tmp_path, "print('never runs')\n")
+    port = _port() + 3
+    good = _start_node(hosts, 0, script, master_port=port,
+                       options=("--token", TOKEN, "--join-timeout", "10"))
+    bad = _start_node(hosts, 1, script, master_port=port,
+                      options=("--token", "not-the-token", "--join-timeout", "10"))
+    bad_code, bad_output = _finish(bad, 120)
+    good_code, good_output = _finish(good, 120)
+    assert bad_code == 1, bad_output
+    assert (f"node 1 (connecting from {hosts.addrs[1]}) was refused: its token does not "
+            "match node 0's") in bad_output, bad_output
+    assert good_code == 1 and "node(s) 1 did not join" in good_output, good_output
+    assert "never runs" not in bad_output + good_output
+
+
+# ---- the rendezvous rules, on loopback -------------------------------------------------------
+
+def _join(port, rank, nnodes=2, token=TOKEN, counts=None, **kwargs):
+    counts = counts or {"chief": 0, "worker": 1, "ps": 0}
+    return rendezvous.join(f"127.0.0.1:{port}", rank=rank, nnodes=nnodes, token=token,
+                           counts=counts, ports=find_free_ports(sum(counts.values())),
+                           timeout=kwargs.pop("timeout", 20), **kwargs)
+
+
+def test_rendezvous_refuses_bad_nodes_then_forms_and_relays_a_failure():
+    port = find_free_ports(1)[0]
+    server = rendezvous.RendezvousServer("127.0.0.1", port, 2, TOKEN, join_timeout=60,
+                                         log=open(os.devnull, "w")).start()
+    links = {}
+    first = threading.Thread(target=lambda: links.setdefault(0, _join(port, 0)))
+    try:
+        first.start()
+        time.sleep(1.0)  # let node 0 join first
+        refusals = [
+            (dict(rank=0), "node rank 0 has already joined"),
+            (dict(rank=1, nnodes=3), "it says --nnodes 3, node 0 says --nnodes 2"),
+            (dict(rank=2), "node rank must be in 0..1. Received: 2"),
+            (dict(rank=1, counts={"chief": 1, "worker": 0, "ps": 0}),
+             "only node 0 may run the chief"),
+            (dict(rank=1, token="wrong"), "its token does not match"),
+        ]
+        for kwargs, message in refusals:
+            with pytest.raises(rendezvous.RendezvousError, match=message):
+                _join(port, **kwargs)
+        links[1] = _join(port, 1, addr="10.9.9.9")
+        first.join(20)
+        assert links[0].cluster == links[1].cluster
+        assert links[0].cluster.worker[1].startswith("10.9.9.9:")  # --node-addr wins
+        assert [t.name for t in links[1].tasks] == ["worker-1"]
+        links[1].report_failure("worker-1", "worker-1 exited with code 3")
+        deadline = time.monotonic() + 20
+        while links[0].stop is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert links[0].stop == {"type": "stop", "node": 1, "task": "worker-1",
+                                 "reason": "worker-1 exited with code 3"}
+    finally:
+        for link in links.values():
+            link.close()
+        server.close(wait=1)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(nnodes=2, node_rank=2, master="127.0.0.1:1"), "node_rank must be in 0..1"),
+    (dict(nnodes=2, node_rank=1, master="127.0.0.1:1", chief=True, token="t"),
+     "only node 0 may run the chief"),
+    (dict(nnodes=2), "needs master='HOST:PORT'"),
+    (dict(nnodes=2, master="nohost"), "master must be HOST:PORT"),
+    (dict(nnodes=2, node_rank=1, master="127.0.0.1:1"), "needs the rendezvous token"),
+    (dict(nnodes=2, master="127.0.0.1:1", max_restarts=1), "does not support max_restarts"),
+])
+def test_bad_multi_node_arguments(kwargs, match, tmp_path, monkeypatch):
+    monkeypatch.delenv("TFDIST_TOKEN", raising=False)
+    script = _script(tmp_path, "print('never runs')\n")
+    with pytest.raises(ValueError, match=match):
+        tfdist.launch(script, **kwargs)
+
+
+# ---- GPU pinning -------------------------------------------------------------------------------
+
+def test_assign_gpus():
+    assert rendezvous.assign_gpus([], 2) == [None, None]
+    assert rendezvous.assign_gpus(["0", "1", "2", "3"], 2) == ["0,1", "2,3"]
+    assert rendezvous.assign_gpus(["4", "6"], 2, 1) == ["4", "6"]
+    assert rendezvous.assign_gpus(["0"], 3) == ["0", "0", "0"]
+    with pytest.raises(ValueError, match="needs 4 GPUs for 2 task"):
+        rendezvous.assign_gpus(["0", "1"], 2, 2)
+    assert rendezvous.visible_gpus({"CUDA_VISIBLE_DEVICES": "-1"}) == []
+    assert rendezvous.visible_gpus({"CUDA_VISIBLE_DEVICES": "1, 3"}) == ["1", "3"]
+
+
+def test_each_task_gets_its_own_gpus(tmp_path):
+    script = _script(tmp_path, """
+        import os, sys
+        with open(os.path.join(sys.argv[1], os.environ["TFDIST_TASK"]), "w") as f:
+            f.write(os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>"))
+    """)
+
+    def seen():
+        return [(tmp_path / f"worker-{i}").read_text() for i in range(2)]
+
+    fake = {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}  # the node's GPUs, as the launcher sees them
+    tfdist.launch(script, tmp_path, workers=2, env=fake, stream=None, timeout=60)
+    assert seen() == ["0,1", "2,3"]
+    tfdist.launch(script, tmp_path, workers=2, env=fake, gpus_per_task=1, stream=None,
+                  timeout=60)
+    assert seen() == ["0", "1"]
+    if shutil.which("nvidia-smi") is None and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        tfdist.launch(script, tmp_path, workers=2, stream=None, timeout=60)
+        assert seen() == ["<unset>", "<unset>"]  # no GPUs: nothing set
