@@ -420,3 +420,14 @@ def test_tf_data_compute_batch_size():
     batched = tf.data.Dataset.range(10).batch(4).prefetch(2)
     assert _hooks.dataset_batch_size(batched) == 4, (
         "TF's compute_batch_size changed: the uneven-global-batch check misses datasets")
+
+
+def test_loss_scale_optimizer_check_finite_is_what_apply_calls():
+    import inspect
+
+    from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+
+    source = inspect.getsource(LossScaleOptimizer)
+    assert "self.check_finite" in source and "def check_finite(self, grads)" in source, (
+        "LossScaleOptimizer no longer decides through check_finite(grads): "
+        "tfdist._hooks.install_global_loss_scale_check no longer makes it global")

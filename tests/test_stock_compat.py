@@ -2,7 +2,8 @@
 
 - No TF_CONFIG: a multi-worker strategy is one worker, as in TF.
 - Mixed precision (``mixed_float16``/``mixed_bfloat16`` policies, explicit
-  ``LossScaleOptimizer``) under every strategy.
+  ``LossScaleOptimizer``) under every strategy; a step that overflows on one worker
+  only is skipped by all of them (stock Keras decides per worker and hangs).
 - Keras' own ``BackupAndRestore``, ``ModelCheckpoint``, ``CSVLogger`` and ``TensorBoard``
   on several workers: the chief writes the real paths, the others temporary ones.
 - A global batch that does not split over the replicas fails before the first step.
@@ -51,6 +52,24 @@ def _fit_with_policy(strategy, policy, x, y):
     finally:
         keras.mixed_precision.set_global_policy("float32")
     return model, history
+
+
+def _fit_overflowing_on_one_worker(strategy):
+    """mixed_float16 where only the second half of the first global batch (worker-1's
+    share) overflows: every worker must skip that step together, not hang."""
+    x, y = classification_data(n=64)
+    x[8:16] *= 3e4
+    model, history = _fit_with_policy(strategy, "mixed_float16", x, y)
+    return {"weights": model.get_weights(), "loss": history.history["loss"],
+            "iterations": int(model.optimizer.iterations.numpy()),
+            "scale": float(model.optimizer.dynamic_scale.numpy())}
+
+
+def _assert_overflow_skipped_together(results):
+    first, second = results
+    assert first["iterations"] == second["iterations"] == 2 * (64 // GLOBAL_BATCH - 1)
+    assert first["scale"] == second["scale"]
+    assert_weights_close(first["weights"], second["weights"], atol=0)
 
 
 def _replica_copies(variable):
@@ -227,6 +246,7 @@ def _multi_worker_task(out_dir):
     for policy in POLICIES[:2]:
         mixed, mixed_history = _fit_with_policy(strategy, policy, x, y)
         out["mixed"][policy] = (mixed.get_weights(), mixed_history.history["loss"])
+    out["overflow"] = _fit_overflowing_on_one_worker(strategy)
     if strategy.is_chief:
         out["reference"] = _reference_weights(x, y, epochs=3)
     return out
@@ -258,6 +278,7 @@ def test_keras_callbacks_on_two_workers_resume_after_a_kill(tmp_path):
     assert rows[0].startswith("epoch,") and [r.split(",")[0] for r in rows[1:]] == ["1", "2"]
     loaded = keras.models.load_model(out_dir / "model-3.keras")
     assert_weights_close(loaded.get_weights(), chief["weights"], atol=0)
+    _assert_overflow_skipped_together([chief["overflow"], other["overflow"]])
 
 
 def _model_average_task(out_dir):
@@ -273,7 +294,8 @@ def _model_average_task(out_dir):
     scaled, _ = _fit_with_policy(strategy, "explicit_loss_scale", x, y)
     return {"weights": model.get_weights(), "plain": plain.get_weights(),
             "scaled": scaled.get_weights(),
-            "replicas": [_replica_copies(v)[0] for v in scaled.trainable_weights]}
+            "replicas": [_replica_copies(v)[0] for v in scaled.trainable_weights],
+            "overflow": _fit_overflowing_on_one_worker(strategy)}
 
 
 @pytest.mark.timeout(300)
@@ -286,6 +308,7 @@ def test_keras_callbacks_and_loss_scale_under_model_average_on_two_workers(tmp_p
     assert_weights_close(chief["weights"], other["weights"], atol=0)
     assert_weights_close(chief["scaled"], chief["plain"], atol=1e-5)
     assert_weights_close(chief["replicas"], other["replicas"], atol=0)
+    _assert_overflow_skipped_together([chief["overflow"], other["overflow"]])
     assert os.listdir(task_tmp) == []
     assert sorted(os.listdir(out_dir)) == ["log.csv", "model-1.keras", "model-2.keras",
                                            "tensorboard"]

@@ -336,6 +336,42 @@ def dataset_batch_size(dataset) -> int | None:
     return size if size > 0 else None
 
 
+# Strategy attribute: when true, a LossScaleOptimizer's finite check is global.
+GLOBAL_FINITE_CHECK_ATTR = "_tfdist_global_finite_check"
+
+
+def install_global_loss_scale_check() -> None:
+    """Makes ``LossScaleOptimizer.check_finite`` agree across every replica.
+
+    Why: Keras' ``LossScaleOptimizer`` decides from each replica's *local* gradients
+    (before the all-reduce) whether to apply the step or halve the scale, and applies
+    through a ``cond``. When one worker's gradients overflow fp16 and another's do not,
+    they take different branches around the gradient all-reduce, and the job hangs (a
+    2-worker ``fit`` hung until its timeout). Under a strategy whose
+    ``_tfdist_global_finite_check`` is true, the check all-reduces the count of
+    non-finite replicas, so every replica skips or applies together. Idempotent.
+    """
+    import tensorflow as tf
+    from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+
+    if getattr(LossScaleOptimizer, "_tfdist_global_finite_check", False):
+        return
+    original = LossScaleOptimizer.check_finite
+
+    def check_finite(self, grads):
+        finite = original(self, grads)
+        context = tf.distribute.get_replica_context()
+        if context is None or not getattr(context.strategy, GLOBAL_FINITE_CHECK_ATTR, False):
+            return finite
+        not_finite = context.all_reduce(tf.distribute.ReduceOp.SUM,
+                                        tf.cast(tf.logical_not(finite), tf.float32))
+        return tf.equal(not_finite, 0.0)
+
+    check_finite.__doc__ = original.__doc__
+    LossScaleOptimizer.check_finite = check_finite
+    LossScaleOptimizer._tfdist_global_finite_check = True
+
+
 def overrides_backend_update_step(optimizer) -> bool:
     """Whether a Keras optimizer class does work outside ``update_step``.
 
@@ -744,3 +780,60 @@ def keras_distributed_update(optimizer, distribution, grads, variables) -> None:
     """
     optimizer._distributed_tf_update_step(distribution, list(zip(grads, variables)),
                                           optimizer.learning_rate)
+
+
+# ---- parameter server: step deadline (tfdist.strategies.parameter_server) ---------------
+
+
+def track_running_closures(coordinator) -> dict:
+    """``{worker index: (token, time.monotonic() at start)}`` of the steps running now.
+
+    Why: TF's ``ClusterCoordinator`` has no step deadline. A closure sent to a frozen
+    worker never returns (cancelling it does not interrupt the remote call; only the
+    worker's death does), so ``fit`` would hang. Each ``Worker`` runs its closures, one
+    at a time, in ``Worker._process_closure`` on its own thread; wrapping that method
+    per instance records when each started. When the worker fails, TF calls
+    ``Worker._on_closure_failure`` after putting the closure back in the queue; from
+    then on that thread only waits for the worker to come back, so the entry is
+    dropped there. ``token`` is new for every closure.
+    """
+    import time
+
+    running = {}
+    for worker in coordinator._cluster.workers:
+        process, failed = worker._process_closure, worker._on_closure_failure
+
+        def process_closure(closure, index=worker.worker_index, process=process):
+            token = object()
+            running[index] = (token, time.monotonic())
+            try:
+                return process(closure)
+            finally:
+                if running.get(index, (None,))[0] is token:
+                    del running[index]
+
+        def on_closure_failure(closure, error, index=worker.worker_index, failed=failed):
+            running.pop(index, None)
+            return failed(closure, error)
+
+        worker._process_closure = process_closure
+        worker._on_closure_failure = on_closure_failure
+    return running
+
+
+def wait_for_closures(coordinator, timeout: float) -> bool:
+    """``coordinator.join()`` for at most ``timeout`` seconds: True once all are done.
+
+    Why: ``ClusterCoordinator.join`` has no timeout; its closure queue's ``wait`` has
+    one (it raises the first step error, like ``join``).
+    """
+    return coordinator._cluster.closure_queue.wait(timeout)
+
+
+def wait_for_remote_value(remote_value, timeout: float) -> bool:
+    """True once ``remote_value`` has its result or error (``fetch`` will not block).
+
+    Why: ``RemoteValue.fetch`` has no timeout; ``RemoteValueImpl`` sets the private
+    event ``_status_available_event`` when its closure is done or has failed.
+    """
+    return remote_value._status_available_event.wait(timeout)

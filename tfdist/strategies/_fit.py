@@ -8,6 +8,8 @@
   directory (see `tfdist._hooks.keras_callbacks_write_elsewhere`).
 - Saves (``model.save``/``save_weights``, so every checkpoint callback) are atomic and
   refuse weights with NaN or infinity (see `tfdist._hooks._save_safely`).
+- A ``LossScaleOptimizer`` applies or skips a step on every replica together (see
+  `tfdist._hooks.install_global_loss_scale_check`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class KerasFitMixin:
     ``model.save``/``save_weights`` are atomic and refuse non-finite weights."""
 
     _tfdist_safe_saves = True
+    _tfdist_global_finite_check = True  # see _hooks.install_global_loss_scale_check
 
     def _tfdist_fit_context(self, model, arguments):
         del model

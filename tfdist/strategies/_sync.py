@@ -52,6 +52,7 @@ class SyncGradientsMixin(KerasFitMixin):
         self._micro_steps = ByteCounter("tfdist_micro_steps")
         _hooks.install_sync_gradient_hooks()
         _hooks.install_model_hooks()
+        _hooks.install_global_loss_scale_check()
         if options.accumulate_steps > 1:
             _hooks.install_local_update_hooks()
 
