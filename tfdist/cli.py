@@ -101,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="config file (default: the embedded defaults)")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config value, e.g. --set train.epochs=2")
+    nodes = train.add_argument_group(
+        "multi-node", "set cluster.mode = 'nodes' and these keys; run the same command on "
+                      "every node with its own --node-rank")
+    nodes.add_argument("--nnodes", type=int, default=None, help="cluster.nnodes")
+    nodes.add_argument("--node-rank", type=int, default=None, help="cluster.node_rank")
+    nodes.add_argument("--master", default=None, metavar="HOST:PORT", help="cluster.master")
     train.set_defaults(handler=_train)
 
     compare = commands.add_parser("compare", help="run several configs side by side")

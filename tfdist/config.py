@@ -18,11 +18,15 @@ STRATEGIES = ("none", "mirrored", "multi_worker", "parameter_server", "model_ave
               "horovod")
 # Strategies that need one process per task (launched, or from the environment).
 MULTI_PROCESS_STRATEGIES = ("multi_worker", "parameter_server", "model_average", "horovod")
+# local: tasks on this host; env: this process is a task the environment describes;
+# nodes: this host's tasks of a multi-node job that meets at node 0's rendezvous.
+CLUSTER_MODES = ("local", "env", "nodes")
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     "strategy": {"name": "mirrored", "options": {}},
     "cluster": {"mode": "local", "workers": 2, "chief": False, "ps": 0, "logical_cpus": 2,
-                "timeout": 1800.0, "max_restarts": 0},
+                "timeout": 1800.0, "max_restarts": 0, "nnodes": 1, "node_rank": 0,
+                "master": ""},
     "model": {"name": "mlp", "hidden": [64], "dropout": 0.0},
     "data": {"name": "digits", "path": "", "label": "label", "validation_split": 0.2,
              "limit": 0},
@@ -35,7 +39,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 _CHECKS = {
     ("strategy", "name"): (str, lambda v: v in STRATEGIES, f"one of {list(STRATEGIES)}"),
     ("strategy", "options"): (dict, None, "a table of strategy keyword arguments"),
-    ("cluster", "mode"): (str, lambda v: v in ("local", "env"), "'local' or 'env'"),
+    ("cluster", "mode"): (str, lambda v: v in CLUSTER_MODES, "'local', 'env' or 'nodes'"),
     ("cluster", "workers"): (int, lambda v: v >= 1, "an integer >= 1"),
     ("cluster", "chief"): (bool, None, "true or false"),
     ("cluster", "ps"): (int, lambda v: v >= 0, "an integer >= 0"),
@@ -43,6 +47,9 @@ _CHECKS = {
     ("cluster", "timeout"): ((int, float), lambda v: 0 < v < math.inf,
                              "a finite number of seconds > 0"),
     ("cluster", "max_restarts"): (int, lambda v: v >= 0, "an integer >= 0"),
+    ("cluster", "nnodes"): (int, lambda v: v >= 1, "an integer >= 1"),
+    ("cluster", "node_rank"): (int, lambda v: v >= 0, "an integer >= 0"),
+    ("cluster", "master"): (str, None, "'HOST:PORT' of node 0's rendezvous"),
     ("model", "name"): (str, lambda v: v in ("mlp", "cnn") or ":" in v,
                         "'mlp', 'cnn' or 'module:function'"),
     ("model", "hidden"): (list, lambda v: all(type(u) is int and u > 0 for u in v),
@@ -242,7 +249,17 @@ def _check_combination(config: dict[str, Any], source: str) -> None:
                           f"{data['name']!r}")
     if data["path"] and ("\0" in data["path"] or not _exists(data["path"])):
         raise ConfigError(f"{source}: data.path does not exist. Received: {data['path']!r}")
-    if strategy["name"] == "parameter_server" and cluster["mode"] == "local":
+    if cluster["mode"] == "nodes":
+        _check_nodes(config, source)
+    else:
+        for key, default in (("nnodes", 1), ("node_rank", 0), ("master", "")):
+            if cluster[key] != default:
+                raise ConfigError(f"{source}: cluster.{key} applies only to cluster.mode = "
+                                  f"'nodes'. Received: {key}={cluster[key]!r} with "
+                                  f"mode={cluster['mode']!r}")
+    if strategy["name"] == "parameter_server" and (
+            cluster["mode"] == "local" or cluster["mode"] == "nodes" and
+            cluster["node_rank"] == 0):
         if cluster["ps"] < 1:
             raise ConfigError(f"{source}: cluster.ps must be >= 1 for the parameter_server "
                               f"strategy. Received: {cluster['ps']}")
@@ -260,12 +277,40 @@ def _check_combination(config: dict[str, Any], source: str) -> None:
                           f"evenly over {replicas} replicas")
 
 
+def _check_nodes(config: dict[str, Any], source: str) -> None:
+    """``cluster.mode = "nodes"``: a multi-process strategy, a master, a valid rank."""
+    strategy, cluster = config["strategy"]["name"], config["cluster"]
+    if strategy not in MULTI_PROCESS_STRATEGIES or strategy == "horovod":
+        raise ConfigError(f"{source}: cluster.mode = 'nodes' needs strategy.name "
+                          "'multi_worker', 'parameter_server' or 'model_average'. "
+                          f"Received: {strategy!r}")
+    host, _, port = cluster["master"].rpartition(":")
+    if not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{source}: cluster.master must be 'HOST:PORT' of node 0's "
+                          f"rendezvous (port 1..65535) with cluster.mode = 'nodes'. "
+                          f"Received: {cluster['master']!r}")
+    if cluster["node_rank"] >= cluster["nnodes"]:
+        raise ConfigError(f"{source}: cluster.node_rank must be < cluster.nnodes="
+                          f"{cluster['nnodes']}. Received: {cluster['node_rank']}")
+    if cluster["chief"] and cluster["node_rank"] != 0:
+        raise ConfigError(f"{source}: cluster.chief = true is allowed only on node 0. "
+                          f"Received: node_rank={cluster['node_rank']}")
+    if cluster["max_restarts"]:
+        raise ConfigError(f"{source}: cluster.max_restarts must be 0 with cluster.mode = "
+                          "'nodes' (a multi-node job is not restarted; run the command "
+                          "again on every node to resume). Received: "
+                          f"{cluster['max_restarts']}")
+
+
 def _replicas(config: dict[str, Any]) -> int:
     name, cluster = config["strategy"]["name"], config["cluster"]
     if name == "mirrored":
         return cluster["logical_cpus"]
     if name in ("multi_worker", "model_average", "horovod") and cluster["mode"] == "local":
         return cluster["workers"] + int(cluster["chief"])
+    if name in ("multi_worker", "model_average") and cluster["mode"] == "nodes":
+        # Every node runs the same config (its own node_rank): the same workers each.
+        return cluster["nnodes"] * cluster["workers"] + int(cluster["chief"])
     return 1
 
 

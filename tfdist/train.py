@@ -137,6 +137,13 @@ def check_job(config: dict[str, Any], source: str = "<config>") -> None:
     strategy, cluster = config["strategy"]["name"], config["cluster"]
     if is_multi_process(config) and cluster["mode"] == "env":
         _check_environment(config, source)
+    if cluster["mode"] == "nodes" and cluster["node_rank"] != 0:
+        from tfdist.rendezvous import TOKEN_ENV
+
+        if not os.environ.get(TOKEN_ENV):
+            raise ConfigError(
+                f"{source}: cluster.mode = 'nodes': node {cluster['node_rank']} needs the "
+                f"rendezvous token of node 0 in ${TOKEN_ENV}. Received: {TOKEN_ENV} unset")
     if strategy == "horovod" and cluster["mode"] == "local":
         if find_horovodrun() is None or importlib.util.find_spec("horovod") is None:
             raise ConfigError(
@@ -222,6 +229,8 @@ def _holds_lock(config: dict[str, Any]) -> bool:
     or the chief of a job the environment describes (the other tasks write nothing)."""
     if config["cluster"]["mode"] == "local" or not is_multi_process(config):
         return True
+    if config["cluster"]["mode"] == "nodes":  # node 0's launcher: its host has the chief
+        return config["cluster"]["node_rank"] == 0
     if config["strategy"]["name"] == "horovod":
         return next((os.environ[v] for v in _HOROVOD_RANK_VARIABLES if v in os.environ),
                     "0") == "0"
@@ -243,7 +252,8 @@ def _backup_key(config: dict[str, Any]) -> dict[str, Any]:
     key = json.loads(json.dumps(config))
     for section, name in (("train", "epochs"), ("train", "verbose"), ("train", "output_dir"),
                           ("cluster", "timeout"), ("cluster", "max_restarts"),
-                          ("cluster", "mode")):
+                          ("cluster", "mode"), ("cluster", "node_rank"),
+                          ("cluster", "master")):
         key[section].pop(name, None)
     return key
 
@@ -507,19 +517,28 @@ def plot_history(report: dict[str, Any], path: Path) -> None:
 
 
 def launch_job(config: dict[str, Any], config_path: Path) -> int:
-    """Starts one local process per task, each running `run_task` on the same config."""
+    """Starts one local process per task, each running `run_task` on the same config.
+
+    With ``cluster.mode = "nodes"`` these are this host's tasks of a multi-node job:
+    the launcher meets the other hosts at ``cluster.master`` (`tfdist.rendezvous`).
+    """
     from tfdist.launch import LaunchError, run
+    from tfdist.rendezvous import RendezvousError
 
     cluster = config["cluster"]
     argv = [sys.executable, "-m", "tfdist.train", "--task", str(config_path)]
     if config["strategy"]["name"] == "horovod":
         return _horovodrun(cluster, argv)
+    nodes = {}
+    if cluster["mode"] == "nodes":
+        nodes = dict(nnodes=cluster["nnodes"], node_rank=cluster["node_rank"],
+                     master=cluster["master"])
     try:
         run(argv, workers=cluster["workers"], chief=cluster["chief"],
-               ps=cluster["ps"], timeout=cluster["timeout"],
-               max_restarts=cluster["max_restarts"],
-               backup_dir=str(Path(config["train"]["output_dir"]) / "backup"))
-    except LaunchError as error:
+            ps=cluster["ps"], timeout=cluster["timeout"],
+            max_restarts=cluster["max_restarts"],
+            backup_dir=str(Path(config["train"]["output_dir"]) / "backup"), **nodes)
+    except (LaunchError, RendezvousError) as error:
         print(f"tfdist train: FAILED: {error}", file=sys.stderr, flush=True)
         return 1
     return 0
@@ -546,12 +565,23 @@ def config_name(path: str | os.PathLike | None) -> str:
     return Path(path).stem if path is not None else "defaults"
 
 
+def node_overrides(args) -> list[str]:
+    """``--nnodes/--node-rank/--master`` as ``--set`` overrides (with
+    ``cluster.mode="nodes"`` when any is given)."""
+    flags = {"nnodes": getattr(args, "nnodes", None),
+             "node_rank": getattr(args, "node_rank", None),
+             "master": getattr(args, "master", None)}
+    given = [f"cluster.{key}={json.dumps(value)}" for key, value in flags.items()
+             if value is not None]
+    return ['cluster.mode="nodes"', *given] if given else []
+
+
 def main(args) -> int:
     """``tfdist train``: load and check, lock the output directory, then run here or
     launch the tasks."""
     source = str(args.config) if args.config is not None else "<defaults>"
     try:
-        config = load_config(args.config, args.set)
+        config = load_config(args.config, [*args.set, *node_overrides(args)])
         check_job(config, source)
         out = Path(config["train"]["output_dir"])
         try:
@@ -565,7 +595,8 @@ def main(args) -> int:
         return 2
     name = config_name(args.config)
     try:
-        launched = is_multi_process(config) and config["cluster"]["mode"] == "local"
+        launched = is_multi_process(config) and config["cluster"]["mode"] in ("local",
+                                                                               "nodes")
         if lock is not None:  # the launcher points its tasks at OUTPUT_DIR/backup
             prepare_backup(config, out / "backup" if launched else backup_dir(config))
         if launched and config["strategy"]["name"] == "horovod" and \
@@ -574,8 +605,9 @@ def main(args) -> int:
                   "does not restart ranks); run the same command again to resume from "
                   f"{out / 'backup'}", file=sys.stderr, flush=True)
         if launched:
-            text = json.dumps(config, indent=2)
-            write_atomic(out / "config.resolved.json", lambda tmp: tmp.write_text(text))
+            if lock is not None:  # not on the other nodes of a multi-node job
+                text = json.dumps(config, indent=2)
+                write_atomic(out / "config.resolved.json", lambda tmp: tmp.write_text(text))
             # The tasks (and their restarts) read this job's own snapshot.
             with tempfile.TemporaryDirectory(prefix="tfdist-job-") as job_dir:
                 snapshot = Path(job_dir) / "config.json"
@@ -591,7 +623,10 @@ def main(args) -> int:
     finally:
         if lock is not None:
             os.close(lock)
-    if code == 0:
+    if code == 0 and lock is None and launched:
+        print("tfdist train: this node's tasks finished; node 0 writes the report",
+              flush=True)
+    elif code == 0:
         print(f"tfdist train: wrote {out / 'report.json'}, {out / 'report.png'} and "
               f"{out / 'model.keras'}", flush=True)
     return code
