@@ -47,6 +47,110 @@ def hvd():
     return _hvd
 
 
+def init_from_cluster(cluster, timeout_seconds: float = 60.0) -> None:
+    """Starts Horovod over Gloo for a TF_CONFIG cluster, without ``horovodrun``.
+
+    Ranks follow Horovod's own host plan over the training tasks (chief first, then
+    the workers), so the chief is rank 0. The chief hosts Gloo's rendezvous at its own
+    TF_CONFIG address: with this engine TF's gRPC server does not run, so the port is
+    free. Every other task waits (up to ``timeout_seconds``) for that port to open,
+    then all call ``hvd.init()``. Does nothing when Horovod's variables are already set
+    (``horovodrun``) or Horovod is initialized.
+
+    Args:
+        cluster: A `tfdist.ClusterSpec` with this process's ``task``.
+        timeout_seconds: How long to wait for the chief, and Gloo's own timeout.
+
+    Raises:
+        TimeoutError: the chief's rendezvous did not open in time (names the chief).
+    """
+    global _hvd
+    if _hvd is not None or "HOROVOD_RANK" in os.environ:
+        hvd()
+        return
+    from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
+
+    training = [t for t in cluster.tasks() if t.type in ("chief", "worker")]
+    hosts = [_split(getattr(cluster, t.type)[t.index])[0] for t in training]
+    counts = {host: hosts.count(host) for host in hosts}  # in order of first appearance
+    plan = get_host_assignments(parse_hosts(",".join(f"{h}:{n}" for h, n in counts.items())),
+                                len(training))
+    me = training.index(cluster.task)
+    host = hosts[me]
+    local_rank = hosts[:me].count(host)
+    slot = next(s for s in plan if s.hostname == host and s.local_rank == local_rank)
+    leader_host, leader_port = _split(getattr(cluster, training[0].type)[training[0].index])
+    if slot.rank == 0:
+        _serve_rendezvous(leader_host, leader_port, plan)
+    else:
+        _wait_for_port(leader_host, leader_port, timeout_seconds, training[0].name)
+    os.environ.update({
+        "HOROVOD_RANK": str(slot.rank), "HOROVOD_SIZE": str(slot.size),
+        "HOROVOD_LOCAL_RANK": str(slot.local_rank), "HOROVOD_LOCAL_SIZE": str(slot.local_size),
+        "HOROVOD_CROSS_RANK": str(slot.cross_rank), "HOROVOD_CROSS_SIZE": str(slot.cross_size),
+        "HOROVOD_HOSTNAME": host, "HOROVOD_CONTROLLER": "gloo",
+        "HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_GLOO_IFACE": _interface_of(host),
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": leader_host,
+        "HOROVOD_GLOO_RENDEZVOUS_PORT": str(leader_port)})
+    os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(int(max(timeout_seconds, 1))))
+    hvd()
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, port = address.rsplit(":", 1)
+    return host.strip("[]"), int(port)
+
+
+_rendezvous_servers = []  # kept alive for the life of the process
+
+
+def _serve_rendezvous(host: str, port: int, plan) -> None:
+    """Gloo's HTTP rendezvous (Horovod's own server) on ``host:port``, in a thread."""
+    import threading
+
+    from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
+
+    server = RendezvousHTTPServer((host, port), RendezvousHandler, 0)
+    server.init(plan)
+    threading.Thread(target=server.serve_forever, name="tfdist-gloo-rendezvous",
+                     daemon=True).start()
+    _rendezvous_servers.append(server)
+
+
+def _wait_for_port(host: str, port: int, timeout_seconds: float, owner: str) -> None:
+    import socket
+    import time
+
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=2).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{owner} did not open Horovod's rendezvous at {host}:{port} within "
+                    f"{timeout_seconds:g}s: is it running, and reachable from here?") from None
+            time.sleep(0.2)
+
+
+def _interface_of(host: str) -> str:
+    """The network interface that holds ``host``'s address (Gloo binds to it)."""
+    import ipaddress
+    import socket
+
+    address = socket.gethostbyname(host)
+    if ipaddress.ip_address(address).is_loopback:
+        return "lo"
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == address for a in addresses):
+            return name
+    raise ValueError(f"no local network interface has the address {address} of this task "
+                     f"({host}). Received: TF_CONFIG address host {host!r}")
+
+
 def is_available() -> bool:
     """True if ``horovod.tensorflow`` can be imported (does not initialize it)."""
     try:

@@ -202,6 +202,14 @@ class HorovodExtended(_tf.MirroredExtended):
         return _tf.regroup(values, always_wrap=True)
 
 
+def rank_devices(devices=None) -> list[str]:
+    """This rank's devices: ``devices`` checked, or its GPU (by local rank), or its CPUs."""
+    if devices is not None:
+        return validate_devices(devices)
+    gpus = tf.config.list_logical_devices("GPU")
+    return [gpus[comm.local_rank() % len(gpus)].name] if gpus else default_devices()
+
+
 class HorovodStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerMirroredStrategy):
     """Synchronous data parallelism with Horovod's collective ops as the engine.
 
@@ -248,11 +256,7 @@ class HorovodStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerMirroredStrat
         if "HOROVOD_RANK" not in os.environ:
             logger.info("HorovodStrategy: not started by horovodrun (HOROVOD_RANK is not "
                         "set), so this process is the only rank (replicas: its devices).")
-        if devices is not None:
-            devices = validate_devices(devices)
-        else:
-            gpus = tf.config.list_logical_devices("GPU")
-            devices = [gpus[comm.local_rank() % len(gpus)].name] if gpus else default_devices()
+        devices = rank_devices(devices)
         self._compression = get_compression(compression)
         self._byte_counter = ByteCounter("tfdist_horovod_bytes")
         _hooks.assign_collective_key_base(self)

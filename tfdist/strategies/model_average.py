@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import tensorflow as tf
 
 from tfdist import _hooks
 from tfdist.comm.accounting import ByteCounter
 from tfdist.comm.averaging import BACKENDS, allreduce_mean, is_average_step
+from tfdist.comm.engines import select_engine
 from tfdist.comm.options import merge_options
 from tfdist.strategies._optimizer import inner_optimizer
 
@@ -134,9 +136,13 @@ class ModelAverageStrategy(tf.distribute.Strategy):
         cluster_resolver: Anything `tfdist.MultiWorkerMirroredStrategy` takes; given
             (or TF_CONFIG with several workers), replicas are every device of every
             worker.
-        backend: ``"tf"`` (TF's all-reduce) or ``"horovod"``: weights are averaged
-            with `tfdist.comm.horovod.allreduce`; run under ``horovodrun``, one replica
-            per rank (``devices`` names this rank's one device; shard the data by rank).
+        backend: Deprecated; use ``engine``. ``"horovod"`` keeps its old meaning:
+            weights are averaged with `tfdist.comm.horovod.allreduce` under
+            ``horovodrun``, one replica per rank, each rank fed its own data.
+        engine: ``"tf"``, ``"horovod"`` or ``"auto"``, as for
+            `tfdist.MultiWorkerMirroredStrategy`: the engine of the weight average
+            (and of loss/metric reductions) across workers, with the same global batch
+            and sharding either way. ``"horovod"`` needs no ``horovodrun``.
         compression: None, ``"fp16"`` or ``"bf16"``: weight deltas are cast for the
             all-reduce (`bytes_communicated` shows the saving).
         communication_options: A `tfdist.CommunicationOptions`: its ``compression``
@@ -154,15 +160,16 @@ class ModelAverageStrategy(tf.distribute.Strategy):
     def __new__(cls, *args, **kwargs):
         if cls is ModelAverageStrategy:
             cluster_resolver = kwargs.get("cluster_resolver", args[5] if len(args) > 5 else None)
-            backend = kwargs.get("backend", "tf")
+            backend = kwargs.get("backend") or "tf"
             cls = (_MultiWorkerModelAverage
-                   if backend == "tf" and _wants_multi_worker(cluster_resolver)
+                   if backend == "tf" and (kwargs.get("engine") == "horovod"
+                                           or _wants_multi_worker(cluster_resolver))
                    else _SingleHostModelAverage)
         return super().__new__(cls)
 
     def __init__(self, period=1, warmup_steps=0, outer_optimizer=None,
                  average_optimizer_state=False, devices=None, cluster_resolver=None, *,
-                 backend="tf", compression=None, **base_kwargs):
+                 backend=None, compression=None, engine="auto", **base_kwargs):
         self.period = _int(period, "period", 1)
         self.warmup_steps = _int(warmup_steps, "warmup_steps", 0)
         if outer_optimizer is not None and not (
@@ -175,9 +182,20 @@ class ModelAverageStrategy(tf.distribute.Strategy):
             _check_outer(outer_optimizer)
         self._outer_template = outer_optimizer
         self.average_optimizer_state = bool(average_optimizer_state)
+        if backend is not None:
+            warnings.warn("ModelAverageStrategy(backend=...) is deprecated: use engine=. "
+                          "backend='horovod' keeps its old meaning (under horovodrun, one "
+                          "replica per rank, each rank fed its own data); engine='horovod' "
+                          "shards the global batch like engine='tf'.", DeprecationWarning,
+                          stacklevel=2)
+        backend = backend or "tf"
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}. Received: backend={backend!r}")
         self.backend = backend
+        if isinstance(self, _MultiWorkerModelAverage):
+            base_kwargs["engine"] = engine
+        else:
+            select_engine(engine, 1, on_gpus=False)  # checks the name
         options = merge_options(base_kwargs.pop("communication_options", None),
                                 compression=compression)
         if options.accumulate_steps > 1:

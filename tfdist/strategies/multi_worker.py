@@ -34,6 +34,7 @@ import tensorflow as tf
 
 from tfdist import _hooks
 from tfdist.cluster import ClusterSpec, resolve_cluster
+from tfdist.comm.engines import select_engine
 from tfdist.comm.options import CommunicationOptions, merge_options
 from tfdist.strategies._sync import SyncGradientsMixin
 
@@ -115,6 +116,12 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
             service declares a task dead and fails the others.
         compression: Shortcut for ``communication_options.compression``.
         accumulate_steps: Shortcut for ``communication_options.accumulate_steps``.
+        engine: ``"tf"`` (TF collectives: the gRPC ring on CPU, NCCL on GPU),
+            ``"horovod"`` (Horovod's ops: Gloo on CPU, NCCL on GPU builds; no
+            ``horovodrun`` needed, the chief hosts the rendezvous at its TF_CONFIG
+            address) or ``"auto"`` (see `tfdist.comm.engines.select_engine`). Replicas,
+            metrics, the initial-variable broadcast, accumulation, compression and
+            byte counting are the same with either engine.
 
     Raises:
         ValueError: the cluster is invalid (the message names the field and value).
@@ -126,15 +133,22 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
                  startup_timeout=DEFAULT_STARTUP_TIMEOUT,
                  collective_timeout=DEFAULT_COLLECTIVE_TIMEOUT,
                  heartbeat_timeout=DEFAULT_HEARTBEAT_TIMEOUT, compression=None,
-                 accumulate_steps=None):
+                 accumulate_steps=None, engine="auto"):
         self.startup_timeout = _positive("startup_timeout", startup_timeout)
         self.collective_timeout = _positive("collective_timeout", collective_timeout,
                                             allow_none=True)
         self.heartbeat_timeout = _positive("heartbeat_timeout", heartbeat_timeout)
         self.cluster = self._resolve(cluster_resolver)
-        tf_resolver = self._make_cluster_resolver(cluster_resolver)
         options = merge_options(communication_options, compression=compression,
                                 accumulate_steps=accumulate_steps)
+        self.engine = select_engine(engine, self.num_workers,
+                                    on_gpus=bool(tf.config.list_physical_devices("GPU")))
+        if self.engine == "horovod":
+            self._init_sync_gradients(options)
+            tf.distribute.Strategy.__init__(self, self._create_horovod_extended())
+            self.shared_seed = self._share_random_seed()
+            return
+        tf_resolver = self._make_cluster_resolver(cluster_resolver)
         communication_options = self._make_communication_options(options.to_tf())
         if self.num_workers > 1:
             self._configure_coordination()
@@ -219,6 +233,21 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
         return MultiWorkerExtended(self, cluster_resolver=cluster_resolver,
                                    communication_options=communication_options)
 
+    def _create_horovod_extended(self):
+        """The ``StrategyExtended`` of ``engine="horovod"``: replicas span every process
+        and reductions go through Horovod's ops
+        (`tfdist.strategies.horovod.HorovodExtended`). Gradients are compressed and
+        counted by the same hook as with ``engine="tf"``. Horovod starts without
+        ``horovodrun``: the chief hosts Gloo's rendezvous at its TF_CONFIG address."""
+        from tfdist.comm import horovod as comm
+        from tfdist.strategies.horovod import HorovodExtended, rank_devices
+
+        if self.cluster is not None and self.num_workers > 1:
+            comm.init_from_cluster(self.cluster, self.startup_timeout)
+        else:
+            comm.init()
+        return HorovodExtended(self, rank_devices(), compression=None, byte_counter=None)
+
     def _share_random_seed(self):
         """Sets the chief's random global seed on every worker when the user set none.
 
@@ -233,7 +262,7 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
         if not self.extended._in_multi_worker_mode() or (
                 tf.compat.v1.random.get_seed(0)[0] != _DEFAULT_GRAPH_SEED):
             return None
-        contribution = float(secrets.randbelow(2**31 - 1)) if self.cluster.is_chief() else 0.0
+        contribution = float(secrets.randbelow(2**31 - 1)) if self.is_chief else 0.0
 
         def value_fn(context):
             return tf.constant(contribution if context.replica_id_in_sync_group == 0
@@ -309,18 +338,37 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
     @property
     def is_chief(self) -> bool:
         """True on the task that writes checkpoints and logs (TF's rule)."""
-        return self.cluster is None or self.cluster.is_chief()
+        if self.cluster is None:
+            return self._horovod_rank() == 0
+        return self.cluster.is_chief()
 
     @property
     def num_workers(self) -> int:
         """Training tasks in the cluster (chief plus workers)."""
-        return 1 if self.cluster is None else self.cluster.num_workers
+        if self.cluster is None:
+            return self._horovod_size()
+        return self.cluster.num_workers
 
     @property
     def task_name(self) -> str:
         """This task's name, e.g. ``worker-1``."""
         task = self.cluster and self.cluster.task
-        return task.name if task else "worker-0"
+        return task.name if task else f"worker-{self._horovod_rank()}"
+
+    def _horovod_rank(self) -> int:
+        """This process's rank under ``horovodrun`` (engine="horovod"), else 0."""
+        if getattr(self, "engine", "tf") != "horovod":
+            return 0
+        from tfdist.comm import horovod as comm
+
+        return comm.rank()
+
+    def _horovod_size(self) -> int:
+        if getattr(self, "engine", "tf") != "horovod":
+            return 1
+        from tfdist.comm import horovod as comm
+
+        return comm.size()
 
 
 def _rank(value):

@@ -1,0 +1,164 @@
+"""``engine="horovod"``: Horovod/Gloo as the engine of the synchronous strategies,
+started by tfdist itself (no horovodrun), against the same references as ``engine="tf"``.
+
+- ``tfdist launch --workers 2``: `MultiWorkerMirroredStrategy` equals the single-process
+  reference; with fp16 compression it stays within 2e-3 at half the bytes; with
+  ``accumulate_steps=2`` it equals one step on the doubled batch; `ModelAverageStrategy`
+  at period 1 (plain SGD) equals the reference and at period 4 the numpy local SGD.
+- The same with 2 processes x 2 logical CPUs.
+- A TF_CONFIG job not started by tfdist (plain subprocesses, hand-written TF_CONFIG).
+"""
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from helpers import TESTS_DIR, assert_weights_close, classification_data, mlp, run_cluster
+from test_model_average import GLOBAL_BATCH, fit_linear, linear_data, numpy_local_sgd
+
+pytestmark = pytest.mark.multiprocess
+LR = 0.1
+FP16_ATOL = 2e-3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def horovod_installed():
+    from tfdist.comm import horovod as comm
+
+    if comm.is_available():
+        return
+    if os.environ.get("TFDIST_REQUIRE_HOROVOD") == "1":
+        pytest.fail("TFDIST_REQUIRE_HOROVOD=1 but Horovod is not installed. "
+                    + comm.INSTALL_HINT, pytrace=False)
+    pytest.skip(comm.INSTALL_HINT)
+
+
+def _fit_mlp(strategy, batch=GLOBAL_BATCH, epochs=2):
+    import keras
+
+    x, y = classification_data(n=64)
+    with strategy.scope() if strategy is not None else _nothing():
+        model = mlp()
+        model.compile(keras.optimizers.SGD(LR),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0)
+    return model.get_weights()
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def engine_task(logical_cpus=0, full=True):
+    """Every engine="horovod" check of one process of a 2-process job."""
+    if logical_cpus:
+        import tfdist
+
+        tfdist.devices.use_logical_cpus(logical_cpus)
+    import tfdist
+
+    strategy = tfdist.MultiWorkerMirroredStrategy(engine="horovod")
+    out = {"engine": strategy.engine, "replicas": strategy.num_replicas_in_sync,
+           "chief": strategy.is_chief, "sync": _fit_mlp(strategy)}
+    x, y = linear_data(n=80)
+    average = tfdist.ModelAverageStrategy(period=4, engine="horovod")
+    initial, model = fit_linear(average, x, y, epochs=2)
+    out["average4"] = {"initial": initial, "weights": model.get_weights()}
+    if full:
+        fp16 = tfdist.MultiWorkerMirroredStrategy(engine="horovod", compression="fp16")
+        out["fp16"] = (_fit_mlp(fp16), fp16.bytes_communicated, strategy.bytes_communicated)
+        accumulate = tfdist.MultiWorkerMirroredStrategy(engine="horovod", accumulate_steps=2)
+        out["accumulate"] = _fit_mlp(accumulate, batch=GLOBAL_BATCH // 2)
+        out["average1"] = _fit_mlp(tfdist.ModelAverageStrategy(period=1, engine="horovod"))
+    if strategy.is_chief:
+        out["reference"] = _fit_mlp(None)
+    return out
+
+
+def _check(results, full=True, replicas=2):
+    chief, other = results
+    assert chief["chief"] and not other["chief"]
+    assert chief["engine"] == "horovod" and chief["replicas"] == replicas
+    reference = chief["reference"]
+    assert_weights_close(chief["sync"], other["sync"], atol=0)
+    assert_weights_close(chief["sync"], reference, atol=1e-5)
+    x, y = linear_data(n=80)
+    initial = chief["average4"]["initial"]
+    expected = numpy_local_sgd(x, y, initial[0], initial[1], steps=10, period=4,
+                               replicas=replicas)
+    for result in results:
+        assert_weights_close(result["average4"]["weights"], expected, atol=1e-5)
+    if not full:
+        return
+    weights, fp16_bytes, plain_bytes = chief["fp16"]
+    assert_weights_close(weights, reference, atol=FP16_ATOL)
+    assert fp16_bytes * 2 == plain_bytes, (fp16_bytes, plain_bytes)
+    # accumulate_steps=2 on batches of 8 = one step on each batch of 16 (the reference).
+    assert_weights_close(chief["accumulate"], reference, atol=1e-5)
+    assert_weights_close(chief["average1"], reference, atol=1e-5)
+    assert_weights_close(chief["average1"], other["average1"], atol=0)
+
+
+@pytest.mark.timeout(300)
+def test_horovod_engine_under_tfdist_launch():
+    _check(run_cluster(engine_task, timeout=280))
+
+
+@pytest.mark.timeout(300)
+def test_horovod_engine_two_processes_of_two_logical_cpus():
+    _check(run_cluster(engine_task, 2, False, timeout=280), full=False, replicas=4)
+
+
+_PLAIN_TASK = textwrap.dedent("""
+    import pickle, sys
+    sys.path[:0] = [{tests!r}, {root!r}]
+    import test_engines
+    result = test_engines.engine_task(0, False)
+    with open(sys.argv[1], "wb") as f:
+        pickle.dump(result, f)
+""")
+
+
+@pytest.mark.timeout(300)
+def test_horovod_engine_in_a_tf_config_job_not_started_by_tfdist(tmp_path):
+    from tfdist.launch import find_free_ports
+
+    ports = find_free_ports(2)
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+    code = _PLAIN_TASK.format(tests=TESTS_DIR, root=os.path.dirname(TESTS_DIR))
+    procs = []
+    try:
+        for index in range(2):
+            env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_CONFIG=json.dumps(
+                {"cluster": cluster, "task": {"type": "worker", "index": index}}))
+            procs.append(subprocess.Popen([sys.executable, "-c", code,
+                                           str(tmp_path / f"{index}.pkl")],
+                                          env=env, start_new_session=True))
+        for proc in procs:
+            assert proc.wait(timeout=240) == 0
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+    results = [pickle.loads((tmp_path / f"{i}.pkl").read_bytes()) for i in range(2)]
+    _check(results, full=False)
+
+
+def test_engine_names_are_checked():
+    from tfdist.comm.engines import select_engine
+
+    with pytest.raises(ValueError, match=r"engine must be one of .*Received: engine='gloo'"):
+        select_engine("gloo", 2, on_gpus=False)
+    assert select_engine("horovod", 2, on_gpus=False) == "horovod"
+    assert select_engine("auto", 2, on_gpus=False) == "tf"
