@@ -162,3 +162,25 @@ def test_engine_names_are_checked():
         select_engine("gloo", 2, on_gpus=False)
     assert select_engine("horovod", 2, on_gpus=False) == "horovod"
     assert select_engine("auto", 2, on_gpus=False) == "tf"
+
+
+def missing_peer_task(result_dir):
+    """worker-1 never starts; worker-0 must name it after startup_timeout."""
+    import tfdist
+
+    me = os.environ["TFDIST_TASK"]
+    if me == "worker-1":
+        return "absent"
+    try:
+        tfdist.MultiWorkerMirroredStrategy(engine="horovod", startup_timeout=5)
+    except Exception as error:  # noqa: BLE001 - the test reads what was raised
+        return f"{type(error).__name__}: {error}"
+    return "started"
+
+
+@pytest.mark.timeout(120)
+def test_horovod_engine_names_a_task_that_never_joins(tmp_path):
+    chief, absent = run_cluster(missing_peer_task, str(tmp_path), timeout=100)
+    assert absent == "absent"
+    assert chief.startswith("DeadlineExceededError: worker-0: task(s) worker-1 did not join "
+                            "the cluster within 5s"), chief

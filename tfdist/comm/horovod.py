@@ -80,10 +80,13 @@ def init_from_cluster(cluster, timeout_seconds: float = 60.0) -> None:
     local_rank = hosts[:me].count(host)
     slot = next(s for s in plan if s.hostname == host and s.local_rank == local_rank)
     leader_host, leader_port = _split(getattr(cluster, training[0].type)[training[0].index])
+    names = {s.rank: training[_task_of(s, hosts)].name for s in plan}
     if slot.rank == 0:
-        _serve_rendezvous(leader_host, leader_port, plan)
+        server = _serve_rendezvous(leader_host, leader_port, plan)
+        _wait_for_hellos(server, names, timeout_seconds)
     else:
         _wait_for_port(leader_host, leader_port, timeout_seconds, training[0].name)
+        _say_hello(leader_host, leader_port, slot.rank)
     os.environ.update({
         "HOROVOD_RANK": str(slot.rank), "HOROVOD_SIZE": str(slot.size),
         "HOROVOD_LOCAL_RANK": str(slot.local_rank), "HOROVOD_LOCAL_SIZE": str(slot.local_size),
@@ -94,6 +97,47 @@ def init_from_cluster(cluster, timeout_seconds: float = 60.0) -> None:
         "HOROVOD_GLOO_RENDEZVOUS_PORT": str(leader_port)})
     os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(int(max(timeout_seconds, 1))))
     hvd()
+
+
+def _task_of(slot, hosts: list[str]) -> int:
+    """Index (in ``hosts``' task order) of the task a plan slot belongs to."""
+    on_host = [i for i, host in enumerate(hosts) if host == slot.hostname]
+    return on_host[slot.local_rank]
+
+
+# Key scope of the start-up hellos in the rendezvous' key-value store (not Gloo's).
+_HELLO_SCOPE = "tfdist-hello"
+
+
+def _say_hello(host: str, port: int, rank: int) -> None:
+    """Tells rank 0 that this rank is up, before Gloo's rendezvous (which would abort)."""
+    import urllib.request
+
+    request = urllib.request.Request(f"http://{host}:{port}/{_HELLO_SCOPE}/{rank}",
+                                     data=b"1", method="PUT")
+    urllib.request.urlopen(request, timeout=10).close()
+
+
+def _wait_for_hellos(server, names: dict, timeout_seconds: float) -> None:
+    """On rank 0: waits until every other rank said hello; names the missing ones.
+
+    Without it a rank that never starts makes Gloo's rendezvous abort the process
+    (exit 134) after its timeout, naming nobody.
+    """
+    import time
+
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        with server.cache_lock:
+            seen = {int(k) for k in server.cache.get(_HELLO_SCOPE, {})}
+        missing = [names[r] for r in sorted(names) if r != 0 and r not in seen]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{names[0]}: task(s) {', '.join(missing)} did not join the "
+                               f"cluster within {timeout_seconds:g}s. Check that every task "
+                               "was started with the same cluster and can reach the others.")
+        time.sleep(0.1)
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -115,6 +159,7 @@ def _serve_rendezvous(host: str, port: int, plan) -> None:
     threading.Thread(target=server.serve_forever, name="tfdist-gloo-rendezvous",
                      daemon=True).start()
     _rendezvous_servers.append(server)
+    return server
 
 
 def _wait_for_port(host: str, port: int, timeout_seconds: float, owner: str) -> None:

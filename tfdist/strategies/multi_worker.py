@@ -243,7 +243,10 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
         from tfdist.strategies.horovod import HorovodExtended, rank_devices
 
         if self.cluster is not None and self.num_workers > 1:
-            comm.init_from_cluster(self.cluster, self.startup_timeout)
+            try:
+                comm.init_from_cluster(self.cluster, self.startup_timeout)
+            except TimeoutError as error:
+                raise tf.errors.DeadlineExceededError(None, None, str(error)) from None
         else:
             comm.init()
         return HorovodExtended(self, rank_devices(), compression=None, byte_counter=None)
