@@ -1,5 +1,6 @@
 # make train: set up .venv and run the main job on its embedded defaults.
 # make test:  set up .venv with everything (Horovod included) and run the whole suite.
+# make bench: run every benchmark section (python -m benchmarks) into benchmarks/RESULTS.md.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -31,7 +32,7 @@ notebooks: $(VENV)/.installed $(VENV)/.horovod
 	$(PY) scripts/run_notebooks.py
 
 bench: $(VENV)/.installed $(VENV)/.horovod
-	$(VENV)/bin/tfdist bench
+	$(PY) -m benchmarks
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,1 +1,4 @@
-"""Benchmarks: ratios measured side by side in one run (see RESULTS.md)."""
+"""Benchmarks of the source checkout (not in the wheel): `python -m benchmarks`.
+
+Ratios measured side by side in one run; see docs/benchmarks.md and RESULTS.md.
+"""

@@ -11,27 +11,22 @@ Engines, each as two processes on this host:
 
 Reported: median time per all-reduce and bus bandwidth ``S / t * 2(N-1)/N`` (N = 2).
 
-    python -m benchmarks.allreduce            # full run, writes benchmarks/allreduce.{json,md,png}
-    python -m benchmarks.allreduce --quick    # tiny sizes, one repetition (CI smoke run;
-                                              # writes to the temp dir unless --out)
+    python -m benchmarks.allreduce [--quick] [--output DIR]   # DIR/allreduce.{json,md,png}
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import signal
 import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+from benchmarks.common import (machine_info, markdown_table, parse_section_args, pyplot,
+                               run_horovod, save_figure, section_parser, task_env)
+
 NPROC = 2
 FULL_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 QUICK_SIZES = [4 << 10, 64 << 10]
@@ -169,43 +164,21 @@ def loopback_bounds(sizes, quick):
 
 # ---- drivers -------------------------------------------------------------------------
 
-def _env():
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return env
-
-
-def run_horovod(sizes, quick, timeout):
-    horovodrun = Path(sys.executable).parent / "horovodrun"
-    if not horovodrun.exists():
+def horovod_times(sizes, quick, timeout):
+    """{bytes: median seconds} of rank 0 of a horovodrun job."""
+    if not (Path(sys.executable).parent / "horovodrun").exists():
         from tfdist.comm.horovod import INSTALL_HINT
 
         raise SystemExit(INSTALL_HINT)
-    with tempfile.TemporaryDirectory(prefix="tfdist-bench-") as tmp:
-        out = Path(tmp) / "rank0.json"
-        code = ("import json, sys; from benchmarks import allreduce as b; "
-                "from tfdist.comm import horovod as c; "
-                f"r = b.horovod_task({sizes!r}, {quick!r}); "
-                f"c.rank() == 0 and open({str(out)!r}, 'w').write(json.dumps(r))")
-        cmd = [str(horovodrun), "-np", str(NPROC), "-H", f"localhost:{NPROC}", "--gloo",
-               sys.executable, "-c", code]
-        proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, start_new_session=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            output, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise SystemExit(f"horovodrun timed out after {timeout}s") from None
-        if proc.returncode != 0:
-            raise SystemExit(f"horovodrun failed ({proc.returncode}):\n{output[-3000:]}")
-        return {int(k): v for k, v in json.loads(out.read_text()).items()}
+    return run_horovod(horovod_task, sizes, quick, np=NPROC, timeout=timeout)[0]
 
 
-def run_tf_ring(sizes, quick, timeout):
+def tf_ring_times(sizes, quick, timeout):
+    """{bytes: median seconds} of worker 0 of a `tfdist.launch` job."""
     import tfdist
 
     results = tfdist.launch(tf_ring_task, sizes, quick, workers=NPROC, timeout=timeout,
-                            env={"PYTHONPATH": _env()["PYTHONPATH"]}, stream=None)
+                            env=task_env(), stream=None)
     return {int(k): v for k, v in results[0].items()}
 
 
@@ -214,8 +187,6 @@ def _fmt_bytes(n: int) -> str:
 
 
 def report(results: dict, command: str) -> str:
-    from benchmarks.common import markdown_table
-
     engines = results["engines"]
     rows = [["size"] + [f"{name} ms (GB/s)" for name in engines] + ["memcpy ms"]]
     for size in results["sizes"]:
@@ -244,13 +215,8 @@ def report(results: dict, command: str) -> str:
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     sizes = results["sizes"]
-    fig, (ax_t, ax_bw) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax_t, ax_bw) = pyplot().subplots(1, 2, figsize=(11, 4.2))
     for name in list(results["engines"]) + ["memcpy"]:
         times = [results["seconds"][name][str(s)] for s in sizes]
         style = "--" if name in ("loopback bound", "memcpy") else "-o"
@@ -268,34 +234,29 @@ def plot(results: dict, path: Path) -> None:
     ax_bw.set_ylabel("bus bandwidth (GB/s)")
     ax_t.legend()
     fig.suptitle(f"All-reduce between {NPROC} processes (float32 sum)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="tiny sizes, one repetition (CI smoke run)")
-    parser.add_argument("--out", default=None,
-                        help="output path without suffix (default: benchmarks/allreduce; "
-                             "with --quick: <tmp>/tfdist_allreduce_quick, so a smoke run "
-                             "never overwrites the committed results)")
+    parser = section_parser("benchmarks.allreduce", __doc__)
     parser.add_argument("--timeout", type=float, default=900,
                         help="seconds per engine before its processes are killed")
-    args = parser.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
-    from benchmarks.common import machine_info
-
+    parser.add_argument("--out", metavar="DIR/allreduce", default=None,
+                        help="deprecated: --output DIR")
+    args = parse_section_args(parser, argv)
+    if args.out:
+        print("allreduce: --out is deprecated; use --output DIR", file=sys.stderr, flush=True)
+        args.output = Path(args.out).resolve().parent
+        args.output.mkdir(parents=True, exist_ok=True)
     sizes = QUICK_SIZES if args.quick else FULL_SIZES
     command = "python -m benchmarks.allreduce" + (" --quick" if args.quick else "")
     print(f"[allreduce] sizes {[_fmt_bytes(s) for s in sizes]}", flush=True)
     seconds = {}
     load_before = os.getloadavg()
     print("[allreduce] Horovod/Gloo (horovodrun, 2 processes)", flush=True)
-    seconds["Horovod/Gloo"] = run_horovod(sizes, args.quick, args.timeout)
+    seconds["Horovod/Gloo"] = horovod_times(sizes, args.quick, args.timeout)
     print("[allreduce] TF gRPC ring (tfdist.launch, 2 workers)", flush=True)
-    seconds["TF gRPC ring"] = run_tf_ring(sizes, args.quick, args.timeout)
+    seconds["TF gRPC ring"] = tf_ring_times(sizes, args.quick, args.timeout)
     print("[allreduce] loopback bound: one TCP stream, memcpy", flush=True)
     seconds["loopback bound"], seconds["memcpy"] = loopback_bounds(sizes, args.quick)
     results = {"command": command, "nproc": NPROC, "sizes": sizes,
@@ -305,8 +266,7 @@ def main(argv=None) -> dict:
                "load_average_1min": {"before": round(load_before[0], 2),
                                      "after": round(os.getloadavg()[0], 2)},
                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    out = Path(args.out or (Path(tempfile.gettempdir()) / "tfdist_allreduce_quick"
-                            if args.quick else HERE / "allreduce"))
+    out = args.output / "allreduce"
     out.with_suffix(".json").write_text(json.dumps(results, indent=2))
     out.with_suffix(".md").write_text(report(results, command))
     plot(results, out.with_suffix(".png"))

@@ -1,13 +1,71 @@
-"""Shared benchmark plumbing: interleaved timing, machine facts, tables, JSON."""
+"""Shared benchmark plumbing: arguments, timing, machine facts, tables, figures, tasks."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import statistics
+import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.horovodrun import run_horovod  # noqa: F401  (sections import it from here)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BENCH_DIR = REPO_ROOT / "benchmarks"  # where the committed results live
+QUICK_DIR = Path(tempfile.gettempdir()) / "tfdist-bench-quick"
+
+
+# ---- arguments and figures, the same for every section ----------------------------------
+
+def section_parser(name: str, doc: str | None) -> argparse.ArgumentParser:
+    """The arguments every section (and the runner) takes: ``--quick`` and ``--output``.
+
+    Add a section's own arguments to it, then call `parse_section_args`.
+    """
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {name}", description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny sizes, one repetition: a smoke run, not a result")
+    parser.add_argument("--output", metavar="DIR", default=None,
+                        help=f"directory for the reports, JSON and plots (default: "
+                             f"benchmarks/; with --quick: {QUICK_DIR}, so a smoke run never "
+                             f"overwrites the committed results)")
+    return parser
+
+
+def parse_section_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """Parses ``argv``; ``args.output`` becomes an existing directory (a `Path`)."""
+    args = parser.parse_args(argv)
+    args.output = output_dir(args.output, args.quick)
+    return args
+
+
+def output_dir(output: str | Path | None, quick: bool) -> Path:
+    """``output``, or by default benchmarks/ (QUICK_DIR with --quick), created."""
+    path = Path(output or (QUICK_DIR if quick else BENCH_DIR)).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def pyplot():
+    """``matplotlib.pyplot`` drawing to files only (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: str | Path) -> None:
+    """Lays out ``fig``, writes it to ``path`` (PNG) and frees it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
 
 
 def machine_info() -> dict:
@@ -54,9 +112,15 @@ def write_json(path: str | Path, data: dict) -> None:
     Path(path).write_text(json.dumps(data, indent=2))
 
 
-# ---- sections of `tfdist bench`, tasks, and the digits workload --------------------------
+def load_json(path: str | Path | None) -> dict | None:
+    """The JSON in ``path``, or None if there is no such file or it is not JSON."""
+    try:
+        return json.loads(Path(path).read_text()) if path else None
+    except (OSError, ValueError):
+        return None
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# ---- section reports, tasks, and the digits workload ---------------------------------------
 
 
 def write_section(out: str | Path, name: str, markdown: str, data: dict) -> None:
@@ -92,7 +156,7 @@ def run_tasks(fn, *args, workers: int = 2, chief: bool = False, ps: int = 0,
     ``wrap`` (tasks in network namespaces). Returns the values in task order (chief,
     workers, ps; ps tasks and tasks that never return give None).
     """
-    import tempfile
+    import sys
 
     import cloudpickle
 
@@ -102,26 +166,14 @@ def run_tasks(fn, *args, workers: int = 2, chief: bool = False, ps: int = 0,
         payload = Path(tmp, "payload.pkl")
         payload.write_bytes(cloudpickle.dumps((fn, args, kwargs)))
         os.chmod(tmp, 0o755)  # readable from other namespaces' processes (same user)
-        result = run([__import__("sys").executable, "-m", "tfdist._task_main", str(payload),
-                      tmp], workers=workers, chief=chief, ps=ps, timeout=timeout,
+        result = run([sys.executable, "-m", "tfdist._task_main", str(payload), tmp],
+                     workers=workers, chief=chief, ps=ps, timeout=timeout,
                      env=task_env(env), stream=stream, cluster=cluster, wrap=wrap)
         values = []
         for task in result.cluster.tasks():
             path = Path(tmp, f"{task.name}.result.pkl")
             values.append(cloudpickle.loads(path.read_bytes()) if path.exists() else None)
         return values
-
-
-_HOROVOD_TASK = """
-import importlib, os, pickle, sys
-module, name, args_path, out_dir = sys.argv[1:5]
-with open(args_path, "rb") as f:
-    args, kwargs = pickle.load(f)
-result = getattr(importlib.import_module(module), name)(*args, **kwargs)
-from tfdist.comm import horovod as comm
-with open(os.path.join(out_dir, f"rank{comm.rank()}.pkl"), "wb") as f:
-    pickle.dump(result, f)
-"""
 
 
 def horovod_missing() -> str | None:
@@ -136,57 +188,6 @@ def horovod_missing() -> str | None:
         last = (probe.stderr.strip().splitlines() or ["?"])[-1]
         return f"horovod not installed ({last})"
     return None
-
-
-def run_horovod(fn, *args, np: int = 2, timeout: float = 600, env=None, **kwargs) -> list:
-    """Runs module-level ``fn(*args, **kwargs)`` under ``horovodrun --gloo``; values by rank.
-
-    Raises:
-        RuntimeError: horovodrun failed or timed out (with the end of its output).
-    """
-    import pickle
-    import signal
-    import subprocess
-    import sys
-    import tempfile
-
-    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-    with tempfile.TemporaryDirectory(prefix="tfdist-bench-hvd-") as tmp:
-        args_path = os.path.join(tmp, "args.pkl")
-        with open(args_path, "wb") as f:
-            pickle.dump((args, kwargs), f)
-        module = fn.__module__
-        if module == "__main__":  # a section run as `python -m benchmarks.x`
-            spec = getattr(sys.modules["__main__"], "__spec__", None)
-            if spec is None:
-                raise ValueError(f"run_horovod needs a function of an importable module. "
-                                 f"Received: {fn.__qualname__} of a script")
-            module = spec.name
-        cmd = [horovodrun, "-np", str(np), "-H", f"localhost:{np}", "--gloo",
-               "--start-timeout", "120", sys.executable, "-c", _HOROVOD_TASK,
-               module, fn.__name__, args_path, tmp]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, **task_env(env)),
-                                start_new_session=True, text=True)
-        try:
-            output, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-            raise RuntimeError(f"horovodrun timed out after {timeout:g}s:\n"
-                               + output[-2000:]) from None
-        if proc.returncode != 0:
-            # Horovod's own traceback comes last; the rank's error is in its prefixed lines.
-            errors = [line for line in output.splitlines()
-                      if "<stderr>" in line and ("Error" in line or "error" in line)]
-            raise RuntimeError(f"horovodrun exited with {proc.returncode}: "
-                               + (errors[-1].strip() if errors else "see the output below")
-                               + "\n" + "\n".join(errors[-10:]) + "\n" + output[-2000:])
-        values = []
-        for rank in range(np):
-            with open(os.path.join(tmp, f"rank{rank}.pkl"), "rb") as f:
-                values.append(pickle.load(f))
-        return values
 
 
 def digits_data():

@@ -1,6 +1,6 @@
 """Time per step on 2 workers with and without compression and accumulation.
 
-    .venv/bin/python -m benchmarks.communication [--quick] [--output benchmarks]
+    .venv/bin/python -m benchmarks.communication [--quick] [--output DIR]
 
 `tfdist.MultiWorkerMirroredStrategy` on the digits CNN, global batch 64, 2 worker
 processes on 127.0.0.1. Variants: plain, fp16, bf16, accumulate_steps=4. A
@@ -10,13 +10,13 @@ the variants alternate over several rounds and the median is reported.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 
 from benchmarks.common import (compile_digits, digits_cnn, digits_dataset, machine_info,
-                               markdown_table, run_tasks, write_section)
+                               markdown_table, parse_section_args, run_tasks, section_parser,
+                               write_section)
 
 VARIANTS = {
     "plain": {},
@@ -45,10 +45,7 @@ def _task(options: dict, steps: int, batch: int) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--output", default="benchmarks")
-    args = parser.parse_args(argv)
+    args = parse_section_args(section_parser("benchmarks.communication", __doc__), argv)
     rounds, steps = (1, 8) if args.quick else (3, 60)
     # The smoke run: the two ends of the comparison.
     variants = {k: VARIANTS[k] for k in ("plain", "accumulate 4")} if args.quick else VARIANTS

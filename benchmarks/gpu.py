@@ -1,6 +1,6 @@
 """GPU throughput: `tfdist.MirroredStrategy` on every GPU, and Horovod with NCCL.
 
-    .venv/bin/python -m benchmarks.gpu [--quick] [--output benchmarks]
+    .venv/bin/python -m benchmarks.gpu [--quick] [--output DIR]
 
 Runs only when ``nvidia-smi -L`` lists GPUs *and* this TensorFlow can use them
 (``tensorflow-cpu`` cannot); otherwise the section says why and is skipped. Same
@@ -15,13 +15,15 @@ GPU), so the numbers compare across sections:
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
+
+from benchmarks.common import (horovod_missing, machine_info, markdown_table,
+                               parse_section_args, run_horovod, run_tasks, section_parser,
+                               skip_section, write_section)
 
 PER_GPU_BATCH = 256
 
@@ -76,14 +78,8 @@ def gpu_fit_task(mode: str, gpus: int, steps: int, epochs: int) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--output", default="benchmarks")
-    args = parser.parse_args(argv)
-    from benchmarks.common import horovod_missing, machine_info, markdown_table, run_horovod, \
-        run_tasks, skip_section, write_section
-
-    out = Path(args.output)
+    args = parse_section_args(section_parser("benchmarks.gpu", __doc__), argv)
+    out = args.output
     title = "GPU throughput (mirrored, Horovod/NCCL)"
     gpus = list_gpus()
     if not gpus:

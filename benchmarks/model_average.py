@@ -13,22 +13,22 @@ batch and inner optimizer (SGD 0.05), on 2 workers started by `tfdist.launch`:
 Accuracy is measured by ``model.evaluate`` on the held-out 20% (every worker gets the
 same number). Run it from the repository root:
 
-    python -m benchmarks.model_average            # writes benchmarks/model_average.{json,md,png}
-    python -m benchmarks.model_average --quick    # 1 epoch, 2 configurations: model_average_quick.*
-    python -m benchmarks.model_average --render   # rewrite .md/.png from the .json
+    python -m benchmarks.model_average [--output DIR]   # DIR/model_average.{json,md,png}
+    python -m benchmarks.model_average --quick          # 1 epoch, 2 configurations
+    python -m benchmarks.model_average --render         # rewrite .md/.png from the .json
 """
 
 from __future__ import annotations
 
-import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 from benchmarks.common import (digits_cnn, digits_data, machine_info, markdown_table,
-                               run_tasks, write_json)
+                               parse_section_args, pyplot, run_tasks, save_figure,
+                               section_parser, write_json)
 
-HERE = Path(__file__).resolve().parent
 GLOBAL_BATCH = 64
 LEARNING_RATE = 0.05
 OUTER = {"learning_rate": 0.7, "momentum": 0.9, "nesterov": True}
@@ -90,12 +90,7 @@ def configurations(quick: bool) -> list[dict]:
 
 
 def plot(results: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = pyplot().subplots(figsize=(7, 4.5))
     for r in results:
         marker = "s" if r["period"] is None else ("^" if r["outer"] else "o")
         ax.scatter(r["bytes"] / 1e6, 100 * r["accuracy"], marker=marker, s=60)
@@ -107,27 +102,26 @@ def plot(results: list[dict], path: Path) -> None:
     ax.set_ylabel("test accuracy (%)")
     ax.set_title("Digits CNN, 2 workers: accuracy vs bytes, same epochs")
     ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = section_parser("benchmarks.model_average", __doc__)
     parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--output", "--out", dest="out", default=None,
-                        help="directory for model_average.{md,json,png} (default: "
-                             "benchmarks/, where --quick writes model_average_quick.*)")
+    parser.add_argument("--out", metavar="DIR", default=None, help="deprecated: --output DIR")
     parser.add_argument("--render", action="store_true",
                         help="only rewrite the .md/.png from the existing .json")
-    args = parser.parse_args(argv)
-    out = Path(args.out) if args.out else HERE
-    stem = "model_average_quick" if args.quick and not args.out else "model_average"
+    args = parse_section_args(parser, argv)
+    if args.out:
+        print("model_average: --out is deprecated; use --output DIR", file=sys.stderr,
+              flush=True)
+        args.output = Path(args.out).resolve()
+        args.output.mkdir(parents=True, exist_ok=True)
+    out, stem = args.output, "model_average"
     if args.render:
         write_report(out, stem, json.loads((out / f"{stem}.json").read_text()))
         return
     epochs = 1 if args.quick else args.epochs
-    out.mkdir(parents=True, exist_ok=True)
 
     results = []
     total = time.perf_counter()

@@ -8,23 +8,20 @@ batch per worker, so its examples/s is K x batch x steps/s.
 
 Run from the repository root:
 
-    .venv/bin/python benchmarks/parameter_server.py            # writes parameter_server.{json,md}
-    .venv/bin/python benchmarks/parameter_server.py --quick    # tiny, to check it runs
+    .venv/bin/python -m benchmarks.parameter_server [--quick] [--output DIR]
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
 import platform
 import sys
 import time
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+from benchmarks.common import parse_section_args, section_parser, task_env
+
 CONFIGS = [("async", 1), ("async", 2), ("sync", 1), ("sync", 2)]
 
 
@@ -63,16 +60,13 @@ def _chief_task(mode, steps, warmup, batch, features, hidden):
 
 
 def run(steps, warmup, batch, features, hidden, timeout):
-    sys.path.insert(0, str(ROOT))
     import tfdist
 
     results = []
     for mode, workers in CONFIGS:
-        env = {"PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT),
-                                              os.environ.get("PYTHONPATH", "")])}
         values = tfdist.launch(_chief_task, mode, steps, warmup, batch, features, hidden,
-                               workers=workers, chief=True, ps=1, timeout=timeout, env=env,
-                               stream=None)
+                               workers=workers, chief=True, ps=1, timeout=timeout,
+                               env=task_env(), stream=None)
         result = values[0]
         print(f"{mode:5s} workers={workers}: {result['steps_per_s']:7.1f} steps/s "
               f"{result['examples_per_s']:9.0f} examples/s", flush=True)
@@ -116,26 +110,21 @@ def _markdown(report):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = section_parser("benchmarks.parameter_server", __doc__)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--features", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--timeout", type=float, default=600)
-    parser.add_argument("--quick", action="store_true", help="tiny run, writes nothing")
-    parser.add_argument("--output", default=str(HERE))
-    args = parser.parse_args(argv)
+    args = parse_section_args(parser, argv)
     if args.quick:
         args.steps, args.warmup = 20, 4
     load = " ".join(f"{v:.1f}" for v in os.getloadavg())
     results = run(args.steps, args.warmup, args.batch, args.features, args.hidden,
                   args.timeout)
-    if args.quick:
-        return 0
     report = {
-        "command": " ".join(["python benchmarks/parameter_server.py",
-                             *(sys.argv[1:] if argv is None else argv)]),
+        "command": "python -m benchmarks.parameter_server" + (" --quick" if args.quick else ""),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python "
                    f"{platform.python_version()}",
@@ -143,7 +132,7 @@ def main(argv=None):
         "batch": args.batch, "features": args.features, "hidden": args.hidden,
         "results": results,
     }
-    out = Path(args.output)
+    out = args.output
     (out / "parameter_server.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "parameter_server.md").write_text(_markdown(report))
     print(f"wrote {out / 'parameter_server.json'} and {out / 'parameter_server.md'}")

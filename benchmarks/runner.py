@@ -1,14 +1,11 @@
-"""``tfdist bench``: run every benchmark section, then write ``RESULTS.md``.
+"""``python -m benchmarks``: run every benchmark section, then write ``RESULTS.md``.
 
 Each section is its own subprocess (``python -m benchmarks.<name> [--quick] --output
 DIR``) with a deadline, so a crash, a hang or a missing optional piece (Horovod, GPUs,
 network namespaces) in one section is reported in RESULTS.md as "failed: why" or
 "skipped: why" and the others still run. Sections write ``DIR/<name>.md`` (shown in
 RESULTS.md), ``<name>.json`` and PNG plots; RESULTS.md adds the machine, the goals of
-issue 8 with the measured ratios, and the command of each section.
-
-The benchmark code lives in the ``benchmarks`` package at the root of the tfdist checkout
-(tfdist is installed editable), found as ``Path(tfdist.__file__).parents[1]``.
+docs/benchmarks.md with the measured ratios, and the command of each section.
 """
 
 from __future__ import annotations
@@ -27,8 +24,10 @@ import time
 from pathlib import Path
 
 import tfdist
+from benchmarks.common import load_json, markdown_table, output_dir, section_parser
+from benchmarks.goals import goal_rows
 
-ROOT = Path(tfdist.__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]
 
 # name, title, needs root
 SECTIONS = (
@@ -56,19 +55,9 @@ def _say(line: str) -> None:
 
 
 def section_argv(name: str, quick: bool, out: Path) -> list[str]:
-    """The command of a section. Sections take ``--output DIR``; older ones ``--out``."""
-    argv = [sys.executable, "-m", f"benchmarks.{name}"] + (["--quick"] if quick else [])
-    try:
-        help_text = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--help"],
-                                   capture_output=True, text=True, cwd=ROOT, timeout=120,
-                                   env=_env()).stdout
-    except subprocess.TimeoutExpired:
-        help_text = ""
-    if "--output" in help_text or "--out" not in help_text:
-        return argv + ["--output", str(out)]
-    if "without suffix" in help_text:  # --out is a path stem: DIR/name.{md,json,png}
-        return argv + ["--out", str(out / name)]
-    return argv + ["--out", str(out)]
+    """The command of a section: every section takes ``[--quick] --output DIR``."""
+    return ([sys.executable, "-m", f"benchmarks.{name}"] + (["--quick"] if quick else [])
+            + ["--output", str(out)])
 
 
 def _env() -> dict:
@@ -137,7 +126,7 @@ def run_section(name: str, quick: bool, out: Path, timeout: float, log_dir: Path
     result["pngs"] = sorted(str(p) for p in out.glob(f"{name}*.png")
                             if p.stat().st_mtime >= started - 1)
     if code == 0 and md is not None:
-        data = _load(js)
+        data = load_json(js)
         if isinstance(data, dict) and data.get("skipped"):
             result.update(status="skipped", why=str(data["skipped"]))
         else:
@@ -176,13 +165,6 @@ def _last_error(lines: list[str]) -> str:
         if re.search(r"(Error|Exception|error:)", line) and "Traceback" not in line:
             return line.strip()[:400]
     return (lines[-1].strip()[:400] if lines else "no output")
-
-
-def _load(path) -> dict | None:
-    try:
-        return json.loads(Path(path).read_text()) if path else None
-    except (OSError, ValueError):
-        return None
 
 
 # ---- machine -------------------------------------------------------------------------------
@@ -236,171 +218,6 @@ def _gpus() -> str:
         return "none (no nvidia-smi)"
 
 
-# ---- goals ---------------------------------------------------------------------------------
-
-def _fmt(x, digits=2):
-    return "n/a" if x is None else f"{x:.{digits}f}"
-
-
-def goal_rows(results: dict) -> tuple[list[list[str]], list[str]]:
-    """The goals of issue 8 against the measured ratios: table rows, and explanations."""
-    rows, notes = [], []
-    data = {name: _load(r.get("json")) if r.get("status") == "ok" else None
-            for name, r in results.items()}
-
-    # 1. Strategy overhead <= 1.03 x stock.
-    overhead = data.get("overhead") or {}
-    mirrored = data.get("mirrored") or {}
-    checks = [
-        ("MirroredStrategy, same cross-device ops", overhead.get("mirrored_ratio")),
-        ("MirroredStrategy, same cross-device ops (mirrored section)",
-         mirrored.get("overhead_ratio_same_ops")),
-        ("MirroredStrategy default (ReductionToOneDevice + byte counter) vs stock with "
-         "ReductionToOneDevice", overhead.get("mirrored_ratio_default")),
-        ("MultiWorkerMirroredStrategy, 2 workers", overhead.get("multi_worker_ratio"))]
-    for label, value in checks:
-        if value is None:
-            if "mirrored section" not in label:
-                rows.append([f"overhead: {label}", "<= 1.03", "not measured",
-                             _why_missing(results, "overhead")])
-            continue
-        status = "met" if value <= 1.03 else f"missed by {value / 1.03:.3f}x"
-        rows.append([f"overhead: {label}", "<= 1.03", f"{value:.3f}", status])
-        if value <= 1.03:
-            continue
-        if label.startswith("MultiWorker"):
-            notes.append(_multi_worker_overhead_note(overhead, value))
-        else:
-            notes.append(
-                f"- Overhead ({label}) {value:.3f}: with the same cross-device ops, "
-                "tfdist's MirroredStrategy builds the same per-step graph as stock TF "
-                "(it only changes construction and the default ops; the default adds one "
-                "int64 add per reduction for byte counting). Read it against the other "
-                "measurement of the same ratio in this run and the per-block spread: on "
-                "this shared 2-core machine steps of a few ms vary by more than 3% between "
-                "blocks.")
-    no_timeout = overhead.get("multi_worker_ratio_no_timeout")
-    if no_timeout is not None:
-        rows.append(["(overhead: MultiWorkerMirroredStrategy(collective_timeout=None))",
-                     "<= 1.03", f"{no_timeout:.3f}",
-                     "met" if no_timeout <= 1.03 else f"missed by {no_timeout / 1.03:.3f}x"])
-
-    # 2. Multi-worker 64 MB all-reduce within 2x of the loopback TCP bound.
-    allreduce = data.get("allreduce") or {}
-    seconds = allreduce.get("seconds") or {}
-    ring, bound, hvd = (seconds.get("TF gRPC ring") or {}, seconds.get("loopback bound") or {},
-                        seconds.get("Horovod/Gloo") or {})
-    common_sizes = sorted((int(s) for s in ring if s in bound), reverse=True)
-    if common_sizes:
-        size = common_sizes[0]
-        ratio = ring[str(size)] / bound[str(size)]
-        label = f"{size / 2**20:g} MB" if size >= 2**20 else f"{size / 1024:g} KB"
-        status = "met" if ratio <= 2 else f"missed by {ratio / 2:.1f}x"
-        rows.append([f"multi-worker all-reduce {label} / loopback TCP bound", "<= 2",
-                     f"{ratio:.1f}x", status])
-        hvd_ratio = hvd[str(size)] / bound[str(size)] if str(size) in hvd else None
-        if hvd_ratio is not None:
-            rows.append([f"(Horovod/Gloo all-reduce {label} / loopback TCP bound)", "<= 2",
-                         f"{hvd_ratio:.1f}x", "met" if hvd_ratio <= 2 else
-                         f"missed by {hvd_ratio / 2:.1f}x"])
-        if ratio > 2:
-            notes.append(
-                f"- All-reduce {label}: tfdist's multi-worker path is TF's gRPC ring "
-                f"collective, {ring[str(size)] * 1e3:.0f} ms against a loopback TCP bound of "
-                f"{bound[str(size)] * 1e3:.0f} ms ({ratio:.1f}x). TF's ring sends every chunk "
-                "as a gRPC/protobuf message (serialize, copy into gRPC buffers, deserialize, "
-                "copy out) through TF's RPC executor; on 2 cores those copies and threads "
-                "compete with the other rank. The faster engine to use is Horovod with Gloo "
-                "(ring over raw TCP, no serialization"
-                + (f"; measured {hvd[str(size)] * 1e3:.0f} ms = {hvd_ratio:.1f}x the bound "
-                   "in the same run" if hvd_ratio else "")
-                + "), already wired in as `tfdist.HorovodStrategy` and "
-                "`ModelAverageStrategy(backend=\"horovod\")`; on GPUs, NCCL."
-                + (" Gloo misses 2x here too: its ring also sums and copies every chunk "
-                   "on each rank, and both ranks share this machine's 2 cores, while the "
-                   "bound is one stream with nothing to add; between hosts, where the "
-                   "network and not memory bounds the ring, that gap "
-                   "should narrow (not measured here)."
-                   if hvd_ratio is not None and hvd_ratio > 2 else ""))
-    else:
-        rows.append(["multi-worker all-reduce 64 MB / loopback TCP bound", "<= 2",
-                     "not measured", _why_missing(results, "allreduce")])
-
-    # 3. Model averaging period=16 >= 5x faster per epoch than sync on 100 Mbit/s.
-    slow = data.get("slow_link") or {}
-    res = slow.get("results") or {}
-    any_speedup = False
-    for key, label in (("", "digits CNN"), ("wide_", "wide digits CNN, dense 512")):
-        speedup = res.get(f"{key}speedup_period16")
-        if speedup is None:
-            continue
-        any_speedup = True
-        status = "met" if speedup >= 5 else f"missed by {5 / speedup:.2f}x"
-        rows.append([f"model average period=16 vs sync, 100 Mbit/s ({label})", ">= 5x",
-                     f"{speedup:.2f}x", status])
-        sync = res.get(f"{key}sync", {})
-        p16 = res.get(f"{key}period=16", {})
-        if speedup < 5 and sync and p16:
-            steps = (slow.get("steps") or 28)
-            t_sync, t_16 = sync["epoch_seconds"] / steps, p16["epoch_seconds"] / steps
-            # t_sync = rest + comm and t_16 = rest + comm / 16, per step.
-            comm = max(0.0, (t_sync - t_16) * 16 / 15)
-            rest = max(1e-9, t_sync - comm)
-            notes.append(
-                f"- Slow link ({label}): sync {sync['epoch_seconds']:.2f} s/epoch vs "
-                f"period=16 {p16['epoch_seconds']:.2f} s/epoch. Sync sends "
-                f"{sync['wire_tx_bytes_per_step'] / 1e3:.0f} KB per step per worker "
-                f"({sync['wire_tx_bytes_per_step'] * 8 / 100e6 * 1e3:.0f} ms at 100 Mbit/s). "
-                f"Solving sync = rest + comm and period=16 = rest + comm/16 per step gives "
-                f"comm = {comm * 1e3:.0f} ms and rest = {rest * 1e3:.0f} ms (compute of both "
-                "workers on the same 2 cores, Keras' per-step metric all-reduce, TF's "
-                "per-step overhead), which no averaging period removes: even with no "
-                f"communication at all the speed-up would be at most {t_sync / rest:.1f}x. "
-                "5x needs a gradient that takes at least 4x the rest of the step to send: "
-                "a larger model (the wide variant below), a slower link, or faster compute.")
-    if not any_speedup:
-        rows.append(["model average period=16 vs sync, 100 Mbit/s", ">= 5x", "not measured",
-                     _why_missing(results, "slow_link")])
-    return rows, notes
-
-
-def _multi_worker_overhead_note(overhead: dict, value: float) -> str:
-    samples = overhead.get("multi_worker_samples") or {}
-    threads = overhead.get("multi_worker_threads_per_step") or {}
-    no_timeout = overhead.get("multi_worker_ratio_no_timeout")
-    spread = "; ".join(f"{k}: {min(v) * 1e3:.1f}-{max(v) * 1e3:.1f} ms" for k, v in
-                       samples.items() if v)
-    text = (f"- Overhead (MultiWorkerMirroredStrategy) {value:.3f}. Per-block step times: "
-            f"{spread}.")
-    if no_timeout is not None and no_timeout < value:
-        text += (
-            f" Without `collective_timeout=300` the ratio is "
-            f"{no_timeout:.3f}: TF implements a collective's timeout by starting one OS "
-            "thread per collective that sleeps for the whole timeout "
-            "(`Env::SchedClosureAfter`, tensorflow/core/platform/default/env.cc); measured "
-            + ", ".join(f"{k}: {v:+.2f}" for k, v in threads.items())
-            + " threads per step. Besides the per-step cost, a long run keeps (collectives "
-            "per second x 300) sleeping threads alive. Fix: default "
-            "`collective_timeout=None` and detect frozen peers with the coordination "
-            "service's heartbeat (already configured), or run a single watchdog that "
-            "calls `context.abort_collective_ops` when a step exceeds the timeout.")
-        stock, bare = samples.get("stock"), samples.get("tfdist, no collective timeout")
-        if no_timeout > 1.03 and stock and bare and min(bare) <= max(stock):
-            text += (f" The remaining {no_timeout:.3f} (no timeout vs stock) is within the "
-                     "spread: their per-block times overlap.")
-    else:
-        text += (" The same TF collectives run in both; the difference is within the "
-                 "spread of the per-block times on this shared machine.")
-    return text
-
-
-def _why_missing(results, name) -> str:
-    r = results.get(name) or {}
-    if r.get("status") in ("skipped", "failed"):
-        return f"{r['status']}: {r.get('why', '')}"
-    return "not in the section's results"
-
-
 # ---- report --------------------------------------------------------------------------------
 
 def _demote(markdown: str) -> str:
@@ -408,11 +225,9 @@ def _demote(markdown: str) -> str:
 
 
 def write_results(out: Path, results: dict, facts: dict, quick: bool, seconds: float) -> Path:
-    from benchmarks.common import markdown_table
-
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = ["# tfdist benchmarks", "",
-             f"Generated by `tfdist bench{' --quick' if quick else ''}` on {now} in "
+             f"Generated by `python -m benchmarks{' --quick' if quick else ''}` on {now} in "
              f"{seconds / 60:.1f} min" + (" (**quick mode: tiny sizes, one repetition; the "
                                           "numbers are smoke-test values, not results**)"
                                           if quick else "") + ".",
@@ -422,7 +237,8 @@ def write_results(out: Path, results: dict, facts: dict, quick: bool, seconds: f
              markdown_table([["", ""]] + [[k, v] for k, v in facts.items() if v is not None]),
              "", "## Goals", ""]
     rows, notes = goal_rows(results)
-    lines += [markdown_table([["goal", "target", "measured", "status"]] + rows), ""]
+    lines += ["The goals and their analysis: docs/benchmarks.md.", "",
+              markdown_table([["goal", "target", "measured", "status"]] + rows), ""]
     if notes:
         lines += ["Why goals were missed, and what would close the gap:", ""] + notes + [""]
     lines += ["## Sections", "",
@@ -466,11 +282,11 @@ def write_results(out: Path, results: dict, facts: dict, quick: bool, seconds: f
 
 
 def main(args) -> int:
-    """Entry point of ``tfdist bench``: ``args.quick``, ``args.output``, optional
-    ``args.sections`` (comma-separated), ``args.jobs`` and ``args.timeout``."""
+    """Runs the sections: ``args.quick``, ``args.output`` (a directory, or None for the
+    default), and optional ``args.sections`` (comma-separated), ``args.jobs`` and
+    ``args.timeout``."""
     quick = bool(getattr(args, "quick", False))
-    out = Path(getattr(args, "output", None) or ROOT / "benchmarks").resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(getattr(args, "output", None), quick)
     log_dir = out / "logs"
     log_dir.mkdir(exist_ok=True)
     wanted = getattr(args, "sections", None)
@@ -479,16 +295,15 @@ def main(args) -> int:
         chosen = [s.strip() for s in wanted.split(",") if s.strip()]
         unknown = [s for s in chosen if s not in names]
         if unknown:
-            print(f"tfdist bench: unknown section(s) {unknown}; choose from {names}",
+            print(f"benchmarks: unknown section(s) {unknown}; choose from {names}",
                   file=sys.stderr)
             return 2
         names = [n for n in names if n in chosen]
     timeout = getattr(args, "timeout", None) or (QUICK_TIMEOUT if quick else FULL_TIMEOUT)
     # Timing sections run one at a time; the quick smoke run may overlap two.
     jobs = getattr(args, "jobs", None) or (2 if quick else 1)
-    sys.path.insert(0, str(ROOT))
     started = time.time()
-    _say(f"tfdist bench: {len(names)} section(s) into {out}"
+    _say(f"benchmarks: {len(names)} section(s) into {out}"
          + (" (quick)" if quick else "") + f", {jobs} at a time, {timeout:g} s limit each")
     facts = machine_facts()
     results = {n: {"status": "skipped", "why": "not selected (--sections)", "seconds": 0.0}
@@ -508,7 +323,7 @@ def main(args) -> int:
                                  "seconds": 0.0}
             # Rewritten after every section, so an interrupted run still leaves a report.
             write_results(out, results, facts, quick, time.time() - started)
-            _say(f"tfdist bench: {i}/{len(names)} done ({name}), "
+            _say(f"benchmarks: {i}/{len(names)} done ({name}), "
                  f"{(time.time() - started) / 60:.1f} min so far")
     except BaseException:
         pool.shutdown(wait=False, cancel_futures=True)
@@ -518,7 +333,7 @@ def main(args) -> int:
     pool.shutdown()
     path = write_results(out, results, facts, quick, time.time() - started)
     ok = sum(r["status"] == "ok" for r in results.values())
-    _say(f"tfdist bench: wrote {path} ({ok} ok, "
+    _say(f"benchmarks: wrote {path} ({ok} ok, "
          f"{sum(r['status'] == 'skipped' for r in results.values())} skipped, "
          f"{sum(r['status'] == 'failed' for r in results.values())} failed) in "
          f"{(time.time() - started) / 60:.1f} min")
@@ -526,12 +341,8 @@ def main(args) -> int:
 
 
 def build_parser():
-    """``python -m tfdist.bench``: `tfdist bench` plus section selection and limits."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m tfdist.bench", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, one repetition")
-    parser.add_argument("--output", default=str(ROOT / "benchmarks"))
+    """The arguments of ``python -m benchmarks``: a section's, plus which and how long."""
+    parser = section_parser("benchmarks", __doc__)
     parser.add_argument("--sections", default=None,
                         help="comma-separated subset of: " + ", ".join(n for n, _, _ in SECTIONS))
     parser.add_argument("--jobs", type=int, default=None,
@@ -540,7 +351,3 @@ def build_parser():
                         help=f"seconds per section (default: {QUICK_TIMEOUT:g} quick, "
                              f"{FULL_TIMEOUT:g} full)")
     return parser
-
-
-if __name__ == "__main__":
-    sys.exit(main(build_parser().parse_args()))

@@ -1,6 +1,6 @@
 """Model averaging against synchronous training on a 100 Mbit/s link.
 
-    sudo .venv/bin/python -m benchmarks.slow_link [--quick] [--output benchmarks]
+    sudo .venv/bin/python -m benchmarks.slow_link [--quick] [--output DIR]
 
 Two workers, each in its own network namespace, joined only by a veth pair whose two
 ends carry the private addresses 10.213.7.1/30 and 10.213.7.2/30 and are limited by
@@ -22,7 +22,6 @@ longer alive) are removed first. Without the permissions the section says so and
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
@@ -31,6 +30,9 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.common import (machine_info, markdown_table, parse_section_args, pyplot,
+                               run_tasks, save_figure, section_parser, skip_section,
+                               write_section)
 from tfdist.files import is_process_alive
 
 PREFIX = "tfdist-bench-"
@@ -198,15 +200,10 @@ def link_task(period: int | None, epochs: int, steps: int, width: int = 64) -> d
 
 
 def plot(results, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     keys = [p + n for p in MODELS for n in VARIANTS if "epoch_seconds" in results.get(p + n, {})]
     labels = [("wide\n" if k.startswith("wide_") else "CNN\n") + k.replace("wide_", "")
               for k in keys]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2))
+    fig, (left, right) = pyplot().subplots(1, 2, figsize=(9, 3.2))
     times = [results[k]["epoch_seconds"] for k in keys]
     wire = [results[k]["wire_tx_bytes_per_step"] / 1e6 for k in keys]
     left.bar(labels, times, color="tab:orange")
@@ -220,23 +217,15 @@ def plot(results, path):
         for i, v in enumerate(vals):
             ax.text(i, v, fmt.format(v), ha="center", va="bottom", fontsize=7)
     fig.suptitle(f"2 workers over a {RATE} veth (tbf): sync vs model averaging")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--output", default="benchmarks")
-    args = parser.parse_args(argv)
+    args = parse_section_args(section_parser("benchmarks.slow_link", __doc__), argv)
     import tfdist
 
-    from benchmarks.common import machine_info, markdown_table, run_tasks, skip_section, \
-        write_section
-
     title = f"Model averaging against sync on a {RATE} link"
-    out = Path(args.output)
+    out = args.output
     why = why_no_namespaces()
     if why:
         skip_section(out, "slow_link", title, why)
@@ -323,7 +312,6 @@ def main(argv=None) -> dict:
                 results[f"{prefix}speedup_{name.replace('=', '')}"] = sync / r["epoch_seconds"]
     if args.quick:
         rows.append([MODELS["wide_"][0], "all", "not run in --quick", "", "", "", ""])
-    out.mkdir(parents=True, exist_ok=True)
     text = [f"# {title}", "", "Command (root): `.venv/bin/python -m benchmarks.slow_link`", "",
             f"2 workers in 2 network namespaces, veth {ADDRESSES[0]} <-> {ADDRESSES[1]}/"
             f"{PREFIX_LEN}, `tc tbf rate {RATE}` on both ends. Global batch {GLOBAL_BATCH}, "

@@ -1,6 +1,6 @@
 """Training throughput by mode: samples/s of a small CNN on the 8x8 digits, 2 workers.
 
-    .venv/bin/python -m benchmarks.throughput [--quick] [--output benchmarks]
+    .venv/bin/python -m benchmarks.throughput [--quick] [--output DIR] [--modes ...]
 
 Every mode trains the same CNN (`benchmarks.common.digits_cnn`, ~137k parameters) with
 SGD on the same global batch (64; 32 per worker) in fresh processes:
@@ -22,11 +22,12 @@ measures the framework's per-step cost, not a scale-out speed-up.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
+
+from benchmarks.common import (machine_info, markdown_table, parse_section_args, pyplot,
+                               save_figure, section_parser, write_section)
 
 GLOBAL_BATCH = 64
 PERIOD = 4
@@ -117,36 +118,25 @@ def run_mode(mode, steps, epochs, timeout) -> dict:
 
 
 def plot(results, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = [m for m in results if "samples_per_second" in results[m]]
     values = [results[m]["samples_per_second"] for m in names]
-    fig, ax = plt.subplots(figsize=(7, 3.2))
+    fig, ax = pyplot().subplots(figsize=(7, 3.2))
     ax.barh(names, values, color="tab:blue")
     for i, v in enumerate(values):
         ax.text(v, i, f" {v:,.0f}", va="center", fontsize=8)
     ax.set_xlabel("samples/s (digits CNN, global batch 64)")
     ax.invert_yaxis()
     ax.set_title("Throughput by mode, 2 workers on one 2-core machine")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--output", default="benchmarks")
+    parser = section_parser("benchmarks.throughput", __doc__)
     parser.add_argument("--modes", default=",".join(MODES),
                         help="comma-separated subset of: " + ", ".join(MODES))
     parser.add_argument("--rounds", type=int, default=1,
                         help="repeat every mode this many times, alternating the order")
-    args = parser.parse_args(argv)
-    from benchmarks.common import machine_info, markdown_table, write_section
-
+    args = parse_section_args(parser, argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if args.quick and args.modes == parser.get_default("modes"):
         # The smoke run (tests) stays short; the parameter-server, model-average and
@@ -186,7 +176,7 @@ def main(argv=None) -> dict:
         results[mode] = {
             "samples_per_second": statistics.median(v["samples_per_second"] for v in values),
             "rounds": values}
-    out = Path(args.output)
+    out = args.output
     base = results.get("single", {}).get("samples_per_second")
     rows = [["mode", "samples/s", "vs single device", "bytes all-reduced/pushed per step"]]
     for mode in modes:
@@ -206,7 +196,6 @@ def main(argv=None) -> dict:
             rows.append([mode, "not run (--quick or --modes)", "", ""])
     png = "throughput.png"
     if any("samples_per_second" in r for r in results.values()):
-        out.mkdir(parents=True, exist_ok=True)
         plot(results, out / png)
     text = ["# Throughput by mode (digits CNN, 2 workers)", "",
             "Command: `.venv/bin/python -m benchmarks.throughput`", "",

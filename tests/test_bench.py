@@ -1,5 +1,6 @@
-"""`tfdist bench`: the quick run writes RESULTS.md with every section; the runner reports
-crashing and skipping sections; the goals table; the launcher's cluster=/wrap= options."""
+"""`python -m benchmarks` (and `tfdist bench`): the quick run writes RESULTS.md with every
+section; the runner reports crashing and skipping sections; the goals table, read from
+docs/benchmarks.md; the launcher's cluster=/wrap= options."""
 
 import io
 import json
@@ -13,13 +14,16 @@ from pathlib import Path
 import pytest
 
 import tfdist
-from tfdist import bench
+from benchmarks import runner
+from benchmarks.goals import goal_rows, read_analysis, read_goals
+from tfdist import cli
 from tfdist.cluster import ClusterSpec
 from tfdist.launch import run
 
 ROOT = Path(tfdist.__file__).resolve().parents[1]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_launch_run_takes_a_prebuilt_cluster_and_wraps_each_task():
     cluster = ClusterSpec(worker=("127.0.0.1:1111", "127.0.0.1:2222"))
@@ -40,6 +44,7 @@ def test_launch_run_rejects_a_cluster_that_is_not_a_cluster_spec():
         run([sys.executable, "-c", "pass"], cluster={"worker": ["127.0.0.1:1"]})
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_runner_reports_crashing_skipping_and_missing_sections(tmp_path, monkeypatch):
     fake = tmp_path / "checkout"
@@ -57,19 +62,19 @@ def test_runner_reports_crashing_skipping_and_missing_sections(tmp_path, monkeyp
         common + "(out / 'fine.md').write_text('# Fine\\n\\n| a |\\n|---|\\n| 1 |\\n')\n"
                  "(out / 'fine.json').write_text('{}')\n")
     (fake / "benchmarks" / "hang.py").write_text(common + "import time; time.sleep(60)\n")
-    monkeypatch.setattr(bench, "ROOT", fake)
+    monkeypatch.setattr(runner, "ROOT", fake)
     out, logs = tmp_path / "out", tmp_path / "out" / "logs"
     logs.mkdir(parents=True)
-    crash = bench.run_section("crash", True, out, 60, logs)
+    crash = runner.run_section("crash", True, out, 60, logs)
     assert crash["status"] == "failed"
     assert "boom: the engine is missing" in crash["why"]
-    skip = bench.run_section("skip", True, out, 60, logs)
+    skip = runner.run_section("skip", True, out, 60, logs)
     assert (skip["status"], skip["why"]) == ("skipped", "no GPU")
-    fine = bench.run_section("fine", True, out, 60, logs)
+    fine = runner.run_section("fine", True, out, 60, logs)
     assert fine["status"] == "ok" and fine["markdown"].endswith("fine.md")
-    hang = bench.run_section("hang", True, out, 3, logs)
+    hang = runner.run_section("hang", True, out, 3, logs)
     assert hang["status"] == "failed" and "timed out after 3 s" in hang["why"]
-    missing = bench.run_section("nothing", True, out, 60, logs)
+    missing = runner.run_section("nothing", True, out, 60, logs)
     assert missing["status"] == "skipped" and "does not exist" in missing["why"]
 
 
@@ -96,7 +101,7 @@ def test_goals_compare_the_measured_ratios_with_the_targets(tmp_path):
             "wide_speedup_period16": 8.0}}),
         "gpu": {"status": "skipped", "why": "no GPU"},
     }
-    rows, notes = bench.goal_rows(results)
+    rows, notes = goal_rows(results)
     status = {row[0]: (row[2], row[3]) for row in rows}
     assert status["overhead: MirroredStrategy, same cross-device ops"] == ("1.010", "met")
     assert status["overhead: MultiWorkerMirroredStrategy, 2 workers"] == (
@@ -119,7 +124,7 @@ def test_goals_compare_the_measured_ratios_with_the_targets(tmp_path):
 
 
 def test_goals_say_why_a_section_gave_no_numbers():
-    rows, _ = bench.goal_rows({"overhead": {"status": "failed", "why": "exited with code 1"},
+    rows, _ = goal_rows({"overhead": {"status": "failed", "why": "exited with code 1"},
                                "slow_link": {"status": "skipped", "why": "needs root"}})
     reasons = {row[0]: row[3] for row in rows}
     assert reasons["model average period=16 vs sync, 100 Mbit/s"] == "skipped: needs root"
@@ -128,6 +133,24 @@ def test_goals_say_why_a_section_gave_no_numbers():
     assert "not measured" in {row[2] for row in rows}
 
 
+def test_goals_and_their_analysis_come_from_the_docs():
+    goals = read_goals()
+    assert {g: goals[g].target for g in ("overhead", "allreduce", "slow_link")} == {
+        "overhead": "<= 1.03", "allreduce": "<= 2", "slow_link": ">= 5"}
+    assert goals["slow_link"].status(3.0) == "missed by 1.67x"
+    analysis = read_analysis()
+    assert "Horovod with Gloo" in analysis["allreduce"]
+    assert "\n" not in analysis["slow_link"]
+
+
+def test_bench_outside_a_source_checkout_points_to_python_m_benchmarks(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_source_checkout", lambda: None)
+    assert cli.main(["bench", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "python -m benchmarks" in err, err
+
+
+@pytest.mark.multiprocess
 @pytest.mark.timeout(900)
 def test_quick_bench_writes_a_report_with_every_section(tmp_path):
     out = tmp_path / "bench"
@@ -148,7 +171,7 @@ def test_quick_bench_writes_a_report_with_every_section(tmp_path):
     assert proc.returncode == 0, output[-3000:]
     report = (out / "RESULTS.md").read_text()
     status = json.loads((out / "bench_status.json").read_text())
-    for name, title, _ in bench.SECTIONS:
+    for name, title, _ in runner.SECTIONS:
         assert f"## {title}" in report, f"section {name} missing from RESULTS.md"
         section = status["sections"][name]
         assert section["status"] in ("ok", "skipped"), textwrap.shorten(

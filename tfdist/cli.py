@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import signal
 import sys
+from pathlib import Path
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -42,8 +43,24 @@ def _compare(args: argparse.Namespace) -> int:
     return compare_main(args)
 
 
+def _source_checkout() -> Path | None:
+    """The tfdist checkout this tfdist is imported from, if it has the benchmarks."""
+    import tfdist
+
+    root = Path(tfdist.__file__).resolve().parents[1]
+    return root if (root / "benchmarks" / "runner.py").is_file() else None
+
+
 def _bench(args: argparse.Namespace) -> int:
-    from tfdist.bench import main as bench_main
+    # The benchmarks are part of the source checkout, not of the wheel.
+    root = _source_checkout()
+    if root is None:
+        print("tfdist bench: the benchmarks are not in the installed package; run "
+              "`python -m benchmarks` from a tfdist source checkout", file=sys.stderr)
+        return 2
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from benchmarks.runner import main as bench_main
 
     return bench_main(args)
 
@@ -115,9 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     compare.set_defaults(handler=_compare)
 
-    bench = commands.add_parser("bench", help="run the benchmarks into benchmarks/")
+    bench = commands.add_parser(
+        "bench", help="from a source checkout: python -m benchmarks (docs/benchmarks.md)")
     bench.add_argument("--quick", action="store_true", help="tiny sizes, one repetition")
-    bench.add_argument("--output", default="benchmarks")
+    bench.add_argument("--output", default=None, metavar="DIR",
+                       help="where RESULTS.md goes (default: benchmarks/ of the checkout; "
+                            "a temporary directory with --quick)")
     bench.set_defaults(handler=_bench)
     return parser
 

@@ -1,0 +1,209 @@
+"""The benchmarks' goals against the measured ratios, for RESULTS.md.
+
+The goals live in docs/benchmarks.md, section "Goals": a table of targets (``| `id` |
+what | <= 1.03 |``) and, under headings ``### `id` ...``, the analysis that RESULTS.md
+quotes when a goal is missed. This module reads them, takes the ratios from the
+sections' JSON, and compares.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+from benchmarks.common import load_json
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+
+
+@dataclasses.dataclass(frozen=True)
+class Goal:
+    """A target for one ratio, e.g. ``Goal("overhead", "...", "<=", 1.03)``."""
+
+    id: str
+    what: str
+    op: str  # "<=" or ">="
+    bound: float
+
+    @property
+    def target(self) -> str:
+        return f"{self.op} {self.bound:g}"
+
+    def is_met(self, value: float) -> bool:
+        return value <= self.bound if self.op == "<=" else value >= self.bound
+
+    def status(self, value: float, digits: int = 2) -> str:
+        """``"met"``, or ``"missed by 1.03x"``: how far the value is from the bound."""
+        if self.is_met(value):
+            return "met"
+        factor = value / self.bound if self.op == "<=" else self.bound / value
+        return f"missed by {factor:.{digits}f}x"
+
+
+def _goals_section(path: Path = DOC) -> str:
+    text = path.read_text()
+    match = re.search(r"^## Goals\n(.*?)(?=^## |\Z)", text, flags=re.M | re.S)
+    if not match:
+        raise ValueError(f"{path} has no '## Goals' section")
+    return match.group(1)
+
+
+def read_goals(path: Path = DOC) -> dict[str, Goal]:
+    """The goals table of docs/benchmarks.md, by id."""
+    goals = {}
+    for row in re.finditer(r"^\| `([\w-]+)` \| (.+?) \| (<=|>=) ([\d.]+)x? \|$",
+                           _goals_section(path), flags=re.M):
+        goals[row[1]] = Goal(row[1], row[2].strip(), row[3], float(row[4]))
+    return goals
+
+
+def read_analysis(path: Path = DOC) -> dict[str, str]:
+    """The analysis paragraphs under ``### `id` ...`` headings, by id, each on one line."""
+    parts = re.split(r"^### `([\w-]+)`[^\n]*\n", _goals_section(path), flags=re.M)
+    return {key: " ".join(body.split()) for key, body in zip(parts[1::2], parts[2::2])}
+
+
+def goal(goal_id: str) -> Goal:
+    """One goal of docs/benchmarks.md (sections use it for their own tables)."""
+    return read_goals()[goal_id]
+
+
+def _why_missing(results, name) -> str:
+    r = results.get(name) or {}
+    if r.get("status") in ("skipped", "failed"):
+        return f"{r['status']}: {r.get('why', '')}"
+    return "not in the section's results"
+
+
+def goal_rows(results: dict) -> tuple[list[list[str]], list[str]]:
+    """The goals against the measured ratios: table rows, and why missed goals were missed.
+
+    Args:
+        results: Section name -> the runner's result (``status``, ``json`` path).
+
+    Returns:
+        Rows ``[measurement, target, measured, status]`` and Markdown bullets.
+    """
+    goals, analysis = read_goals(), read_analysis()
+    data = {name: load_json(r.get("json")) if r.get("status") == "ok" else None
+            for name, r in results.items()}
+    rows: list[list[str]] = []
+    notes: list[str] = []
+    _overhead(goals["overhead"], analysis, data, results, rows, notes)
+    _allreduce(goals["allreduce"], analysis, data, results, rows, notes)
+    _slow_link(goals["slow_link"], analysis, data, results, rows, notes)
+    return rows, notes
+
+
+def _overhead(goal_, analysis, data, results, rows, notes):
+    overhead = data.get("overhead") or {}
+    mirrored = data.get("mirrored") or {}
+    checks = [
+        ("MirroredStrategy, same cross-device ops", overhead.get("mirrored_ratio")),
+        ("MirroredStrategy, same cross-device ops (mirrored section)",
+         mirrored.get("overhead_ratio_same_ops")),
+        ("MirroredStrategy default (ReductionToOneDevice + byte counter) vs stock with "
+         "ReductionToOneDevice", overhead.get("mirrored_ratio_default")),
+        ("MultiWorkerMirroredStrategy, 2 workers", overhead.get("multi_worker_ratio"))]
+    for label, value in checks:
+        if value is None:
+            if "mirrored section" not in label:
+                rows.append([f"overhead: {label}", goal_.target, "not measured",
+                             _why_missing(results, "overhead")])
+            continue
+        rows.append([f"overhead: {label}", goal_.target, f"{value:.3f}",
+                     goal_.status(value, 3)])
+        if goal_.is_met(value):
+            continue
+        if label.startswith("MultiWorker"):
+            notes.append(_multi_worker_note(overhead, value, goal_, analysis))
+        else:
+            notes.append(f"- Overhead ({label}) {value:.3f}. "
+                         + analysis["overhead-mirrored"])
+    no_timeout = overhead.get("multi_worker_ratio_no_timeout")
+    if no_timeout is not None:
+        rows.append(["(overhead: MultiWorkerMirroredStrategy(collective_timeout=None))",
+                     goal_.target, f"{no_timeout:.3f}", goal_.status(no_timeout, 3)])
+
+
+def _multi_worker_note(overhead: dict, value: float, goal_: Goal, analysis) -> str:
+    samples = overhead.get("multi_worker_samples") or {}
+    threads = overhead.get("multi_worker_threads_per_step") or {}
+    no_timeout = overhead.get("multi_worker_ratio_no_timeout")
+    spread = "; ".join(f"{k}: {min(v) * 1e3:.1f}-{max(v) * 1e3:.1f} ms" for k, v in
+                       samples.items() if v)
+    text = (f"- Overhead (MultiWorkerMirroredStrategy) {value:.3f}. Per-block step times: "
+            f"{spread}.")
+    if no_timeout is None or no_timeout >= value:
+        return text + " " + analysis["overhead-multi-worker"]
+    text += (f" Without `collective_timeout=300` the ratio is {no_timeout:.3f}; OS threads "
+             "gained per step: " + ", ".join(f"{k}: {v:+.2f}" for k, v in threads.items())
+             + " threads per step. " + analysis["overhead-collective-timeout"])
+    stock, bare = samples.get("stock"), samples.get("tfdist, no collective timeout")
+    if not goal_.is_met(no_timeout) and stock and bare and min(bare) <= max(stock):
+        text += (f" The remaining {no_timeout:.3f} (no timeout vs stock) is within the "
+                 "spread: their per-block times overlap.")
+    return text
+
+
+def _allreduce(goal_, analysis, data, results, rows, notes):
+    seconds = (data.get("allreduce") or {}).get("seconds") or {}
+    ring, bound, hvd = (seconds.get("TF gRPC ring") or {}, seconds.get("loopback bound") or {},
+                        seconds.get("Horovod/Gloo") or {})
+    sizes = sorted((int(s) for s in ring if s in bound), reverse=True)
+    if not sizes:
+        rows.append(["multi-worker all-reduce 64 MB / loopback TCP bound", goal_.target,
+                     "not measured", _why_missing(results, "allreduce")])
+        return
+    size = str(sizes[0])
+    label = f"{sizes[0] / 2**20:g} MB" if sizes[0] >= 2**20 else f"{sizes[0] / 1024:g} KB"
+    ratio = ring[size] / bound[size]
+    rows.append([f"multi-worker all-reduce {label} / loopback TCP bound", goal_.target,
+                 f"{ratio:.1f}x", goal_.status(ratio, 1)])
+    hvd_ratio = hvd[size] / bound[size] if size in hvd else None
+    if hvd_ratio is not None:
+        rows.append([f"(Horovod/Gloo all-reduce {label} / loopback TCP bound)", goal_.target,
+                     f"{hvd_ratio:.1f}x", goal_.status(hvd_ratio, 1)])
+    if goal_.is_met(ratio):
+        return
+    note = (f"- All-reduce {label}: TF's gRPC ring {ring[size] * 1e3:.0f} ms against a "
+            f"loopback TCP bound of {bound[size] * 1e3:.0f} ms ({ratio:.1f}x)")
+    if hvd_ratio is not None:
+        note += (f"; Horovod/Gloo {hvd[size] * 1e3:.0f} ms = {hvd_ratio:.1f}x the bound in "
+                 "the same run")
+    note += ". " + analysis["allreduce"]
+    if hvd_ratio is not None and not goal_.is_met(hvd_ratio):
+        note += " " + analysis["allreduce-gloo"]
+    notes.append(note)
+
+
+def _slow_link(goal_, analysis, data, results, rows, notes):
+    slow = data.get("slow_link") or {}
+    res = slow.get("results") or {}
+    measured = False
+    for key, label in (("", "digits CNN"), ("wide_", "wide digits CNN, dense 512")):
+        speedup = res.get(f"{key}speedup_period16")
+        if speedup is None:
+            continue
+        measured = True
+        rows.append([f"model average period=16 vs sync, 100 Mbit/s ({label})",
+                     f"{goal_.target}x", f"{speedup:.2f}x", goal_.status(speedup, 2)])
+        sync, p16 = res.get(f"{key}sync", {}), res.get(f"{key}period=16", {})
+        if goal_.is_met(speedup) or not (sync and p16):
+            continue
+        steps = slow.get("steps") or 28
+        t_sync, t_16 = sync["epoch_seconds"] / steps, p16["epoch_seconds"] / steps
+        # Per step: t_sync = rest + comm and t_16 = rest + comm / 16.
+        comm = max(0.0, (t_sync - t_16) * 16 / 15)
+        rest = max(1e-9, t_sync - comm)
+        sent = sync["wire_tx_bytes_per_step"]
+        notes.append(
+            f"- Slow link ({label}): sync {sync['epoch_seconds']:.2f} s/epoch vs period=16 "
+            f"{p16['epoch_seconds']:.2f} s/epoch. Sync sends {sent / 1e3:.0f} KB per step "
+            f"per worker ({sent * 8 / 100e6 * 1e3:.0f} ms at 100 Mbit/s). Solving the two "
+            f"step times gives comm = {comm * 1e3:.0f} ms and rest = {rest * 1e3:.0f} ms, "
+            f"so the speed-up is at most {t_sync / rest:.1f}x. " + analysis["slow_link"])
+    if not measured:
+        rows.append(["model average period=16 vs sync, 100 Mbit/s", f"{goal_.target}x",
+                     "not measured", _why_missing(results, "slow_link")])
