@@ -1,12 +1,13 @@
 # make train: set up .venv and run the main job on its embedded defaults.
-# make test:  set up .venv with everything (Horovod included) and run the whole suite.
+# make test:  set up .venv with everything (Horovod included; Slurm and munge as root
+#             where apt-get exists) and run the whole suite.
 # make bench: run every benchmark section (python -m benchmarks) into benchmarks/RESULTS.md.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: train test bench horovod notebooks clean
+.PHONY: train test bench horovod notebooks clean slurm
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,7 +25,18 @@ horovod: $(VENV)/.horovod
 train: $(VENV)/.installed
 	$(VENV)/bin/tfdist train configs/default.toml
 
-test: $(VENV)/.installed $(VENV)/.horovod
+# Slurm and munge for tests/test_slurm.py: installed only as root where apt-get exists
+# and they are missing. Never fails the build (the test then skips, saying why).
+slurm:
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	    ! { command -v sbatch && test -x /usr/sbin/slurmd && test -x /usr/sbin/munged; } \
+	    >/dev/null 2>&1; then \
+	  (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+	    slurm-wlm munge) || echo "make: could not install slurm-wlm munge;" \
+	    "tests/test_slurm.py will skip"; \
+	fi
+
+test: $(VENV)/.installed $(VENV)/.horovod slurm
 	TFDIST_REQUIRE_HOROVOD=1 $(PY) -m pytest
 
 # Re-executes every notebook and stores it with its outputs (plots visible on the web).

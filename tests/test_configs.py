@@ -31,6 +31,7 @@ def _train(config, out, extra=()):
     return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(330)
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
 def test_training_config_runs(config, tmp_path):
@@ -75,6 +76,7 @@ def test_kubernetes_tfjob_gives_an_accepted_tf_config():
     assert config["cluster"]["mode"] == "env"
 
 
+@pytest.mark.multiprocess
 def test_slurm_script_is_valid_and_its_environment_resolves():
     script = ROOT / "configs/slurm/multi_worker.sbatch"
     subprocess.run(["bash", "-n", str(script)], check=True)
@@ -86,13 +88,15 @@ def test_slurm_script_is_valid_and_its_environment_resolves():
     spec = from_slurm(env)
     assert spec.worker == ("node01:8470", "node02:8470")
     assert spec.task.type == "worker" and spec.task.index == 1
-    srun = text[text.index("srun"):].replace("\\\n", " ")
+    srun = text[text.index("\nsrun "):].replace("\\\n", " ")
     argv = shlex.split(srun.replace("${SLURM_JOB_ID:-local}", "1"))
-    args = build_parser().parse_args(argv[2:])
+    assert argv[-1] == "$@"  # the script's own arguments go to tfdist train
+    args = build_parser().parse_args(argv[argv.index("train"):-1])
     config = load_config(ROOT / args.config, args.set)
     assert config["cluster"]["mode"] == "env"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(330)
 def test_compare_writes_one_table_and_one_plot(tmp_path):
     command = [sys.executable, "-m", "tfdist.cli", "compare", "configs/default.toml",

@@ -83,6 +83,25 @@ def _optimizer_from_table(table: dict[str, Any]):
     return lambda: cls(**table)
 
 
+SLURM_PORT_ENV = "TFDIST_SLURM_PORT"
+
+
+def slurm_port() -> int:
+    """The first gRPC port of a node's Slurm tasks: ``$TFDIST_SLURM_PORT``, else 8470.
+
+    Raises:
+        ValueError: the variable is not a port number.
+    """
+    from tfdist.cluster import DEFAULT_SLURM_PORT
+
+    text = os.environ.get(SLURM_PORT_ENV, "").strip()
+    if not text:
+        return DEFAULT_SLURM_PORT
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise ValueError(f"{SLURM_PORT_ENV} must be a port in 1..65535. Received: {text!r}")
+    return int(text)
+
+
 def export_slurm_cluster(config: dict[str, Any]) -> None:
     """In a Slurm job step without TF_CONFIG, writes the TF_CONFIG Slurm implies."""
     if config["cluster"]["mode"] != "env" or os.environ.get("TF_CONFIG"):
@@ -90,7 +109,8 @@ def export_slurm_cluster(config: dict[str, Any]) -> None:
     if "SLURM_PROCID" in os.environ and config["strategy"]["name"] != "horovod":
         from tfdist.cluster import from_slurm
 
-        spec = from_slurm(chief=config["cluster"]["chief"], ps=config["cluster"]["ps"])
+        spec = from_slurm(port=slurm_port(), chief=config["cluster"]["chief"],
+                          ps=config["cluster"]["ps"])
         os.environ["TF_CONFIG"] = spec.to_tf_config()
 
 
@@ -183,7 +203,8 @@ def _check_environment(config: dict[str, Any], source: str) -> None:
         if os.environ.get("TF_CONFIG"):
             ClusterSpec.from_env()
         elif "SLURM_PROCID" in os.environ:
-            from_slurm(chief=config["cluster"]["chief"], ps=config["cluster"]["ps"])
+            from_slurm(port=slurm_port(), chief=config["cluster"]["chief"],
+                       ps=config["cluster"]["ps"])
         else:
             raise ConfigError(
                 f"{source}: cluster.mode = 'env' needs TF_CONFIG (e.g. a Kubernetes TFJob) "
@@ -623,9 +644,9 @@ def main(args) -> int:
     finally:
         if lock is not None:
             os.close(lock)
-    if code == 0 and lock is None and launched:
-        print("tfdist train: this node's tasks finished; node 0 writes the report",
-              flush=True)
+    if code == 0 and lock is None:  # not the chief's process: it writes nothing
+        print("tfdist train: this node's tasks finished; node 0 writes the report" if launched
+              else "tfdist train: this task finished; the chief writes the report", flush=True)
     elif code == 0:
         print(f"tfdist train: wrote {out / 'report.json'}, {out / 'report.png'} and "
               f"{out / 'model.keras'}", flush=True)
