@@ -1,6 +1,17 @@
-"""Small models and data shared by the tests."""
+"""Small models and data, and the cluster and horovodrun runners, shared by the tests."""
+
+import os
+import signal
+import sys
 
 import numpy as np
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS_DIR)
+if ROOT not in sys.path:  # the benchmarks package of the checkout (not in the wheel)
+    sys.path.append(ROOT)
+
+from benchmarks.horovodrun import run_horovod  # noqa: E402,F401  (re-exported)
 
 
 def regression_data(n=64, features=5, outputs=1, seed=0):
@@ -35,82 +46,51 @@ def assert_weights_close(a, b, atol=1e-5):
         np.testing.assert_allclose(x, y, atol=atol, rtol=0, err_msg=f"weight {i}")
 
 
-TESTS_DIR = __import__("os").path.dirname(__import__("os").path.abspath(__file__))
-
-
 def run_cluster(fn, *args, workers=2, chief=False, ps=0, timeout=180, env=None, **kwargs):
     """Runs ``fn(*args, **kwargs)`` in every task of a local cluster via `tfdist.launch`.
 
     Returns the list of return values in task order (chief, workers, ps). The test
     modules are importable in the tasks (``tests/`` is put on PYTHONPATH).
     """
-    import os
-
     import tfdist
 
     task_env = {"PYTHONPATH": os.pathsep.join(
-        [TESTS_DIR, os.path.dirname(TESTS_DIR), os.environ.get("PYTHONPATH", "")])}
+        [TESTS_DIR, ROOT, os.environ.get("PYTHONPATH", "")])}
     task_env.update(env or {})
     return tfdist.launch(fn, *args, workers=workers, chief=chief, ps=ps, timeout=timeout,
                          env=task_env, **kwargs)
 
 
-_HOROVOD_TASK = """
-import importlib, os, pickle, sys
-module, name, args_path, out_dir = sys.argv[1:5]
-with open(args_path, "rb") as f:
-    args = pickle.load(f)
-result = getattr(importlib.import_module(module), name)(*args)
-from tfdist.comm import horovod as comm
-with open(os.path.join(out_dir, f"rank{comm.rank()}.pkl"), "wb") as f:
-    pickle.dump(result, f)
-"""
+# A task writes ``<task>.pid`` files into its result directory and runs with
+# RESULT_DIR_MARK=<that directory> in its environment (``run_cluster(env=...)``).
+RESULT_DIR_MARK = "TFDIST_TEST_RESULT_DIR"
 
 
-def run_horovod(fn, *args, np=2, timeout=150, env=None):
-    """Runs module-level ``fn(*args)`` of a test module under ``horovodrun --gloo``.
+def assert_no_leftover_processes(result_dir):
+    """Every task process recorded in ``result_dir`` has exited (kills leftovers).
 
-    ``np`` processes on localhost; each returns a picklable value. The whole
-    ``horovodrun`` process group is killed after ``timeout`` seconds.
-
-    Returns:
-        The return values, by rank.
+    A pid counts only if its environment carries ``RESULT_DIR_MARK=result_dir``: pids
+    are reused quickly on a busy machine, and other people's processes must never be
+    signalled.
 
     Raises:
-        AssertionError: horovodrun failed or timed out (with the output's tail).
+        AssertionError: naming the ``.pid`` files of the processes still running.
     """
-    import os
-    import pickle
-    import signal
-    import subprocess
-    import sys
-    import tempfile
-
-    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-    with tempfile.TemporaryDirectory(prefix="tfdist-hvd-") as tmp:
-        args_path = os.path.join(tmp, "args.pkl")
-        with open(args_path, "wb") as f:
-            pickle.dump(args, f)
-        cmd = [horovodrun, "-np", str(np), "-H", f"localhost:{np}", "--gloo",
-               "--start-timeout", "60", sys.executable, "-c", _HOROVOD_TASK,
-               fn.__module__, fn.__name__, args_path, tmp]
-        task_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.pathsep.join(
-            [TESTS_DIR, os.path.dirname(TESTS_DIR), os.environ.get("PYTHONPATH", "")]))
-        task_env.update(env or {})
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                env=task_env, start_new_session=True, text=True)
+    mark = f"{RESULT_DIR_MARK}={result_dir}".encode() + b"\0"
+    leftovers = []
+    for name in os.listdir(result_dir):
+        if not name.endswith(".pid"):
+            continue
+        pid = int(open(os.path.join(result_dir, name)).read())
         try:
-            output, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-            raise AssertionError(f"horovodrun timed out after {timeout}s: {fn.__name__}\n"
-                                 + output[-4000:]) from None
-        if proc.returncode != 0:
-            raise AssertionError(f"horovodrun exited with {proc.returncode}: "
-                                 f"{fn.__name__}\n" + output[-4000:])
-        results = []
-        for rank in range(np):
-            with open(os.path.join(tmp, f"rank{rank}.pkl"), "rb") as f:
-                results.append(pickle.load(f))
-        return results
+            environ = open(f"/proc/{pid}/environ", "rb").read()
+        except OSError:
+            continue
+        if mark in environ:
+            leftovers.append(name)
+            for signum in (signal.SIGCONT, signal.SIGKILL):  # SIGKILL ends a stopped one too
+                try:
+                    os.kill(pid, signum)
+                except ProcessLookupError:
+                    pass
+    assert not leftovers, f"processes left behind: {leftovers}"

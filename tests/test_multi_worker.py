@@ -19,7 +19,8 @@ import time
 import numpy as np
 import pytest
 
-from helpers import assert_weights_close, classification_data, mlp, run_cluster
+from helpers import (RESULT_DIR_MARK, assert_no_leftover_processes, assert_weights_close,
+                     classification_data, mlp, run_cluster)
 
 GLOBAL_BATCH = 16
 N_IDS = 48
@@ -229,6 +230,7 @@ def _resume_task(out_dir):
 # ---- the tests ------------------------------------------------------------------------------
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_fit_matches_single_process_and_shards_exactly_once():
     output = io.StringIO()
@@ -259,35 +261,11 @@ def test_fit_matches_single_process_and_shards_exactly_once():
     assert not spam, spam[:3]
 
 
-MARK = "TFDIST_TEST_RESULT_DIR"
+MARK = RESULT_DIR_MARK
+_assert_gone = assert_no_leftover_processes  # the name tests/test_faults.py imports
 
 
-def _assert_gone(result_dir):
-    """Every task process recorded in ``result_dir`` has exited (kills leftovers).
-
-    A pid counts only if its environment carries this test's mark: pids are reused
-    quickly on a busy machine, and other people's processes must never be signalled.
-    """
-    mark = f"{MARK}={result_dir}".encode() + b"\0"
-    leftovers = []
-    for name in os.listdir(result_dir):
-        if not name.endswith(".pid"):
-            continue
-        pid = int(open(os.path.join(result_dir, name)).read())
-        try:
-            environ = open(f"/proc/{pid}/environ", "rb").read()
-        except OSError:
-            continue
-        if mark in environ:
-            leftovers.append(name)
-            for signum in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.kill(pid, signum)
-                except ProcessLookupError:
-                    pass
-    assert not leftovers, f"processes left behind: {leftovers}"
-
-
+@pytest.mark.multiprocess
 def test_assert_gone_finds_and_kills_a_marked_leftover(tmp_path):
     """The no-process-left-behind check itself can fail (and cleans up)."""
     import subprocess
@@ -301,7 +279,7 @@ def test_assert_gone_finds_and_kills_a_marked_leftover(tmp_path):
         (tmp_path / "worker-0.pid").write_text(str(unmarked.pid))
         time.sleep(0.5)  # let the children exec so /proc/<pid>/environ is theirs
         with pytest.raises(AssertionError, match="worker-1.pid"):
-            _assert_gone(tmp_path)
+            assert_no_leftover_processes(tmp_path)
         assert proc.wait(10) == -signal.SIGKILL
         assert unmarked.poll() is None  # not ours to kill
     finally:
@@ -315,13 +293,14 @@ def _read(result_dir, name):
     return open(path).read() if os.path.exists(path) else None
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_missing_peer_is_named_after_startup_timeout(tmp_path):
     try:
         chief, other = run_cluster(_fault_task, str(tmp_path), "missing", "worker-1",
                                    timeout=100, stream=None, env={MARK: str(tmp_path)})
     finally:
-        _assert_gone(tmp_path)
+        assert_no_leftover_processes(tmp_path)
     assert other == "absent"
     assert chief == "error"
     message = _read(tmp_path, "worker-0.error")
@@ -330,6 +309,7 @@ def test_missing_peer_is_named_after_startup_timeout(tmp_path):
     assert "startup_timeout=5s" in message, message
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_frozen_peer_fails_after_collective_timeout(tmp_path):
     import tfdist
@@ -339,7 +319,7 @@ def test_frozen_peer_fails_after_collective_timeout(tmp_path):
             run_cluster(_fault_task, str(tmp_path), "stop", "worker-1", timeout=100,
                         stream=None, grace_period=1, env={MARK: str(tmp_path)})
     finally:
-        _assert_gone(tmp_path)
+        assert_no_leftover_processes(tmp_path)
     assert info.value.task == "worker-0", info.value
     message = _read(tmp_path, "worker-0.error")
     assert message and message.startswith("DeadlineExceededError"), message
@@ -347,6 +327,7 @@ def test_frozen_peer_fails_after_collective_timeout(tmp_path):
     assert _read(tmp_path, "worker-1.error") is None
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_frozen_leader_is_named_by_the_survivor(tmp_path):
     import tfdist
@@ -356,7 +337,7 @@ def test_frozen_leader_is_named_by_the_survivor(tmp_path):
             run_cluster(_fault_task, str(tmp_path), "freeze", "worker-0", timeout=100,
                         stream=None, grace_period=1, env={MARK: str(tmp_path)})
     finally:
-        _assert_gone(tmp_path)
+        assert_no_leftover_processes(tmp_path)
     assert info.value.task == "worker-1", info.value
     message = _read(tmp_path, "worker-1.error")
     assert message and message.startswith("DeadlineExceededError: worker-1: worker-0, the "
@@ -364,6 +345,7 @@ def test_frozen_leader_is_named_by_the_survivor(tmp_path):
     assert "heartbeat_timeout=5s" in message, message
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_killed_peer_makes_survivor_exit(tmp_path):
     import tfdist
@@ -374,13 +356,14 @@ def test_killed_peer_makes_survivor_exit(tmp_path):
             run_cluster(_fault_task, str(tmp_path), "kill", "worker-1", timeout=100,
                         stream=None, grace_period=15, env={MARK: str(tmp_path)})
     finally:
-        _assert_gone(tmp_path)
+        assert_no_leftover_processes(tmp_path)
     assert info.value.task == "worker-1" and info.value.returncode == -signal.SIGKILL
     message = _read(tmp_path, "worker-0.error")
     assert message and re.match(r"(Unavailable|Aborted|Cancelled|Internal)Error", message), \
         message
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_resume_after_killed_worker_matches_uninterrupted(tmp_path):
     out_dir, backup_dir, task_tmp = tmp_path / "out", tmp_path / "backup", tmp_path / "tmp"
@@ -429,6 +412,7 @@ def test_missing_tasks_are_read_from_tf_messages():
     assert _missing_tasks("Deadline Exceeded", cluster) == ""
 
 
+@pytest.mark.multiprocess
 def test_tfdist_keras_loads_on_first_use_only():
     import subprocess
     import sys
