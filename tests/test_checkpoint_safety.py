@@ -47,6 +47,7 @@ _SAVE_LOOP = textwrap.dedent("""
 """)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_kill_mid_save_leaves_the_previous_file_readable(logical_cpus, tmp_path):
     import keras

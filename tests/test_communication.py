@@ -114,6 +114,7 @@ def _multi_worker_job(accumulate_steps, compression):
             "bytes": strategy.bytes_communicated}
 
 
+@pytest.mark.multiprocess
 def test_multi_worker_accumulate_and_compression():
     """2 workers, global batch 16, k=3: equals one device with batch 48 (atol 1e-5);
     then fp16 on the same problem halves the bytes."""

@@ -64,6 +64,7 @@ def test_bad_config_names_key_and_file(tmp_path, text, match):
         load_config(_write(tmp_path, text))
 
 
+@pytest.mark.multiprocess
 def test_every_strategy_option_name_is_known_without_tensorflow():
     from tfdist.config import STRATEGY_CLASSES, strategy_option_names
 
@@ -115,6 +116,7 @@ def test_overrides(tmp_path):
     assert config["train"]["output_dir"] == "out/x"
 
 
+@pytest.mark.multiprocess
 def test_cli_prints_one_clear_error_without_traceback(tmp_path):
     path = _write(tmp_path, "[train]\nepochs = -1\n")
     result = subprocess.run([sys.executable, "-m", "tfdist.cli", "train", str(path)],

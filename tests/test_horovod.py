@@ -229,6 +229,7 @@ def horovod_results(horovod_installed):
     return run_horovod(horovod_train_task, np=2, timeout=200)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(260)
 def test_fit_matches_single_process_reference(horovod_results):
     rank0, rank1 = horovod_results
@@ -242,6 +243,7 @@ def test_fit_matches_single_process_reference(horovod_results):
         np.testing.assert_allclose(rank1["history"][key], reference["history"][key], atol=1e-5)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(260)
 def test_accumulate_steps_equals_the_larger_batch(horovod_results):
     reference = horovod_results[0]["reference"]
@@ -250,6 +252,7 @@ def test_accumulate_steps_equals_the_larger_batch(horovod_results):
         assert_weights_close(result["accumulate_weights"], reference["weights"], atol=1e-5)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(260)
 def test_evaluate_and_predict_cover_the_whole_dataset(horovod_results):
     reference = horovod_results[0]["reference"]
@@ -258,6 +261,7 @@ def test_evaluate_and_predict_cover_the_whole_dataset(horovod_results):
         np.testing.assert_allclose(result["predict"], reference["predict"], atol=1e-5)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(260)
 def test_initial_weights_come_from_rank_0(horovod_results):
     rank0, rank1 = horovod_results
@@ -269,6 +273,7 @@ def test_initial_weights_come_from_rank_0(horovod_results):
     np.testing.assert_array_equal(rank1["after_broadcast"], np.ones_like(seed0[0]))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(260)
 def test_compression_within_tolerance_and_counts_fewer_bytes(horovod_results):
     rank0, rank1 = horovod_results
@@ -287,6 +292,7 @@ def test_compression_within_tolerance_and_counts_fewer_bytes(horovod_results):
     np.testing.assert_allclose(rank0["allreduce_sum_fp16"], np.full(1000, 3.0))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(260)
 def test_raw_collectives_against_numpy(horovod_results):
     for result in horovod_results:
@@ -313,6 +319,7 @@ def test_fit_matches_multi_worker_mirrored(horovod_results):
                                    horovod_results[0]["history"]["loss"], atol=1e-5)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(260)
 def test_two_local_devices_per_process_match_reference(horovod_installed):
     results = run_horovod(horovod_2x2_task, np=2, timeout=200)

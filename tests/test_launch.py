@@ -40,6 +40,7 @@ def _cli(*args, timeout=90):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.multiprocess
 def test_all_succeed_and_tf_config_is_valid_and_distinct(tmp_path):
     script = _script(tmp_path, """
         import json, os, sys
@@ -61,6 +62,7 @@ def test_all_succeed_and_tf_config_is_valid_and_distinct(tmp_path):
     assert len(set(addresses)) == 3 and all(a.startswith("127.0.0.1:") for a in addresses)
 
 
+@pytest.mark.multiprocess
 def test_one_failure_stops_the_others_and_is_named(tmp_path):
     script = _script(tmp_path, """
         import os, sys, time
@@ -82,6 +84,7 @@ def test_one_failure_stops_the_others_and_is_named(tmp_path):
         assert not _alive(int(pid_file.read_text())), pid_file.stem
 
 
+@pytest.mark.multiprocess
 def test_timeout_kills_everything_including_grandchildren(tmp_path):
     script = _script(tmp_path, """
         import os, subprocess, sys, time, signal
@@ -99,6 +102,7 @@ def test_timeout_kills_everything_including_grandchildren(tmp_path):
     assert not [p for p in pids if _alive(p)]
 
 
+@pytest.mark.multiprocess
 def test_ps_tasks_are_stopped_when_workers_finish(tmp_path):
     script = _script(tmp_path, """
         import os, time
@@ -115,6 +119,7 @@ def _task_name(offset):
     return os.environ["TFDIST_TASK"], json.loads(os.environ["TF_CONFIG"])["task"]["index"] + offset
 
 
+@pytest.mark.multiprocess
 def test_function_mode_returns_each_task_value():
     values = tfdist.launch(_task_name, 10, workers=2, chief=True, timeout=60, stream=None)
     assert values == [("chief-0", 10), ("worker-0", 10), ("worker-1", 11)]
@@ -126,6 +131,7 @@ def _fail_on_worker_1():
     time.sleep(600)
 
 
+@pytest.mark.multiprocess
 def test_function_mode_failure_raises_launch_error():
     with pytest.raises(tfdist.LaunchError, match="worker-1") as info:
         tfdist.launch(_fail_on_worker_1, workers=2, timeout=60, grace_period=1, stream=None)
@@ -143,6 +149,7 @@ def test_bad_arguments(kwargs, match):
         tfdist.launch(_task_name, 0, **kwargs)
 
 
+@pytest.mark.multiprocess
 def test_missing_script_is_named(tmp_path):
     result = _cli("--workers", 1, tmp_path / "nope.py")
     assert result.returncode == 2
@@ -153,6 +160,7 @@ def _can_make_namespaces():
     return subprocess.run(["unshare", "--net", "true"], capture_output=True).returncode == 0
 
 
+@pytest.mark.multiprocess
 def test_isolated_network_keeps_task_ports_unreachable_from_outside(tmp_path):
     """Tasks listen on 0.0.0.0 as TF's servers do; in the private namespace they reach
     each other, and the host cannot reach them."""
@@ -248,6 +256,7 @@ def _wait_for(predicate, seconds=60.0):
     return predicate()
 
 
+@pytest.mark.multiprocess
 def test_progress_updates_arrive_live_and_keep_the_task_prefix(tmp_path):
     """A Keras-style bar ("\\b...\\r" then the bar, no newline) is shown while the task
     still runs, and every update keeps its ``[worker-0]`` prefix. The task does not
@@ -278,6 +287,7 @@ def test_progress_updates_arrive_live_and_keep_the_task_prefix(tmp_path):
                                "[worker-0] step 3/3\n[worker-0] done\n")
 
 
+@pytest.mark.multiprocess
 def test_updates_of_a_failed_task_leave_a_short_tail(tmp_path):
     """The error message shows the last update and the error, not every update."""
     script = _script(tmp_path, """
@@ -348,6 +358,7 @@ def test_cpp_log_lines_are_hidden_as_their_level_says(line, level, hidden):
     assert launch._is_hidden(line, level) is hidden
 
 
+@pytest.mark.multiprocess
 def test_tf_start_up_banners_are_hidden_unless_the_user_sets_a_level(tmp_path):
     """TF 2.21 logs its oneDNN banner before it reads TF_CPP_MIN_LOG_LEVEL."""
     script = _script(tmp_path, """
@@ -372,6 +383,7 @@ def _horovodrun_or_skip():
         pytest.skip("horovodrun is not installed (make horovod)")
 
 
+@pytest.mark.multiprocess
 def test_horovod_mode_streams_with_the_launcher_prefix(tmp_path, monkeypatch):
     """`tfdist train`'s horovodrun path: "[1]<stdout>:x" is shown as "[worker-1] x", live."""
     import io
@@ -430,6 +442,7 @@ def _package(tmp_path):
     """))
 
 
+@pytest.mark.multiprocess
 def test_cli_runs_a_module_like_python_m(tmp_path):
     _package(tmp_path)
     result = subprocess.run(
@@ -440,6 +453,7 @@ def test_cli_runs_a_module_like_python_m(tmp_path):
         assert f"[{task}] module __main__ {task} ['--lr', '0.1', 'x']" in result.stdout
 
 
+@pytest.mark.multiprocess
 def test_cli_names_a_missing_module(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "tfdist.cli", "launch", "-m", "nosuchpkg.job"],
@@ -449,6 +463,7 @@ def test_cli_names_a_missing_module(tmp_path):
     assert "module='nosuchpkg.job'" in result.stderr
 
 
+@pytest.mark.multiprocess
 def test_python_api_runs_a_module(tmp_path, monkeypatch):
     import io
 

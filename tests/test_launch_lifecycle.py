@@ -109,6 +109,7 @@ def job(tmp_path):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
+@pytest.mark.multiprocess
 def test_sigkilled_launcher_takes_every_task_and_its_children_with_it(job):
     launcher, pids, _ = job()
     assert len(pids) == 2 * WORKERS and all(_alive(p) for p in pids)
@@ -117,6 +118,7 @@ def test_sigkilled_launcher_takes_every_task_and_its_children_with_it(job):
     assert _wait_until_gone(pids) == []
 
 
+@pytest.mark.multiprocess
 def test_hung_up_launcher_stops_every_task_and_exits_non_zero(job, tmp_path):
     launcher, pids, _ = job()
     launcher.send_signal(signal.SIGHUP)
@@ -129,6 +131,7 @@ def _can_unshare():
     return subprocess.run(["unshare", "--net", "true"], capture_output=True).returncode == 0
 
 
+@pytest.mark.multiprocess
 def test_sigkilled_isolated_job_leaves_no_task_and_no_namespace(job):
     if not _can_unshare():
         pytest.fail("this test needs root to create network namespaces (CI has it)")

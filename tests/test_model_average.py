@@ -415,6 +415,7 @@ def _worker_fit(period, mode):
             "bytes": strategy.bytes_communicated}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_two_workers_period_1_equals_synchronous(logical_cpus):
     import tfdist
@@ -426,6 +427,7 @@ def test_two_workers_period_1_equals_synchronous(logical_cpus):
         assert_weights_close(result["weights"], ref, atol=1e-5)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_two_workers_period_4_matches_numpy():
     results = run_cluster(_worker_fit, 4, "linear", workers=2, timeout=180)

@@ -34,6 +34,7 @@ def test_notebook_is_stored_with_outputs(path):
                    for out in cell.outputs), f"{path.name}: its plots have no stored image"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_executes(path, tmp_path):

@@ -252,6 +252,7 @@ def _multi_worker_task(out_dir):
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_keras_callbacks_on_two_workers_resume_after_a_kill(tmp_path):
     import keras
@@ -298,6 +299,7 @@ def _model_average_task(out_dir):
             "overflow": _fit_overflowing_on_one_worker(strategy)}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_keras_callbacks_and_loss_scale_under_model_average_on_two_workers(tmp_path):
     out_dir, task_tmp = tmp_path / "out", tmp_path / "tmp"
@@ -328,6 +330,7 @@ def horovod_callbacks_task(out_dir):
             "loss": history.history["loss"]}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.horovod
 @pytest.mark.timeout(300)
 def test_keras_callbacks_and_mixed_precision_under_horovod(tmp_path):
@@ -365,6 +368,7 @@ def _parameter_server_task():
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_mixed_precision_under_parameter_server():
     chief = run_cluster(_parameter_server_task, workers=1, chief=True, ps=1, timeout=280)[0]

@@ -183,6 +183,7 @@ def test_horovod_without_horovodrun(tmp_path, capsys, monkeypatch, nothing_start
 # ---- the output directory's lock and the job's own config -------------------------------
 
 
+@pytest.mark.multiprocess
 def test_second_job_on_a_locked_output_dir_is_refused(tmp_path, capsys, nothing_starts):
     out = tmp_path / "out"
     out.mkdir()

@@ -70,6 +70,7 @@ def test_config_errors(tmp_path, overrides, message):
         load_config(path, overrides)
 
 
+@pytest.mark.multiprocess
 def test_flags_set_nodes_mode_and_errors_exit_2(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text(CONFIG)

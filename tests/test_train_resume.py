@@ -80,6 +80,7 @@ def _assert_same_run(resumed, reference):
     assert not (resumed / "backup").exists()  # removed once training ended
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode,victim", [("multi_worker", "worker-0"),
                                          ("model_average", "worker-1")])
@@ -97,6 +98,7 @@ def test_launched_job_killed_after_epoch_2_resumes_to_the_same_weights(tmp_path,
     _assert_same_run(tmp_path / "killed", tmp_path / "reference")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_in_process_run_killed_resumes_when_run_again(tmp_path):
     config = tmp_path / "none.toml"
