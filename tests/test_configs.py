@@ -4,6 +4,7 @@ files are valid and produce an environment tfdist's resolver accepts."""
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import warnings
@@ -110,3 +111,70 @@ def test_compare_writes_one_table_and_one_plot(tmp_path):
     table = (tmp_path / "compare.md").read_text()
     assert "val_accuracy" in table and "bytes communicated" in table
     assert (tmp_path / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _manifests():
+    import yaml
+
+    return list(yaml.safe_load_all((ROOT / "configs/kubernetes/tfjob.yaml").read_text()))
+
+
+def test_kubernetes_manifests_define_what_the_tfjob_references():
+    documents = _manifests()
+    for document in documents:
+        assert document["apiVersion"] and document["kind"] and document["metadata"]["name"]
+    by_kind = {d["kind"]: d for d in documents}
+    assert set(by_kind) == {"ConfigMap", "PersistentVolumeClaim", "TFJob", "NetworkPolicy"}
+    pod = by_kind["TFJob"]["spec"]["tfReplicaSpecs"]["Worker"]["template"]
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["config"]["configMap"]["name"] == by_kind["ConfigMap"]["metadata"]["name"]
+    assert volumes["output"]["persistentVolumeClaim"]["claimName"] == \
+        by_kind["PersistentVolumeClaim"]["metadata"]["name"]
+    claim = by_kind["PersistentVolumeClaim"]["spec"]
+    assert claim["accessModes"] and claim["resources"]["requests"]["storage"]
+    container = pod["spec"]["containers"][0]
+    assert container["name"] == "tensorflow"  # the name the training operator looks for
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert set(mounts) == set(volumes)
+    # The config the command names is in the ConfigMap, equal to the repository's file.
+    config_path = Path(container["command"][2])
+    assert config_path.parent == Path(mounts["config"])
+    data = by_kind["ConfigMap"]["data"]
+    assert data[config_path.name] == (ROOT / "configs" / config_path.name).read_text()
+    # The image is the one the Dockerfile's instructions build.
+    assert f"-t {container['image']} ." in (ROOT / "Dockerfile").read_text()
+    assert by_kind["NetworkPolicy"]["spec"]["podSelector"]["matchLabels"].items() <= \
+        pod["metadata"]["labels"].items()
+
+
+def test_dockerfile_copies_what_exists_and_installs_the_package():
+    text = (ROOT / "Dockerfile").read_text()
+    lines = [line.strip() for line in text.splitlines() if line.strip()
+             and not line.lstrip().startswith("#")]
+    assert lines[0].startswith("FROM python:3.1")
+    for line in lines:
+        if line.startswith("COPY "):
+            for source in line.split()[1:-1]:
+                assert (ROOT / source).exists(), f"Dockerfile copies missing {source}"
+    assert "RUN pip install ." in lines and "ARG HOROVOD=0" in lines
+    assert "scripts/install_horovod.sh" in text
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert ".venv" in ignored and ".git" in ignored
+
+
+def _kubernetes_reachable():
+    if shutil.which("kubectl") is None:
+        return False
+    probe = subprocess.run(["kubectl", "version", "--request-timeout=5s"],
+                           capture_output=True, text=True, timeout=60)
+    return probe.returncode == 0
+
+
+def test_kubectl_dry_run_accepts_the_manifests():
+    if not _kubernetes_reachable():
+        pytest.skip("kubectl with a reachable cluster is needed for --dry-run=client (it "
+                    "asks the API server for the kinds); the structure test above ran")
+    result = subprocess.run(["kubectl", "apply", "--dry-run=client", "-f",
+                             str(ROOT / "configs/kubernetes/tfjob.yaml")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
