@@ -16,6 +16,7 @@ import warnings
 from typing import Any, Mapping
 
 TASK_TYPES = ("chief", "worker", "ps", "evaluator")
+# The tasks that train (run replicas); ps and evaluator tasks do not.
 TRAINING_TASK_TYPES = ("chief", "worker")
 DEFAULT_SLURM_PORT = 8470
 
@@ -210,7 +211,7 @@ class ClusterSpec:
     @property
     def num_workers(self) -> int:
         """Training tasks: the chief plus the workers."""
-        return len(self.chief) + len(self.worker)
+        return sum(len(getattr(self, t)) for t in TRAINING_TASK_TYPES)
 
     @property
     def task_address(self) -> str | None:

@@ -180,20 +180,6 @@ def load_tfrecord(path: str | Path, label: str = "label"):
         _labels(np.array(labels, dtype="float64"), path)
 
 
-def write_tfrecord(path: str | Path, x, y, label: str = "label") -> None:
-    """Writes ``(x, y)`` in the format `load_tfrecord` reads."""
-    import tensorflow as tf
-
-    with tf.io.TFRecordWriter(str(path)) as writer:
-        for features, target in zip(x, y):
-            example = tf.train.Example(features=tf.train.Features(feature={
-                "x": tf.train.Feature(float_list=tf.train.FloatList(
-                    value=np.ravel(features).tolist())),
-                label: tf.train.Feature(int64_list=tf.train.Int64List(value=[int(target)])),
-            }))
-            writer.write(example.SerializeToString())
-
-
 def _features(x: np.ndarray, path) -> np.ndarray:
     """Features as float32; refuses NaN and infinity (also values too large for float32)."""
     with np.errstate(over="ignore"):

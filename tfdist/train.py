@@ -31,8 +31,6 @@ from typing import Any, Callable
 
 from tfdist.config import ConfigError, is_multi_process, load_config
 
-REPORT_FIELDS = ("config", "strategy", "num_replicas", "epochs", "history", "final",
-                 "wall_time_seconds", "bytes_communicated")
 LOCK_FILE = ".tfdist.lock"
 # In OUTPUT_DIR/backup: the config a backup belongs to, and the per-epoch history.
 BACKUP_CONFIG_FILE = "tfdist_config.json"

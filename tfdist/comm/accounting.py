@@ -31,6 +31,3 @@ class ByteCounter:
     @property
     def total(self) -> int:
         return int(self._variable.numpy())
-
-    def reset(self) -> None:
-        self._variable.assign(0)
