@@ -1,13 +1,19 @@
-"""Model averaging math: the sync schedule and the all-reduce of weight deltas.
+"""Model averaging: the schedule, and the average through a communicator.
 
-Kept free of strategy logic so it can be tested and reused: `is_average_step` is the
-schedule of `tfdist.ModelAverageStrategy`, `allreduce_mean` reduces a list of
-per-replica tensors to their mean with TF's cross-device ops or with Horovod.
+`PeriodicAverager` is the whole algorithm of local SGD's synchronisation, after
+PyTorch's ``PeriodicModelAverager``: when to average (`should_average`), and the mean
+over every replica of every worker (`average`). Weight *deltas* against an anchor go
+through a communicator that may compress them; exact values (optimizer slots,
+BatchNorm statistics) through one that does not, and both count their bytes in one
+counter.
 """
 
 from __future__ import annotations
 
-BACKENDS = ("tf", "horovod")
+from tfdist.comm.accounting import ByteCounter
+from tfdist.comm.communicator import make_communicator
+
+ENGINES = ("tf", "horovod")
 
 
 def is_average_step(step, period: int, warmup_steps: int):
@@ -26,41 +32,39 @@ def is_average_step(step, period: int, warmup_steps: int):
                          tf.equal(tf.math.floormod(step - warmup_steps, period), 0))
 
 
-def allreduce_mean(distribution, values, destinations, backend: str = "tf",
-                   name: str = "tfdist_model_average"):
-    """Means of per-replica ``values`` across every replica of every worker.
-
-    Call in cross-replica context (inside a ``merge_call``).
+class PeriodicAverager:
+    """Averages every ``period`` steps, every step during ``warmup_steps``.
 
     Args:
-        distribution: The strategy.
-        values: List of per-replica tensors (one `tf.distribute.DistributedValues`
-            each, as ``merge_call`` hands them over).
-        destinations: Variables whose devices receive the result (one per value).
-        backend: ``"tf"`` (the strategy's own cross-device / collective ops) or
-            ``"horovod"`` (`tfdist.comm.horovod.allreduce`; one replica per rank).
-        name: Name prefix of the Horovod ops (ranks match tensors by name).
-
-    Returns:
-        One reduced value per input: mirrored on ``destinations`` (tf), or a plain
-        tensor (horovod).
+        period: Steps between averages (>= 1).
+        warmup_steps: Steps averaged every time first.
+        engine: ``"tf"`` (the strategy's own cross-device ops, whatever its engine) or
+            ``"horovod"`` (`tfdist.comm.horovod` directly, one replica per process).
+        compression: Wire dtype of the weight deltas (None, ``"fp16"``, ``"bf16"``).
     """
-    import tensorflow as tf
 
-    if not values:
-        return []
-    if backend == "tf":
-        return distribution.extended.batch_reduce_to(
-            tf.distribute.ReduceOp.MEAN, list(zip(values, destinations)))
-    if backend == "horovod":
-        from tfdist.comm import horovod as hvd_comm  # lazy: only with backend="horovod"
+    def __init__(self, period: int, warmup_steps: int = 0, engine: str = "tf",
+                 compression=None):
+        self.period = period
+        self.warmup_steps = warmup_steps
+        counter = ByteCounter("tfdist_model_average_bytes")
+        self.deltas = make_communicator(engine, compression, counter, "tfdist_model_average")
+        self.exact = make_communicator(engine, None, counter, "tfdist_model_average_exact")
 
-        local = []
-        for value in values:
-            parts = distribution.experimental_local_results(value)
-            if len(parts) != 1:
-                raise ValueError("backend='horovod' runs one replica per process (rank). "
-                                 f"Received: {len(parts)} local replicas")
-            local.append(parts[0])
-        return hvd_comm.allreduce(local, op="average", compression=None, name=name)
-    raise ValueError(f"backend must be one of {BACKENDS}. Received: backend={backend!r}")
+    @property
+    def bytes_communicated(self) -> int:
+        """Bytes one replica contributed to averages, after compression."""
+        return self.deltas.bytes
+
+    def should_average(self, step):
+        """`is_average_step` with this averager's schedule (int or tensor ``step``)."""
+        return is_average_step(step, self.period, self.warmup_steps)
+
+    def average(self, distribution, deltas, anchors, values, variables):
+        """Means of per-replica ``deltas`` (to ``anchors``) and exact ``values``.
+
+        Call in cross-replica context. Returns ``(mean_deltas, mean_values)``.
+        """
+        mean_deltas = self.deltas.all_reduce(distribution, list(deltas), list(anchors))
+        mean_values = self.exact.all_reduce(distribution, list(values), list(variables))
+        return mean_deltas, mean_values

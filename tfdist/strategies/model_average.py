@@ -33,8 +33,8 @@ import warnings
 import tensorflow as tf
 
 from tfdist import _hooks
-from tfdist.comm.accounting import ByteCounter
-from tfdist.comm.averaging import BACKENDS, allreduce_mean, is_average_step
+from tfdist.comm.averaging import ENGINES as BACKENDS
+from tfdist.comm.averaging import PeriodicAverager
 from tfdist.comm.engines import select_engine
 from tfdist.comm.options import merge_options
 from tfdist.strategies._optimizer import inner_optimizer
@@ -209,10 +209,12 @@ class ModelAverageStrategy(tf.distribute.Strategy):
             raise ValueError("backend='horovod' takes its processes from horovodrun, not a "
                              f"cluster. Received: cluster_resolver={cluster_resolver!r}")
         self._init_base(devices, cluster_resolver, base_kwargs)
+        # After the base: a multi-worker strategy must exist before any TF variable.
+        self.averager = PeriodicAverager(self.period, self.warmup_steps, engine=backend,
+                                         compression=self.compression)
         if backend == "horovod" and self.num_replicas_in_sync != 1:
             raise ValueError("backend='horovod' runs one replica per rank: give one device. "
                              f"Received: devices={devices!r}")
-        self._average_bytes = ByteCounter("tfdist_model_average_bytes")
         self._states = {}
         self._fit_start = {}
         _hooks.install_local_update_hooks()
@@ -227,7 +229,7 @@ class ModelAverageStrategy(tf.distribute.Strategy):
     def bytes_communicated(self) -> int:
         """Bytes this strategy all-reduced to average models (one replica's payload
         per average, after compression)."""
-        return self._average_bytes.total
+        return self.averager.bytes_communicated
 
     @property
     def outer_optimizers(self) -> list:
@@ -236,7 +238,7 @@ class ModelAverageStrategy(tf.distribute.Strategy):
 
     def is_average_step(self, step: int) -> bool:
         """Whether the weights are averaged after optimizer step ``step`` (1-based)."""
-        return bool(is_average_step(int(step), self.period, self.warmup_steps))
+        return bool(self.averager.should_average(int(step)))
 
     def average(self, model) -> bool:
         """Averages every per-replica variable of ``model`` and its optimizer now.
@@ -307,12 +309,10 @@ class ModelAverageStrategy(tf.distribute.Strategy):
         context = tf.distribute.get_replica_context()
         context.merge_call(functools.partial(self._ensure_state, optimizer, list(variables)))
         state = self._states[id(optimizer)]
-        deltas, dtypes, nbytes = self._local_deltas(state)
         slot_vars = state.slots if self.average_optimizer_state else []
         slots = [tf.identity(_tf_variable(s)) for s in slot_vars]
-        nbytes += sum(_nbytes(s) for s in slots)
-        context.merge_call(functools.partial(self._merge_step, state, dtypes, nbytes, slot_vars),
-                           args=(deltas, slots))
+        context.merge_call(functools.partial(self._merge_step, state, slot_vars),
+                           args=(self._local_deltas(state), slots))
         return result
 
     # ---- internals -------------------------------------------------------------------------
@@ -364,47 +364,36 @@ class ModelAverageStrategy(tf.distribute.Strategy):
         _check_outer(outer)
         return outer
 
-    def _local_deltas(self, state):
-        """In replica context: ``anchor - w`` for this replica, cast for the wire."""
-        deltas, dtypes, nbytes = [], [], 0
-        for variable, anchor in zip(state.variables, state.anchors):
-            delta, dtype = self.compression.compress(
-                _tf_variable(anchor) - _tf_variable(variable))
-            deltas.append(delta)
-            dtypes.append(dtype)
-            nbytes += _nbytes(delta)
-        return deltas, dtypes, nbytes
+    @staticmethod
+    def _local_deltas(state):
+        """In replica context: ``anchor - w`` for this replica."""
+        return [_tf_variable(anchor) - _tf_variable(variable)
+                for variable, anchor in zip(state.variables, state.anchors)]
 
-    def _merge_step(self, state, dtypes, nbytes, slot_vars, distribution, deltas, slots):
+    def _merge_step(self, state, slot_vars, distribution, deltas, slots):
         """Cross-replica: average if the optimizer's step counter says so."""
         step = tf.cast(_tf_variable(state.optimizer.iterations), tf.int64) + 1
 
         def average():
-            self._average_now(distribution, state, dtypes, nbytes, deltas, slot_vars, slots,
-                              outer=True)
+            self._average_now(distribution, state, deltas, slot_vars, slots, outer=True)
             return tf.constant(True)
 
-        return tf.cond(is_average_step(step, self.period, self.warmup_steps), average,
-                       lambda: tf.constant(False))
+        return tf.cond(self.averager.should_average(step), average, lambda: tf.constant(False))
 
-    def _average_now(self, distribution, state, dtypes, nbytes, deltas, plain_vars, plain,
-                     outer):
+    def _average_now(self, distribution, state, deltas, plain_vars, plain, outer):
         """Cross-replica: all-reduce, then set anchors and every replica's weights."""
         anchors = [_tf_variable(a) for a in state.anchors]
         plain_tf = [_tf_variable(v) for v in plain_vars]
-        reduced = allreduce_mean(
-            distribution, list(deltas) + list(plain), anchors + plain_tf, self.backend,
-            name="tfdist_model_average" if outer else "tfdist_model_average_forced")
-        self._average_bytes.add(nbytes)
-        mean_deltas, mean_plain = reduced[:len(anchors)], reduced[len(anchors):]
+        mean_deltas, mean_plain = self.averager.average(distribution, deltas, anchors, plain,
+                                                        plain_tf)
         extended = distribution.extended
         if outer and state.outer is not None:
             # Outer gradient = anchor - mean(w_i); the same tensor for every replica.
             # Keras' own update, as its TF optimizer runs it (its ``apply`` needs a
             # replica context; this is cross-replica).
             learning_rate = state.outer.learning_rate
-            for anchor, delta, dtype in zip(anchors, mean_deltas, dtypes):
-                grad = tf.cast(self._first(distribution, delta), dtype)
+            for anchor, delta in zip(anchors, mean_deltas):
+                grad = tf.cast(self._first(distribution, delta), anchor.dtype)
                 extended.update(anchor, lambda a, g, lr: state.outer.update_step(g, a, lr),
                                 args=(grad, learning_rate), group=False)
             state.outer.iterations.assign_add(1)
@@ -429,12 +418,10 @@ class ModelAverageStrategy(tf.distribute.Strategy):
         """A tf.function that averages every per-replica variable (no outer step)."""
 
         def replica_fn():
-            deltas, dtypes, nbytes = self._local_deltas(state)
             plain = [tf.identity(_tf_variable(v)) for v in plain_vars]
-            nbytes += sum(_nbytes(p) for p in plain)
             tf.distribute.get_replica_context().merge_call(
-                functools.partial(self._merge_force, state, dtypes, nbytes, plain_vars),
-                args=(deltas, plain))
+                functools.partial(self._merge_force, state, plain_vars),
+                args=(self._local_deltas(state), plain))
 
         @tf.function
         def force():
@@ -442,13 +429,8 @@ class ModelAverageStrategy(tf.distribute.Strategy):
 
         return force
 
-    def _merge_force(self, state, dtypes, nbytes, plain_vars, distribution, deltas, plain):
-        self._average_now(distribution, state, dtypes, nbytes, deltas, plain_vars, plain,
-                          outer=False)
-
-
-def _nbytes(tensor) -> int:
-    return int(tensor.shape.num_elements()) * tensor.dtype.size
+    def _merge_force(self, state, plain_vars, distribution, deltas, plain):
+        self._average_now(distribution, state, deltas, plain_vars, plain, outer=False)
 
 
 def _single_host_base():
