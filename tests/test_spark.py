@@ -1,0 +1,122 @@
+"""tfdist.spark.run on a real local Spark (``local[2]``, barrier mode); no mocks.
+
+One SparkSession serves the module. Each check runs 2 workers and compares them with
+the same references as ``tfdist launch``: tfdist.MultiWorkerMirroredStrategy with the
+single-process run (twice in the same session), and ModelAverageStrategy(period=4) with
+local SGD in numpy. A task that raises, is SIGKILLed, or whose Python worker is
+SIGKILLed fails the run naming it, and leaves no process behind.
+"""
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from spark_ray_jobs import (MARK, check_mwms, check_model_average, fault_job, import_engine,
+                            mwms_job, mwms_reference, wait_gone)
+from test_model_average import _worker_fit
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.fixture(scope="module")
+def spark():
+    """One local[2] SparkSession on loopback for the module, stopped at its end."""
+    import_engine("pyspark")
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+
+    session = (SparkSession.builder.master("local[2]").appName("tfdist-tests")
+               .config("spark.driver.host", "127.0.0.1")
+               .config("spark.driver.bindAddress", "127.0.0.1")
+               .config("spark.ui.enabled", "false")
+               .config("spark.pyspark.python", sys.executable)
+               .getOrCreate())
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()
+    # stop() leaves the JVM running for a next session; end it (it exits on stdin EOF).
+    gateway, SparkContext._gateway, SparkContext._jvm = SparkContext._gateway, None, None
+    if gateway is not None:
+        with contextlib.suppress(Exception):
+            gateway.shutdown()
+            gateway.proc.stdin.close()
+            gateway.proc.wait(60)
+
+
+@pytest.fixture(scope="module")
+def reference(logical_cpus):
+    return mwms_reference()
+
+
+@pytest.mark.timeout(600)
+def test_multi_worker_mirrored_equals_reference_twice_in_one_session(spark, reference):
+    import tfdist
+
+    first = tfdist.spark.run(mwms_job, workers=2, timeout=240)
+    check_mwms(first, reference)
+    second = tfdist.spark.run(mwms_job, workers=2, spark=spark, timeout=240)
+    check_mwms(second, reference)
+    # each run's function ran in fresh processes
+    assert not {r["pid"] for r in first} & {r["pid"] for r in second}
+
+
+@pytest.mark.timeout(400)
+def test_model_average_period_4_matches_numpy(spark):
+    import tfdist
+
+    check_model_average(tfdist.spark.run(_worker_fit, 4, "linear", workers=2, timeout=240))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode, expected", [
+    ("raise", "worker-1 exited with code 1"),
+    ("kill", "worker-1 exited with code -9 (signal SIGKILL)"),
+    ("kill-engine", "worker-1 failed"),
+])
+def test_failed_task_is_named_and_nothing_is_left(spark, tmp_path, mode, expected):
+    import tfdist
+
+    with pytest.raises(tfdist.LaunchError, match="^" + re.escape(expected)) as caught:
+        tfdist.spark.run(fault_job, str(tmp_path), mode, "worker-1", workers=2,
+                         timeout=240, env={MARK: str(tmp_path)})
+    assert caught.value.task == "worker-1"
+    if mode == "raise":
+        assert "RuntimeError: injected failure in worker-1" in caught.value.output_tail
+    assert sorted(os.listdir(tmp_path)) == ["worker-0.pid", "worker-1.pid"]
+    wait_gone(tmp_path)
+
+
+def test_cuda_visible_devices_from_spark_resources():
+    from tfdist.spark import cuda_visible_devices
+
+    assert cuda_visible_devices({}, None) is None
+    assert cuda_visible_devices({"gpu": ["2", "3"]}, None) == "2,3"
+    assert cuda_visible_devices({"gpu": ["2", "3"]}, 1) == "2"
+    assert cuda_visible_devices({"gpu": ["2"]}, 0) == ""
+    with pytest.raises(ValueError, match=r"gpus_per_task=2, but Spark assigned this task 1"):
+        cuda_visible_devices({"gpu": ["2"]}, 2)
+
+
+def test_argument_errors(spark):
+    import tfdist
+
+    with pytest.raises(ValueError, match="workers must be an integer >= 1. Received: workers=0"):
+        tfdist.spark.run(print, workers=0)
+    with pytest.raises(ValueError, match="Received: gpus_per_task=-1"):
+        tfdist.spark.run(print, workers=1, gpus_per_task=-1)
+    with pytest.raises(ValueError, match="spark.task.resource.gpu.amount >= 1"):
+        tfdist.spark.run(print, workers=1, gpus_per_task=1)
+    with pytest.raises(TypeError, match="fn must be callable. Received: 3"):
+        tfdist.spark.run(3, workers=1)
+
+
+def test_import_tfdist_loads_neither_spark_nor_ray():
+    code = ("import sys, tfdist; tfdist.spark; "
+            "print(sorted(m for m in ('pyspark', 'ray', 'tensorflow') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]"
