@@ -27,6 +27,7 @@ How it works with plain Keras code (private hooks in `tfdist._hooks`):
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import warnings
 
@@ -105,7 +106,25 @@ def _scale(grad, factor):
     return grad * tf.cast(factor, grad.dtype)
 
 
-class ModelAverageStrategy(tf.distribute.Strategy):
+class _PicksItsBase(type):
+    """``ModelAverageStrategy(...)`` builds the named subclass its arguments call for.
+
+    `LocalModelAverageStrategy` (replicas: local devices) or
+    `MultiWorkerModelAverageStrategy` (replicas: every device of every worker). Both are
+    ``ModelAverageStrategy`` instances, and their reprs and tracebacks name themselves.
+    """
+
+    def __call__(cls, *args, **kwargs):
+        if cls is ModelAverageStrategy:
+            arguments = inspect.signature(cls.__init__).bind(None, *args, **kwargs).arguments
+            several = (arguments.get("backend") or "tf") == "tf" and (
+                arguments.get("engine") == "horovod"
+                or _wants_multi_worker(arguments.get("cluster_resolver")))
+            cls = MultiWorkerModelAverageStrategy if several else LocalModelAverageStrategy
+        return type.__call__(cls, *args, **kwargs)
+
+
+class ModelAverageStrategy(tf.distribute.Strategy, metaclass=_PicksItsBase):
     """Local SGD / model averaging for Keras ``fit``, on one host or many workers.
 
     Each replica (local device, logical CPU, or worker) takes its own sub-batch and
@@ -113,9 +132,11 @@ class ModelAverageStrategy(tf.distribute.Strategy):
     divided by the number of replicas). Every ``period`` steps the weights are
     all-reduced to their mean. ``period=1`` with plain SGD is synchronous training.
 
-    The class picks its base at construction: `tfdist.MirroredStrategy` on one host, or
-    `tfdist.MultiWorkerMirroredStrategy` when ``cluster_resolver`` is given or TF_CONFIG
-    names several workers. Either way ``isinstance(s, tfdist.ModelAverageStrategy)``.
+    ``ModelAverageStrategy(...)`` builds `LocalModelAverageStrategy` (a
+    `tfdist.MirroredStrategy`) on one host, or `MultiWorkerModelAverageStrategy` (a
+    `tfdist.MultiWorkerMirroredStrategy`) when ``cluster_resolver`` is given, TF_CONFIG
+    names several workers or ``engine="horovod"``. Either way
+    ``isinstance(s, tfdist.ModelAverageStrategy)``.
 
     Args:
         period: Average the weights every ``period`` optimizer steps (>= 1).
@@ -157,16 +178,6 @@ class ModelAverageStrategy(tf.distribute.Strategy):
     # No synchronous gradient all-reduce to compress or count: replicas update locally.
     _tfdist_reduce_gradients = None
 
-    def __new__(cls, *args, **kwargs):
-        if cls is ModelAverageStrategy:
-            cluster_resolver = kwargs.get("cluster_resolver", args[5] if len(args) > 5 else None)
-            backend = kwargs.get("backend") or "tf"
-            cls = (_MultiWorkerModelAverage
-                   if backend == "tf" and (kwargs.get("engine") == "horovod"
-                                           or _wants_multi_worker(cluster_resolver))
-                   else _SingleHostModelAverage)
-        return super().__new__(cls)
-
     def __init__(self, period=1, warmup_steps=0, outer_optimizer=None,
                  average_optimizer_state=False, devices=None, cluster_resolver=None, *,
                  backend=None, compression=None, engine="auto", **base_kwargs):
@@ -192,7 +203,7 @@ class ModelAverageStrategy(tf.distribute.Strategy):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}. Received: backend={backend!r}")
         self.backend = backend
-        if isinstance(self, _MultiWorkerModelAverage):
+        if isinstance(self, MultiWorkerModelAverageStrategy):
             base_kwargs["engine"] = engine
         else:
             select_engine(engine, 1, on_gpus=False)  # checks the name
@@ -445,7 +456,7 @@ def _multi_worker_base():
     return MultiWorkerMirroredStrategy
 
 
-class _SingleHostModelAverage(ModelAverageStrategy, _single_host_base()):
+class LocalModelAverageStrategy(ModelAverageStrategy, _single_host_base()):
     """`ModelAverageStrategy` on one host: replicas are local devices."""
 
     def _init_base(self, devices, cluster_resolver, base_kwargs):
@@ -456,7 +467,7 @@ class _SingleHostModelAverage(ModelAverageStrategy, _single_host_base()):
         _single_host_base().__init__(self, devices=devices, **base_kwargs)
 
 
-class _MultiWorkerModelAverage(ModelAverageStrategy, _multi_worker_base()):
+class MultiWorkerModelAverageStrategy(ModelAverageStrategy, _multi_worker_base()):
     """`ModelAverageStrategy` across workers: replicas are every device of every worker."""
 
     def _init_base(self, devices, cluster_resolver, base_kwargs):
@@ -476,6 +487,3 @@ class _MultiWorkerModelAverage(ModelAverageStrategy, _multi_worker_base()):
                 "outer_optimizer=lambda: keras.optimizers.SGD(0.7, momentum=0.9, "
                 f"nesterov=True). TensorFlow said: {error}") from error
 
-
-for _cls in (_SingleHostModelAverage, _MultiWorkerModelAverage):
-    _cls.__qualname__ = _cls.__name__ = "ModelAverageStrategy"
