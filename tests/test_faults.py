@@ -243,8 +243,9 @@ def test_model_average_missing_or_frozen_peer_is_an_error(tmp_path, fault):
 
 
 def _ps_task(result_dir):
-    """Attempt 0: worker-1 never starts. Attempt 1: the chief freezes worker-1 (SIGSTOP)
-    after the first dispatch. Attempt 2: the chief is killed after the backup of epoch 2.
+    """Attempt 0: worker-1 never starts. Attempt 1: the chief, as if not started by
+    `tfdist launch`, freezes worker-1 (SIGSTOP) after the first dispatch. Attempt 2: the
+    same under `tfdist launch`; then the chief is killed after the backup of epoch 2.
     Attempt 3 resumes."""
     import keras
     import tensorflow as tf
@@ -252,12 +253,16 @@ def _ps_task(result_dir):
     import tfdist
 
     me, attempt = os.environ["TFDIST_TASK"], int(os.environ["TFDIST_RESTART"])
-    for name in (f"{me}.pid", f"{me}.attempt{attempt}.pid"):
+    restart = os.environ.get("TFDIST_TASK_RESTART", "0")
+    for name in (f"{me}.pid", f"{me}.attempt{attempt}.{restart}.pid"):
         _write(result_dir, name, str(os.getpid()))
     if attempt == 0 and me == "worker-1":
         return "absent"
-    try:
-        strategy = tfdist.ParameterServerStrategy(startup_timeout=5)  # workers, ps block
+    if attempt == 1:
+        os.environ.pop("TFDIST_CONTROL_DIR", None)  # nothing can restart a worker
+    try:  # workers and ps wait longer: the chief's failure to start is the fault here
+        strategy = tfdist.ParameterServerStrategy(
+            startup_timeout=5 if me == "chief-0" else 60, step_timeout=10)
     except tf.errors.DeadlineExceededError as error:
         _write(result_dir, f"{me}.error-{attempt}", f"{type(error).__name__}: {error}")
         raise
@@ -269,9 +274,10 @@ def _ps_task(result_dir):
                 os.kill(os.getpid(), signal.SIGKILL)  # after the backup of epoch 2
 
         def on_train_batch_end(self, batch, logs=None):
-            if attempt == 1 and not os.path.exists(os.path.join(result_dir, "stopped")):
+            stopped = f"stopped-{attempt}"
+            if attempt in (1, 2) and not os.path.exists(os.path.join(result_dir, stopped)):
                 os.kill(int(_read(result_dir, "worker-1.pid")), signal.SIGSTOP)
-                _write(result_dir, "stopped", "worker-1")
+                _write(result_dir, stopped, "worker-1")
 
     with strategy.scope():
         model = linear_model()
@@ -284,28 +290,40 @@ def _ps_task(result_dir):
             "loss": history.history["loss"], "weights": model.get_weights()}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_ps_missing_frozen_worker_and_killed_chief_then_resume_every_step(tmp_path, capfd):
-    """A missing worker is named after startup_timeout; a frozen worker hangs fit (TF's
-    coordinator has no step timeout) until the launcher's deadline; a killed chief stops
-    the job. Each time the launcher restarts the job, and BackupAndRestore resumes."""
+    """A missing worker is named after startup_timeout. A frozen worker is named after
+    step_timeout: without `tfdist launch` fit fails; under it the launcher kills and
+    restarts the worker alone, and fit goes on. A killed chief stops the job. Each
+    failed start is restarted, and BackupAndRestore resumes."""
+    output = io.StringIO()
     try:
-        chief = run_cluster(_ps_task, str(tmp_path), workers=2, chief=True, ps=1, timeout=45,
-                            stream=None, max_restarts=3, grace_period=1,
+        chief = run_cluster(_ps_task, str(tmp_path), workers=2, chief=True, ps=1, timeout=150,
+                            stream=output, max_restarts=4, grace_period=1,
                             env={MARK: str(tmp_path)})[0]
     finally:
-        _assert_gone(tmp_path)  # the frozen worker too (SIGKILL ends a stopped process)
+        _assert_gone(tmp_path)  # the frozen workers too (SIGKILL ends a stopped process)
     log = capfd.readouterr().err
-    assert "restart 1/3: chief-0 exited with code 1" in log, log
-    assert "restart 2/3: timed out after 45s; every task was killed" in log, log
-    assert "restart 3/3: chief-0 exited with code -9 (signal SIGKILL)" in log, log
+    assert "restart 1/4: chief-0 exited with code 1" in log, log
     message = _read(tmp_path, "chief-0.error-0")
     assert message.startswith("DeadlineExceededError: chief-0: task(s) worker-1 did not "
                               "start within startup_timeout=5s"), message
-    assert _read(tmp_path, "stopped") == "worker-1"
+    # Frozen, nothing can restart it: the chief fails naming it.
+    frozen = "worker-1 is overdue: its server has not answered for 5s: it is frozen"
+    assert "restart 2/4: chief-0 exited with code 1" in log, log
+    assert f"StepTimeoutError: {frozen}. Its step cannot be taken back" in output.getvalue()
+    # Frozen under tfdist launch: named, killed, restarted alone; fit went on.
+    assert _read(tmp_path, "stopped-2") == "worker-1"
+    assert (f"[chief-0] tfdist: {frozen}; asking tfdist launch to kill and restart it"
+            ) in output.getvalue(), output.getvalue()[-3000:]
+    assert ("the chief asked to restart worker-1 (its server has not answered for 5s: it "
+            "is frozen); killing it") in log, log
+    assert "restart 3/4: worker-1 exited with code -9; restarting worker-1 alone" in log, log
+    assert "restart 4/4: chief-0 exited with code -9 (signal SIGKILL)" in log, log
     assert chief["attempt"] == 3
     assert chief["epochs"] == [2, 3]  # resumed after the two epochs backed up
-    assert chief["iterations"] == 4 * 8  # every requested step was applied
+    assert chief["iterations"] == 4 * 8  # every requested step was applied once
     assert all(np.isfinite(w).all() for w in chief["weights"])
 
 

@@ -431,3 +431,20 @@ def test_loss_scale_optimizer_check_finite_is_what_apply_calls():
     assert "self.check_finite" in source and "def check_finite(self, grads)" in source, (
         "LossScaleOptimizer no longer decides through check_finite(grads): "
         "tfdist._hooks.install_global_loss_scale_check no longer makes it global")
+
+
+def test_cluster_coordinator_internals_for_the_step_deadline():
+    from tensorflow.python.distribute.coordinator import cluster_coordinator as cc
+    from tensorflow.python.distribute.coordinator import values
+
+    # track_running_closures: a worker thread runs each closure through the instance's
+    # _process_closure, and reports a failed worker through _on_closure_failure.
+    process_queue = inspect.getsource(cc.Worker._process_queue)
+    assert "self._process_closure(closure)" in process_queue
+    assert "self._on_closure_failure(closure, e)" in inspect.getsource(
+        cc.Worker._process_closure)
+    assert "put_back(closure)" in inspect.getsource(cc.Worker._on_closure_failure)
+    # wait_for_closures / wait_for_remote_value: the timeouts join() and fetch() lack.
+    assert "timeout" in inspect.signature(cc._CoordinatedClosureQueue.wait).parameters
+    assert "self._status_available_event.set()" in inspect.getsource(
+        values.RemoteValueImpl._set_values)

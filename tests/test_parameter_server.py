@@ -8,8 +8,10 @@ the chief's return value comes back.
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -94,6 +96,7 @@ def _async_task():
     return out
 
 
+@pytest.mark.multiprocess
 def test_async_fit_three_inputs_evaluate_predict():
     chief = run_cluster(_async_task, workers=2, chief=True, ps=1)[0]
     assert chief["mode"] == "async" and chief["workers"] == 2
@@ -153,6 +156,7 @@ def _sync_task(steps, batch):
             "loss": history.history["loss"], "mode": strategy.mode}
 
 
+@pytest.mark.multiprocess
 def test_sync_equals_single_device_on_summed_batch():
     # 64 examples in batches of 8 = 8 batches, 4 sync steps per pass: 6 steps wrap around.
     chief = run_cluster(_sync_task, 6, 8, workers=2, chief=True, ps=1)[0]
@@ -195,6 +199,7 @@ def _sharded_task():
             "evaluate": model.evaluate(ids, y, verbose=0)}
 
 
+@pytest.mark.multiprocess
 def test_sharded_embedding_across_two_ps_trains():
     chief = run_cluster(_sharded_task, workers=2, chief=True, ps=2)[0]
     assert chief["type"] == "ShardedVariable"
@@ -258,6 +263,7 @@ def _killed_worker_task(pid_dir):
             "weights": model.get_weights()}
 
 
+@pytest.mark.multiprocess
 def test_worker_killed_mid_fit_still_completes(tmp_path):
     chief, _, worker1, _ = run_cluster(_killed_worker_task, str(tmp_path), workers=2,
                                        chief=True, ps=1)
@@ -306,6 +312,7 @@ def test_bad_mode_and_dispatch_are_clear_errors():
 
 
 
+@pytest.mark.multiprocess
 def test_ps_and_worker_without_a_chief_exit_non_zero_naming_it():
     """A chief that never comes up: worker and ps tasks give up after startup_timeout."""
     from tfdist.launch import make_local_cluster
@@ -326,7 +333,135 @@ def test_ps_and_worker_without_a_chief_exit_non_zero_naming_it():
             process.kill()
         assert process.returncode == 1, output
         assert (f"DeadlineExceededError: {task}-0: the chief (chief-0 at {cluster.chief[0]}) "
-                "did not start within startup_timeout=3s") in output, output
+                "did not start within 2 x startup_timeout=3s") in output, output
+
+
+# ---- the step watchdog, without a cluster ---------------------------------------------------
+
+class _FakeWorker:
+    """What the watchdog wraps of a coordinator's worker: a closure blocks until released."""
+
+    def __init__(self, index):
+        self.worker_index = index
+        self.release = threading.Event()
+
+    def _process_closure(self, closure):
+        self.release.wait(60)
+
+    def _on_closure_failure(self, closure, error):
+        pass
+
+
+@pytest.fixture
+def servers():
+    """Addresses of a server that answers like a live gRPC server, and of a silent one
+    (it accepts connections but never answers, like a stopped process)."""
+    answering, silent = socket.create_server(("127.0.0.1", 0)), \
+        socket.create_server(("127.0.0.1", 0))
+
+    def answer():
+        while True:
+            try:
+                connection, _ = answering.accept()
+            except OSError:
+                return
+            with connection:
+                connection.sendall(b"\0" * 9)
+
+    threading.Thread(target=answer, daemon=True).start()
+    yield {name: "127.0.0.1:%d" % sock.getsockname()[1]
+           for name, sock in (("answering", answering), ("silent", silent))}
+    answering.close()
+    silent.close()
+
+
+def _watchdog(servers, workers, step_timeout, control_dir=None, startup_timeout=60):
+    import types
+
+    from tfdist.strategies.parameter_server import _StepWatchdog
+
+    fakes = [_FakeWorker(i) for i in range(len(workers))]
+    coordinator = types.SimpleNamespace(_cluster=types.SimpleNamespace(workers=fakes))
+    watchdog = _StepWatchdog(coordinator, [servers[w] for w in workers], step_timeout,
+                             startup_timeout, control_dir)
+    watchdog.EXIT_GRACE_SECONDS = 3600  # never exit the test process
+    return watchdog, fakes
+
+
+def _eventually(predicate, seconds=60):
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_watchdog_asks_the_launcher_to_restart_a_hung_worker(servers, tmp_path):
+    watchdog, fakes = _watchdog(servers, ["answering", "answering"], 0.5, str(tmp_path))
+    try:
+        threading.Thread(target=fakes[1]._process_closure, args=(None,), daemon=True).start()
+        request = tmp_path / "restart-worker-1"
+        assert _eventually(request.exists)
+        assert request.read_text() == ("it has not finished a step within step_timeout=0.5s: "
+                                       "it is hung or too slow")
+        assert not (tmp_path / "restart-worker-0").exists() and watchdog.error is None
+    finally:
+        fakes[1].release.set()
+        watchdog.stop()
+
+
+def test_watchdog_names_a_frozen_worker_when_nothing_can_restart_it(servers):
+    from tfdist.strategies.parameter_server import StepTimeoutError
+
+    watchdog, fakes = _watchdog(servers, ["answering", "silent"], 0.5)
+    try:
+        # Both steps hang (a frozen worker blocks the chief), but only the silent one is named.
+        assert _eventually(lambda: watchdog._silent)
+        for fake in fakes:
+            threading.Thread(target=fake._process_closure, args=(None,), daemon=True).start()
+        assert _eventually(lambda: watchdog.error is not None)
+        with pytest.raises(StepTimeoutError) as info:
+            watchdog.raise_if_failed()
+        assert info.value.tasks == ["worker-1"]
+        assert str(info.value).startswith(
+            "worker-1 is overdue: its server has not answered for 0.25s: it is frozen. Its "
+            "step cannot be taken back from it while its process lives, and nothing here "
+            "can restart it"), info.value
+        assert str(info.value).endswith("Received: step_timeout=0.5")
+    finally:
+        for fake in fakes:
+            fake.release.set()
+        watchdog.stop()
+
+
+def test_watchdog_fails_when_no_worker_is_left(servers, tmp_path):
+    from tfdist.strategies.parameter_server import StepTimeoutError
+
+    watchdog, _ = _watchdog(servers, ["silent", "silent"], 0.5, str(tmp_path),
+                            startup_timeout=0.5)
+    try:
+        assert _eventually(lambda: watchdog.error is not None)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["restart-worker-0",
+                                                               "restart-worker-1"]
+        with pytest.raises(StepTimeoutError, match=r"^no worker is left: worker-0, worker-1 "
+                           r"froze or hung, and none was restarted within 0\.5s"):
+            watchdog.raise_if_failed()
+    finally:
+        watchdog.stop()
+
+
+def test_step_timeout_is_validated():
+    import tfdist
+
+    spec = tfdist.ClusterSpec.from_dict({"cluster": {
+        "chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]},
+        "task": {"type": "chief", "index": 0}})
+    for bad in (0, -1, "10", True):
+        with pytest.raises(ValueError, match=r"step_timeout must be None or a number > 0\. "
+                                             rf"Received: step_timeout={bad!r}"):
+            tfdist.ParameterServerStrategy(spec, step_timeout=bad)
+
 
 # ---- a ps killed in the middle of fit: clear error, then resume from the checkpoint -------
 
@@ -377,6 +512,7 @@ def _killed_ps_task(work_dir):
             "weights": model.get_weights()}
 
 
+@pytest.mark.multiprocess
 def test_ps_killed_gives_clear_error_and_restart_resumes(tmp_path):
     chief = run_cluster(_killed_ps_task, str(tmp_path), workers=2, chief=True, ps=1,
                         max_restarts=1)[0]
@@ -388,3 +524,127 @@ def test_ps_killed_gives_clear_error_and_restart_resumes(tmp_path):
     assert chief["iterations"] == 4 * 8
     assert all(np.isfinite(w).all() for w in chief["weights"])
 
+
+# ---- workers that die under `tfdist launch`: restarted alone, every step applied once -----
+
+ONCE_PERIOD = 10  # worker-1 crashes after every 10th step it applied
+ONCE_CRASHES = 2
+ONCE_STEPS = 40   # steps per fit call
+
+
+def _write(work_dir, name, text):
+    path = os.path.join(work_dir, name)
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def _counting_model(seen, by_worker):
+    """y = x @ w + b trained on loss = mean(y): with x = 1 and SGD(1.0) every applied
+    update lowers each weight by exactly 1, so ``-b`` counts the updates applied.
+
+    The label is the id of the worker whose input the batch came from. After applying a
+    step, worker-1 calls ``Abort`` (SIGABRT of its own process) every `ONCE_PERIOD`
+    steps, `ONCE_CRASHES` times: its step is applied, but its result never reaches the
+    chief, which runs the step again.
+    """
+    import keras
+    import tensorflow as tf
+
+    class Counting(keras.Model):
+        def train_step(self, data):
+            logs = super().train_step(data)
+            tag = tf.cast(data[1][0, 0], tf.int64)
+            by_worker.scatter_add(tf.IndexedSlices(tf.ones([1], tf.int64), tf.reshape(tag, [1])))
+            n = seen.assign_add(tf.cast(tf.equal(tag, 1), tf.int64))
+            crash = tf.equal(tag, 1) & tf.equal(n % ONCE_PERIOD, 0) & \
+                (n <= ONCE_PERIOD * ONCE_CRASHES)
+
+            def abort():
+                message = "test: worker-1 crashes after applying a step"
+                with tf.control_dependencies([tf.raw_ops.Abort(error_msg=message)]):
+                    return tf.constant(0, tf.int64)
+
+            # Control dependencies, or tf.function prunes the cond (Abort is not stateful).
+            done = tf.cond(crash, abort, lambda: tf.constant(0, tf.int64))
+            with tf.control_dependencies([done]):
+                seen.assign_add(0)
+            return logs
+
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((2,))
+    outputs = keras.layers.Dense(1, kernel_initializer="zeros")(inputs)
+    model = Counting(inputs, outputs)
+    model.compile(keras.optimizers.SGD(1.0), loss=lambda y, p: tf.reduce_mean(p))
+    return model
+
+
+def _exactly_once_task(work_dir):
+    import time
+
+    import keras
+    import tensorflow as tf
+
+    import tfdist
+
+    me = os.environ["TFDIST_TASK"]
+    _write(work_dir, f"{me}.pid", str(os.getpid()))
+    strategy = tfdist.ParameterServerStrategy(startup_timeout=60)
+    with strategy.scope():
+        seen = tf.Variable(0, dtype=tf.int64)  # steps worker-1 applied
+        by_worker = tf.Variable(tf.zeros([2], tf.int64))  # steps per input's worker
+        model = _counting_model(seen, by_worker)
+
+    def dataset_fn(context):
+        tag = float(context.input_pipeline_id)
+        return tf.data.Dataset.from_tensors(
+            (tf.ones([4, 2]), tf.fill([4, 1], tag))).repeat()
+
+    class KillWorker0(keras.callbacks.Callback):
+        """SIGKILLs worker-0's own process in the middle of a fit."""
+        killed_after = None
+
+        def on_train_batch_end(self, batch, logs=None):
+            if KillWorker0.killed_after is None:
+                KillWorker0.killed_after = int(by_worker[0].numpy())
+                with open(os.path.join(work_dir, "worker-0.pid")) as f:
+                    os.kill(int(f.read()), signal.SIGKILL)
+
+    requested, fits = 0, 0
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline:
+        callbacks = [KillWorker0()] if fits == 1 else []
+        model.fit(dataset_fn, epochs=1, steps_per_epoch=ONCE_STEPS, verbose=0,
+                  callbacks=callbacks)
+        requested, fits = requested + ONCE_STEPS, fits + 1
+        back0 = KillWorker0.killed_after is not None and \
+            by_worker[0].numpy() > KillWorker0.killed_after + ONCE_STEPS
+        back1 = seen.numpy() > ONCE_PERIOD * ONCE_CRASHES  # after its last restart
+        if back0 and back1:
+            break
+    return {"requested": requested, "fits": fits,
+            "iterations": int(model.optimizer.iterations.numpy()),
+            "applied": -float(model.layers[-1].bias.numpy()[0]),
+            "kernel": model.layers[-1].kernel.numpy().ravel().tolist(),
+            "seen": int(seen.numpy()), "by_worker": by_worker.numpy().tolist()}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_killed_and_crashed_workers_restart_alone_and_every_step_applies_once(
+        tmp_path, capfd):
+    chief = run_cluster(_exactly_once_task, str(tmp_path), workers=2, chief=True, ps=1,
+                        max_restarts=ONCE_CRASHES + 1, timeout=280, stream=None)[0]
+    log = capfd.readouterr().err
+    print(chief)
+    # The launcher restarted each worker alone, at its address; the job went on.
+    assert log.count("worker-1 exited with code -6; restarting worker-1 alone") == \
+        ONCE_CRASHES, log
+    assert "worker-0 exited with code -9; restarting worker-0 alone" in log, log
+    assert "restart 3/3" in log and "restart 4/" not in log, log
+    # TF's coordinator took both back: each ran steps after its (last) restart.
+    assert chief["seen"] > ONCE_PERIOD * ONCE_CRASHES, chief
+    # Exactly once: every requested step updated the weights once, and only once.
+    assert chief["iterations"] == chief["requested"], chief
+    assert chief["applied"] == chief["requested"], chief
+    assert chief["kernel"] == [-chief["requested"]] * 2, chief

@@ -25,8 +25,10 @@ batches sharded over the workers).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import re
+import threading
 import weakref
 
 import numpy as np
@@ -36,7 +38,10 @@ from tfdist import _hooks
 from tfdist.strategies.parameter_server import ParameterServerUnavailableError
 
 DEFAULT_BATCH_SIZE = 32
+# Step ids the exactly-once ledger remembers (a ring): far more than steps in flight.
+LEDGER_SIZE = 1 << 16
 _drivers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_step_ids = itertools.count(1)  # 0 marks an empty ledger slot
 
 
 # ---- inputs -----------------------------------------------------------------------------
@@ -186,11 +191,122 @@ def _to_python(logs):
     return out
 
 
+class _Ledger:
+    """The ids of the steps whose updates were applied, kept on a ps (a ring).
+
+    A step closure that is cut short (its worker died or was killed) is run again by
+    the coordinator with the same id. Its updates may already have been applied: the
+    ledger says so, and the second run applies nothing (see `_once`).
+    """
+
+    def __init__(self, strategy, anchor):
+        with strategy.scope(), strategy.extended.colocate_vars_with(anchor):
+            self.ids = tf.Variable(tf.zeros([LEDGER_SIZE], tf.int64), trainable=False,
+                                   name="tfdist_applied_steps")
+        self.device = self.ids.device
+
+
+def _once(ledger, step_id, tensors, apply):
+    """Runs ``apply(tensors)`` on the ps unless step ``step_id`` was applied before.
+
+    While tracing a step. All of ``tensors`` (the gradients) are first moved to the
+    ledger's ps together (one ``IdentityN``), then the check, ``apply`` and the ledger
+    write run there, in that order, with nothing left to come from the worker: a worker
+    that dies before every gradient has arrived applies nothing, one that dies after
+    cannot stop the update. The rerun of a step then applies it only if it was not.
+    """
+    flat = tf.nest.flatten(tensors, expand_composites=True)
+    present = [i for i, t in enumerate(flat) if t is not None]
+    with tf.device(ledger.device):
+        moved = tf.identity_n([flat[i] for i in present]) if present else []
+        for i, t in zip(present, moved):
+            flat[i] = t
+        tensors = tf.nest.pack_sequence_as(tensors, flat, expand_composites=True)
+        slot = step_id % LEDGER_SIZE
+        with tf.control_dependencies(moved):
+            todo = tf.not_equal(tf.gather(ledger.ids, slot), step_id)
+
+        def run():
+            graph = tf.compat.v1.get_default_graph()
+            first = len(graph.get_operations())
+            apply(tensors)
+            with tf.control_dependencies(graph.get_operations()[first:]):
+                ledger.ids.scatter_update(tf.IndexedSlices(
+                    tf.reshape(step_id, [1]), tf.reshape(slot, [1])))
+                return tf.constant(True)
+
+        return tf.cond(todo, run, lambda: tf.constant(False))
+
+
 @contextlib.contextmanager
-def _accumulate_instead_of_apply(optimizer, accumulators, scale):
-    """While tracing: ``optimizer.apply`` adds ``scale * gradient`` to the accumulators."""
+def _record_instead_of_apply(optimizer, records):
+    """While tracing: ``optimizer.apply`` appends ``(grads, variables)`` to ``records``
+    (one list per replica thread) and applies nothing."""
+
+    def record(grads, trainable_variables=None):
+        variables = optimizer.trainable_variables if trainable_variables is None else \
+            list(trainable_variables)
+        records.setdefault(threading.get_ident(), []).append((list(grads), variables))
+        return optimizer.iterations
+
+    optimizer.__dict__["apply"] = record
+    try:
+        yield
+    finally:
+        optimizer.__dict__.pop("apply", None)
+
+
+def _train_step_applied_once(model, strategy, ledger, data, step_id):
+    """``model.train_step`` on ``data``, whose optimizer update is applied once per
+    ``step_id`` (see `_once`). Returns the step's logs.
+
+    The update runs after the rest of ``train_step`` (Keras' own applies, then only
+    updates metrics): the optimizer's merge_call cannot run inside the replica
+    function's ``tf.cond``, so the gradients come out of ``strategy.run`` and are
+    applied by a second ``strategy.run`` inside the condition.
+    """
+    optimizer = model.optimizer
+    records = {}
+    layout = []  # per apply call: (its variables, which gradients are not None)
+
+    def replica_step(data):
+        with _record_instead_of_apply(optimizer, records), _hooks.shard_aware_gradients():
+            logs = model.train_step(data)
+        mine = records.get(threading.get_ident(), [])
+        if not layout:
+            layout.extend((variables, [g is not None for g in grads])
+                          for grads, variables in mine)
+        return logs, [g for grads, _ in mine for g in grads if g is not None]
+
+    logs, grads = strategy.run(replica_step, args=(data,))
+    if layout:
+        def apply(grads):
+            def replica_apply(grads):
+                grads = iter(grads)
+                # A replica runs on its worker's device: keep every op of the update on
+                # the ps, or a worker dying mid-update could leave it half applied.
+                with tf.device(ledger.device):
+                    for variables, present in layout:
+                        optimizer.apply([next(grads) if p else None for p in present],
+                                        variables)
+
+            strategy.run(replica_apply, args=(grads,))
+
+        _once(ledger, step_id, grads, apply)
+    return logs
+
+
+@contextlib.contextmanager
+def _accumulate_instead_of_apply(optimizer, accumulators, scale, ledger, step_id):
+    """While tracing: ``optimizer.apply`` adds ``scale * gradient`` to the accumulators,
+    once per ``step_id`` (see `_once`)."""
 
     def accumulate(grads, trainable_variables=None):
+        variables = list(trainable_variables)
+        _once(ledger, step_id, list(grads), lambda g: add(g, variables))
+        return optimizer.iterations
+
+    def add(grads, trainable_variables):
         for grad, var in zip(grads, trainable_variables):
             if grad is None:
                 continue
@@ -206,7 +322,6 @@ def _accumulate_instead_of_apply(optimizer, accumulators, scale):
                     grad.dense_shape))
             else:
                 accumulator.assign_add(grad * tf.cast(scale, grad.dtype))
-        return optimizer.iterations
 
     optimizer.__dict__["apply"] = accumulate
     try:
@@ -226,11 +341,14 @@ class _Driver:
         self.compile_loss = getattr(model, "_compile_loss", None)
         self.built_for = None
         self.accumulators = None
+        self.ledger = None
 
     def ensure_built(self, element_spec):
         model, strategy = self.model, self.strategy
         with strategy.scope():
             _hooks.build_keras_state(model, element_spec)
+            if self.ledger is None:
+                self.ledger = _Ledger(strategy, model.optimizer.iterations.value)
             if strategy.mode == "sync" and self.accumulators is None:
                 self.accumulators = {}
                 for var in model.trainable_variables:
@@ -250,21 +368,22 @@ class _Driver:
     def train_function(self):
         model, strategy = self.model, self.strategy
         if getattr(self, "_train_fn", None) is None:
+            ledger = self.ledger
             if strategy.mode == "async":
-                def step(iterator):
+                def step(iterator, step_id):
                     data = next(iterator)
-                    with _hooks.shard_aware_gradients():
-                        outputs = strategy.run(model.train_step, args=(data,))
+                    outputs = _train_step_applied_once(model, strategy, ledger, data, step_id)
                     return _local(strategy, outputs, "mean")
             else:
                 scale = 1.0 / strategy.num_workers
                 accumulators = self.accumulators
 
-                def step(iterator):
+                def step(iterator, step_id):
                     data = next(iterator)
 
                     def replica_step(data):
-                        with _accumulate_instead_of_apply(model.optimizer, accumulators, scale), \
+                        with _accumulate_instead_of_apply(model.optimizer, accumulators, scale,
+                                                          ledger, step_id), \
                                 _hooks.shard_aware_gradients():
                             return model.train_step(data)
 
@@ -275,12 +394,18 @@ class _Driver:
     def apply_function(self):
         """Sync mode: apply the summed gradients once, then zero them."""
         if getattr(self, "_apply_fn", None) is None:
-            model, accumulators = self.model, self.accumulators
+            model, accumulators, ledger = self.model, self.accumulators, self.ledger
 
-            def apply_sum():
-                model.distribute_strategy.run(apply_replica)
+            def apply_sum(step_id):
+                run = model.distribute_strategy.run
+                _once(ledger, step_id, [step_id], lambda _: run(apply_and_zero))
 
-            def apply_replica():
+            def apply_and_zero():
+                # The replica's own device is its worker's: keep the update on the ps.
+                with tf.device(ledger.device):
+                    apply_summed_gradients()
+
+            def apply_summed_gradients():
                 variables = model.trainable_variables
                 grads = []
                 for v in variables:
@@ -331,34 +456,69 @@ class _Driver:
         if strategy.mode == "async":
             last = None
             for _ in range(count):
-                last = self.coordinator.schedule(train_fn, args=(iterator,))
+                last = self.coordinator.schedule(train_fn, args=(iterator, _new_step_id()))
             pushed = count
         else:
             apply_fn = self.apply_function()
             for _ in range(count):
-                values = [_hooks.schedule_on_worker(self.coordinator, i, train_fn, (iterator,))
+                values = [_hooks.schedule_on_worker(self.coordinator, i, train_fn,
+                                                    (iterator, _new_step_id()))
                           for i in range(strategy.num_workers)]
-                self.coordinator.join()
+                _join(strategy)
                 # Keras' optimizer needs a replica context: apply on a worker, then wait.
-                self.coordinator.schedule(apply_fn)
-                self.coordinator.join()
+                self.coordinator.schedule(apply_fn, args=(_new_step_id(),))
+                _join(strategy)
             last = values[-1]
             pushed = count * strategy.num_workers
         strategy._bytes.add(pushed * self.gradient_bytes)
         return last
 
     def finish_train_steps(self, last):
-        """The logs of a step started by `start_train_steps`, as Python numbers."""
-        return _to_python(_fetch(self.coordinator, last))
+        """The logs of a step started by `start_train_steps`, as Python numbers (the
+        previous ones if its worker died after the step, before they were read)."""
+        logs = _fetch(self.strategy, last)
+        if logs is not None:
+            self.last_logs = _to_python(logs)
+        return getattr(self, "last_logs", {})
 
 
-def _fetch(coordinator, remote_value):
-    """Fetches a step's result; when it was cancelled, raises the error that caused it."""
+def _new_step_id():
+    """A step id no other closure of this process has (the ledger tells reruns by it)."""
+    return tf.constant(next(_step_ids), tf.int64)
+
+
+def _join(strategy):
+    """``coordinator.join()``, or the strategy's `StepTimeoutError` (see ``step_timeout``)."""
+    while not _hooks.wait_for_closures(strategy.coordinator, 1.0):
+        strategy.raise_if_steps_timed_out()
+
+
+def _is_worker_lost(error) -> bool:
+    """A worker died after its step finished, before the chief read the result."""
+    text = str(error)
+    return isinstance(error, tf.errors.UnavailableError) and "/job:worker/" in text and \
+        "/job:ps/" not in text
+
+
+def _fetch(strategy, remote_value, retry=None):
+    """Fetches a step's result; when it was cancelled, raises the error that caused it
+    (or the strategy's `StepTimeoutError`).
+
+    TF copies a result to the chief lazily, so a worker that dies after finishing a step
+    takes the result with it (the step itself is done). Then ``retry()`` schedules the
+    step again and its result is fetched; without ``retry`` this returns None.
+    """
+    while not _hooks.wait_for_remote_value(remote_value, 1.0):
+        strategy.raise_if_steps_timed_out()
     try:
         return remote_value.fetch()
     except tf.errors.CancelledError:
-        coordinator.join()  # raises the first error of the scheduled steps, if any
+        _join(strategy)  # raises the first error of the scheduled steps, if any
         raise
+    except tf.errors.UnavailableError as error:
+        if not _is_worker_lost(error):
+            raise
+        return None if retry is None else _fetch(strategy, retry(), retry)
 
 
 def _driver(model) -> _Driver:
@@ -381,6 +541,8 @@ def _clear_ps_errors(strategy):
         yield
     except tf.errors.UnavailableError as error:
         tasks = sorted({f"ps-{t}" for t in _PS_TASK.findall(str(error))})
+        if not tasks and _is_worker_lost(error):
+            raise  # a worker's, which TF did not handle: not a ps failure
         which = ", ".join(tasks) if tasks else "a parameter server (or the connection to it)"
         raise ParameterServerUnavailableError(
             f"{which} became unavailable during training; the variables it held are lost. "
@@ -460,7 +622,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
             if pending is not None:
                 logs = driver.finish_train_steps(pending[1])
                 callbacks.on_train_batch_end(pending[0], logs)
-            driver.coordinator.join()
+            _join(strategy)
             epoch_logs = _to_python(_hooks.keras_metrics_or_logs(model, logs))
             if validation_data is not None and _should_eval(epoch, validation_freq):
                 val_x, val_y, val_sw = _unpack(validation_data)
@@ -522,13 +684,13 @@ def evaluate(model, x=None, y=None, batch_size=None, verbose="auto", sample_weig
                 callbacks.on_test_batch_begin(step)
             pending.append(driver.coordinator.schedule(test_fn, args=(batch,)))
             if len(pending) == window:
-                logs = _to_python(_fetch(driver.coordinator, pending[-1]))
+                logs = _to_python(_fetch(strategy, pending[-1])) or logs
                 callbacks.on_test_batch_end(step, logs)
                 pending = []
         if pending:
-            logs = _to_python(_fetch(driver.coordinator, pending[-1]))
+            logs = _to_python(_fetch(strategy, pending[-1])) or logs
             callbacks.on_test_batch_end(step, logs)
-        driver.coordinator.join()
+        _join(strategy)
         logs = _to_python(_hooks.keras_metrics_or_logs(model, logs))
     callbacks.on_test_end(logs)
     if return_dict:
@@ -554,9 +716,12 @@ def predict(model, x, batch_size=None, verbose="auto", steps=None, callbacks=Non
         remote = []
         for step, batch in enumerate(dataset):
             callbacks.on_predict_batch_begin(step)
-            remote.append((step, driver.coordinator.schedule(predict_fn, args=(batch,))))
-        for step, value in remote:
-            batch_outputs = tf.nest.map_structure(np.asarray, _fetch(driver.coordinator, value))
+            remote.append((step, batch, driver.coordinator.schedule(predict_fn, args=(batch,))))
+        for step, batch, value in remote:
+            def retry(batch=batch):
+                return driver.coordinator.schedule(predict_fn, args=(batch,))
+
+            batch_outputs = tf.nest.map_structure(np.asarray, _fetch(strategy, value, retry))
             callbacks.on_predict_batch_end(step, {"outputs": batch_outputs})
             outputs.append(batch_outputs)
     callbacks.on_predict_end()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
 import time
 
 import tensorflow as tf
@@ -28,6 +29,9 @@ from tfdist import _hooks
 from tfdist.cluster import ClusterSpec, resolve_cluster
 
 MODES = ("async", "sync")
+DEFAULT_STEP_TIMEOUT = 600.0
+# Set by `tfdist launch`: the chief asks it to restart a worker by creating a file here.
+CONTROL_DIR_ENV = "TFDIST_CONTROL_DIR"
 # Dotted path of the module with fit/evaluate/predict for models of this strategy. A name,
 # not an import: strategies must not import the Keras glue layer above them.
 FIT_DRIVER = "tfdist.keras.ps_fit"
@@ -39,6 +43,163 @@ class ParameterServerUnavailableError(RuntimeError):
     Restart the job (``tfdist launch --max-restarts N``) and resume from the chief's
     checkpoint (for example with `keras.callbacks.BackupAndRestore`).
     """
+
+
+class StepTimeoutError(TimeoutError):
+    """Steps did not finish within ``step_timeout`` and no worker can take them over.
+
+    Attributes:
+        tasks: The names of the workers whose step timed out, e.g. ``["worker-1"]``.
+    """
+
+    def __init__(self, message, tasks):
+        super().__init__(message)
+        self.tasks = list(tasks)
+
+
+# An HTTP/2 client preface and an empty SETTINGS frame: a live gRPC server answers with
+# its own SETTINGS at once; a frozen process never does (its kernel still accepts TCP).
+_HTTP2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
+def is_responsive(address: str, timeout: float) -> bool | None:
+    """Whether the gRPC server at ``address`` answers within ``timeout`` seconds.
+
+    Returns:
+        True if it answered, False if it accepted the connection but stayed silent
+        (a frozen or stopped process), None if nothing listens (dead or restarting).
+    """
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as sock:
+            sock.settimeout(timeout)
+            sock.sendall(_HTTP2_HELLO)
+            return len(sock.recv(9)) > 0
+    except socket.timeout:
+        return False
+    except OSError:
+        return None
+
+
+class _StepWatchdog:
+    """Finds frozen or hung workers, names them, and has them restarted.
+
+    A step sent to a frozen worker never returns, and TF cannot take it back while the
+    worker lives; worse, while any worker is frozen every TF call of the chief that
+    touches the cluster blocks (measured on TF 2.21: even reading a ps variable). So
+    each worker's server is probed (`is_responsive`), and each running step is timed.
+    A worker is overdue when its server stays silent for ``step_timeout / 2`` (at most
+    30 s), or, while every server answers, when its step runs longer than
+    ``step_timeout``. Under `tfdist launch` (``TFDIST_CONTROL_DIR`` set) the launcher is
+    asked to SIGKILL and restart it: its death lets TF's coordinator run the step on
+    another worker and take the restarted one back. Otherwise nothing can, and `error`
+    names it; it also does when every worker has been overdue for longer than
+    ``step_timeout + startup_timeout``. If ``fit`` does not raise `error` within
+    `EXIT_GRACE_SECONDS` (the chief is blocked inside TF), the process exits with 1.
+    """
+
+    EXIT_GRACE_SECONDS = 10.0
+
+    def __init__(self, coordinator, addresses, step_timeout, startup_timeout,
+                 control_dir=None):
+        self.error = None
+        self._raised = self._stopped = False
+        self._running = _hooks.track_running_closures(coordinator)
+        self._step_timeout = step_timeout
+        self._probe_timeout = min(step_timeout / 2, 30.0)
+        self._interval = min(step_timeout / 4, 2.0)
+        self._grace = step_timeout + startup_timeout
+        self._control_dir = control_dir
+        self._workers = len(addresses)
+        self._silent = {}  # worker index -> when its server stopped answering
+        self._flagged = {}  # overdue key (a step's token, or a silence) -> (index, when)
+        for index, address in enumerate(addresses):
+            threading.Thread(target=self._probe, args=(index, address), daemon=True,
+                             name=f"tfdist-probe-worker-{index}").start()
+        threading.Thread(target=self._watch, name="tfdist-step-watchdog", daemon=True).start()
+
+    def _probe(self, index, address):
+        while self.error is None and not self._stopped:
+            if is_responsive(address, self._probe_timeout) is False:
+                self._silent.setdefault(index, time.monotonic())
+            else:
+                self._silent.pop(index, None)
+            time.sleep(self._interval)
+
+    def _watch(self):
+        while self.error is None and not self._stopped:
+            time.sleep(self._interval)
+            self.check()
+
+    def check(self):
+        """Flags the overdue workers (see the class); sets `error` if nothing can help."""
+        now = time.monotonic()
+        running, silent = dict(self._running), dict(self._silent)
+        overdue = {("silent", i, since): (i, "its server has not answered for "
+                                          f"{self._probe_timeout:g}s: it is frozen")
+                   for i, since in silent.items()}
+        if not silent:  # a frozen worker blocks every step: blame only it
+            overdue.update({token: (i, f"it has not finished a step within step_timeout="
+                                       f"{self._step_timeout:g}s: it is hung or too slow")
+                            for i, (token, started) in running.items()
+                            if now - started > self._step_timeout})
+        alive = {token for token, _ in running.values()} | set(overdue)
+        self._flagged = {k: v for k, v in self._flagged.items() if k in alive}
+        for key, (index, why) in overdue.items():
+            if key not in self._flagged:
+                self._flagged[key] = (index, now)
+                self._on_overdue(f"worker-{index}", why)
+        stuck = sorted({index for index, _ in self._flagged.values()})
+        if self.error is None and len(stuck) == self._workers and \
+                now - max(when for _, when in self._flagged.values()) > self._grace:
+            names = [f"worker-{i}" for i in stuck]
+            self._fail(StepTimeoutError(
+                f"no worker is left: {', '.join(names)} froze or hung, and none was "
+                f"restarted within {self._grace - self._step_timeout:g}s "
+                f"(step_timeout + startup_timeout). Received: "
+                f"step_timeout={self._step_timeout:g}", names))
+
+    def _on_overdue(self, name, why):
+        if self._control_dir is None:
+            self._fail(StepTimeoutError(
+                f"{name} is overdue: {why}. Its step cannot be taken back from it while "
+                "its process lives, and nothing here can restart it (the job was not "
+                f"started by `tfdist launch`). Restart {name} or the job (and resume from "
+                "the chief's checkpoint), or raise step_timeout. Received: "
+                f"step_timeout={self._step_timeout:g}", [name]))
+            return
+        print(f"tfdist: {name} is overdue: {why}; asking tfdist launch to kill and restart "
+              "it (its step runs again on another worker)", file=sys.stderr, flush=True)
+        path = os.path.join(self._control_dir, f"restart-{name}")
+        try:
+            with open(path + ".tmp", "w") as f:
+                f.write(why)
+            os.replace(path + ".tmp", path)
+        except OSError as error:
+            self._fail(StepTimeoutError(f"{name} is overdue: {why}; asking tfdist launch "
+                                        f"to restart it failed: {error}", [name]))
+
+    def _fail(self, error):
+        self.error = error
+        threading.Thread(target=self._exit_unless_raised, daemon=True).start()
+
+    def _exit_unless_raised(self):
+        time.sleep(self.EXIT_GRACE_SECONDS)
+        if not self._raised:
+            print(f"tfdist: {type(self.error).__name__}: {self.error}\ntfdist: the chief is "
+                  "blocked in TensorFlow by the frozen worker; exiting with code 1",
+                  file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(1)
+
+    def stop(self):
+        """Ends the probes and checks (within one interval)."""
+        self._stopped = True
+
+    def raise_if_failed(self):
+        if self.error is not None:
+            self._raised = True
+            raise self.error
 
 
 def validate_ps_cluster(spec: ClusterSpec) -> None:
@@ -115,6 +276,8 @@ def serve_until_chief_done(spec: ClusterSpec, poll_seconds: float = 1.0,
         tf.errors.DeadlineExceededError: the chief did not start within
             ``startup_timeout`` seconds (the message names it).
     """
+    # The chief itself listens only once every worker and ps does, after up to
+    # its own startup_timeout: give it that long too.
     server = tf.distribute.Server(
         tf.train.ClusterSpec(spec.jobs()), job_name=spec.task.type,
         task_index=spec.task.index, protocol="grpc", start=True)
@@ -122,12 +285,12 @@ def serve_until_chief_done(spec: ClusterSpec, poll_seconds: float = 1.0,
           f"at {spec.chief[0]} to finish", flush=True)
     restarted = os.environ.get("TFDIST_TASK_RESTART", "0") not in ("", "0")
     try:
-        wait_for_chief(spec.chief[0], poll_seconds, startup_timeout=startup_timeout,
-                       seen=restarted)
+        wait_for_chief(spec.chief[0], poll_seconds, seen=restarted,
+                       startup_timeout=None if startup_timeout is None else 2 * startup_timeout)
     except TimeoutError:
         raise tf.errors.DeadlineExceededError(
             None, None, f"{spec.task.name}: the chief (chief-0 at {spec.chief[0]}) did not "
-            f"start within startup_timeout={startup_timeout:g}s (nothing listens there); "
+            f"start within 2 x startup_timeout={startup_timeout:g}s (nothing listens there); "
             "without a chief nothing runs, so this task gives up. Check that the chief "
             "was started with the same cluster, and its output.") from None
     print(f"tfdist: the chief has finished; {spec.task.name} exits", flush=True)
@@ -177,8 +340,16 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
             in sync mode.
         chief_poll_seconds: How often worker and ps tasks check that the chief is alive.
         startup_timeout: Seconds the chief waits for every worker and ps server to
-            listen, and a worker or ps waits for the chief to listen; TF itself would
-            wait forever for a task that never starts.
+            listen; a worker or ps waits twice as long for the chief (which listens
+            only after that). TF itself would wait forever for a task that never starts.
+        step_timeout: Seconds a step (one closure: a training step, a sync apply, an
+            evaluate or predict batch) may run on a worker, or None for no limit. TF's
+            coordinator has none: a frozen worker hangs ``fit``. Past it, the chief names
+            the worker and, under `tfdist launch`, has it killed and restarted: its step
+            runs again on another worker. Without `tfdist launch`, or when no worker is
+            back in time, ``fit`` raises `StepTimeoutError` naming the workers. Default
+            600 s: far above a healthy step, including the first (which builds the
+            worker's function).
 
     Raises:
         ValueError: bad ``mode``, or a cluster without chief, ps or worker.
@@ -188,7 +359,8 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
     """
 
     def __init__(self, cluster_resolver=None, mode="async", variable_partitioner=None, *,
-                 steps_per_dispatch=None, chief_poll_seconds=1.0, startup_timeout=60.0):
+                 steps_per_dispatch=None, chief_poll_seconds=1.0, startup_timeout=60.0,
+                 step_timeout=DEFAULT_STEP_TIMEOUT):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {list(MODES)}. Received: mode={mode!r}")
         if steps_per_dispatch is not None and (
@@ -208,6 +380,10 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
                 startup_timeout, (int, float)) or not startup_timeout > 0:
             raise ValueError("startup_timeout must be a number > 0. "
                              f"Received: startup_timeout={startup_timeout!r}")
+        if step_timeout is not None and (isinstance(step_timeout, bool) or not isinstance(
+                step_timeout, (int, float)) or not step_timeout > 0):
+            raise ValueError("step_timeout must be None or a number > 0. "
+                             f"Received: step_timeout={step_timeout!r}")
         if spec.task.type in ("worker", "ps"):
             serve_until_chief_done(spec, chief_poll_seconds, startup_timeout)  # no return
         _wait_for_servers(spec, startup_timeout)
@@ -217,6 +393,10 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         super().__init__(spec.to_cluster_resolver(), variable_partitioner=variable_partitioner)
         _hooks.allow_sharded_updates(self.extended)
         self._coordinator = tf.distribute.coordinator.ClusterCoordinator(self)
+        self._step_timeout = step_timeout
+        self._watchdog = None if step_timeout is None else _StepWatchdog(
+            self._coordinator, spec.worker, step_timeout, startup_timeout,
+            os.environ.get(CONTROL_DIR_ENV) or None)
         from tfdist.comm.accounting import ByteCounter
 
         self._bytes = ByteCounter("tfdist_ps_bytes_pushed")
@@ -247,6 +427,16 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
     @property
     def steps_per_dispatch(self):
         return self._steps_per_dispatch
+
+    @property
+    def step_timeout(self):
+        """Seconds a step may run on a worker (None: no limit)."""
+        return self._step_timeout
+
+    def raise_if_steps_timed_out(self) -> None:
+        """Raises `StepTimeoutError` if the step watchdog gave up (see ``step_timeout``)."""
+        if self._watchdog is not None:
+            self._watchdog.raise_if_failed()
 
     @property
     def bytes_communicated(self) -> int:
