@@ -74,7 +74,7 @@ def test_keras_multi_worker_path_follows_the_mwms_class():
     assert not _hooks.keras_uses_multi_worker_path(fake(tf.distribute.MirroredStrategy, True))
 
 
-# ---- model averaging: install_local_update_hooks, install_model_hooks ---------------------
+# ---- the Keras hand-off: install_keras_hooks ----------------------------------------------
 
 def test_keras_optimizer_step_has_the_points_model_averaging_replaces():
     from keras.src.backend.tensorflow import optimizer as tf_optimizer
@@ -84,7 +84,7 @@ def test_keras_optimizer_step_has_the_points_model_averaging_replaces():
     apply_source = inspect.getsource(base_optimizer.BaseOptimizer.apply)
     assert "self._backend_apply_gradients(" in apply_source, (
         "Keras' apply no longer calls _backend_apply_gradients: "
-        "tfdist._hooks.install_local_update_hooks would not see the optimizer step")
+        "tfdist._hooks.install_keras_hooks would not see the optimizer step")
     step_source = inspect.getsource(tf_optimizer.TFOptimizer._backend_update_step)
     assert "self._all_reduce_sum_gradients(" in step_source, (
         "TFOptimizer no longer reduces gradients in _all_reduce_sum_gradients: model "
@@ -140,14 +140,16 @@ def test_model_hooks_call_the_strategy(logical_cpus):
 
     import tfdist
 
+    from tfdist import _hooks
+
     tfdist.ModelAverageStrategy()  # installs the hooks
-    assert keras.Model._tfdist_model_hooks
+    assert keras.Model._tfdist_keras_hooks
 
     class Stop(Exception):
         pass
 
-    class Fake:
-        def _tfdist_model_hook(self, model, method, when):
+    class Fake(_hooks.KerasHandoff):
+        def keras_model_event(self, model, method, when):
             raise Stop(method, when)
 
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
@@ -221,7 +223,7 @@ def test_keras_trainer_internals_used_by_the_ps_fit_driver():
     import keras
     from keras.src.backend.tensorflow import trainer
 
-    # route_keras_fit_to_driver: the strategy a model was built under is kept here.
+    # keras_fit_driver: the strategy a model was built under is kept here.
     assert "self._distribute_strategy = tf.distribute.get_strategy()" in \
         inspect.getsource(trainer.TensorFlowTrainer.__init__)
     for name in ("fit", "evaluate", "predict"):
@@ -239,14 +241,14 @@ def test_route_keras_fit_to_driver_only_for_marked_strategies():
 
     from tfdist import _hooks
 
-    _hooks.route_keras_fit_to_driver()
+    _hooks.install_keras_hooks()
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     model.compile(optimizer="sgd", loss="mse")
     history = model.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0)  # Keras' own fit
     assert len(history.history["loss"]) == 1
 
-    class Marked:
-        _tfdist_fit_driver = "tests_fake_fit_driver"
+    class Marked(_hooks.KerasHandoff):
+        keras_fit_driver = "tests_fake_fit_driver"
 
     import sys
     import types
@@ -304,9 +306,12 @@ def test_atomic_keras_updates_under_a_marked_strategy():
 
     # What the hook replaces: Keras' read-then-write assign_add.
     assert "self.assign(self + value)" in inspect.getsource(variables.Variable.assign_add)
-    _hooks.install_atomic_keras_updates()
-    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
-    strategy._tfdist_atomic_updates = True
+    _hooks.install_keras_hooks()
+
+    class Atomic(_hooks.KerasHandoff, tf.distribute.OneDeviceStrategy):
+        keras_atomic_updates = True
+
+    strategy = Atomic("/cpu:0")
     with strategy.scope():
         v = keras.Variable(1.0)
         calls = []

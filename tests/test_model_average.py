@@ -381,7 +381,7 @@ def test_fit_refuses_steps_that_bypassed_the_local_update(logical_cpus):
     import tfdist
 
     strategy = tfdist.ModelAverageStrategy(period=4)
-    strategy._tfdist_local_apply = None
+    strategy.keras_local_update = lambda: None
     x, y = linear_data(n=32)
     with pytest.raises(RuntimeError, match="did not go through tfdist's local update"):
         fit_linear(strategy, x, y, epochs=1)

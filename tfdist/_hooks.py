@@ -80,66 +80,196 @@ def configure_coordination_service(jobs, register_timeout_seconds, heartbeat_tim
     return config
 
 
-# ---- model averaging (tfdist.strategies.model_average) ----------------------------------
+# ---- the Keras hand-off: one interface, one installer ----------------------------------
 
-# Attribute a strategy sets to take over the optimizer step (see install_local_update_hooks).
-LOCAL_UPDATE_ATTR = "_tfdist_local_apply"
-# Attribute a strategy sets to be told about fit/evaluate/predict/save (install_model_hooks).
-MODEL_HOOK_ATTR = "_tfdist_model_hook"
-# Model methods around which (fit) or before which (the others) the strategy is called.
-MODEL_HOOK_METHODS = {"fit": "around", "evaluate": "before", "predict": "before",
-                      "test_on_batch": "before", "predict_on_batch": "before",
-                      "save": "before", "save_weights": "before", "export": "before"}
+# Model methods around which (fit) or before which (the others) the strategy is told.
+MODEL_EVENTS = {"fit": "around", "evaluate": "before", "predict": "before",
+                "test_on_batch": "before", "predict_on_batch": "before",
+                "save": "before", "save_weights": "before", "export": "before"}
+# Model methods a fit driver (parameter servers) replaces.
+FIT_DRIVER_METHODS = ("fit", "evaluate", "predict")
 
 
-def _local_update_handler():
-    """The running strategy's local-update handler, or None (replica context only)."""
+class KerasHandoff:
+    """What a tfdist strategy changes in Keras: the one interface behind every patch.
+
+    A strategy class inherits it and overrides what it changes; every default is Keras'
+    own behaviour. `install_keras_hooks` patches Keras once, and each patch asks the
+    strategy running the code (`handoff_of`); for any other strategy Keras runs as it is.
+    """
+
+    #: Module whose fit/evaluate/predict replace Keras' own (parameter servers).
+    keras_fit_driver: str | None = None
+    #: Keras variables' assign_add/assign_sub are atomic (asynchronous ps updates).
+    keras_atomic_updates = False
+    #: model.save/save_weights write atomically and refuse NaN/inf weights.
+    keras_safe_saves = False
+    #: A LossScaleOptimizer skips or applies each step on every replica together.
+    keras_global_finite_check = False
+
+    def keras_local_update(self):
+        """None, or ``f(optimizer, apply_fn, grads, variables)`` that replaces Keras'
+        optimizer step in replica context; Keras' gradient all-reduce is then skipped."""
+        return None
+
+    def keras_reduce_gradients(self, grads_and_vars, reduce):
+        """Keras' gradient all-reduce in replica context; ``reduce`` is Keras' own."""
+        return reduce(grads_and_vars)
+
+    def keras_fit_context(self, model, arguments):
+        """The context manager ``fit`` runs in (``arguments``: fit's bound arguments)."""
+        del model, arguments
+        return contextlib.nullcontext()
+
+    def keras_model_event(self, model, method, when):
+        """Told ``"before"`` and ``"after"`` fit, and ``"before"`` the other `MODEL_EVENTS`."""
+
+
+def handoff_of(strategy) -> KerasHandoff | None:
+    """``strategy`` if it declares a Keras hand-off, else None."""
+    return strategy if isinstance(strategy, KerasHandoff) else None
+
+
+def _replica_handoff() -> KerasHandoff | None:
+    """The hand-off of the strategy running this replica function, if any."""
     import tensorflow as tf
 
     if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
         return None
     context = tf.distribute.get_replica_context()
-    return getattr(context.strategy, LOCAL_UPDATE_ATTR, None) if context else None
+    return handoff_of(context.strategy) if context else None
 
 
-def install_local_update_hooks() -> None:
-    """Lets a strategy replace the gradient all-reduce of Keras' TF optimizer.
+def install_keras_hooks() -> None:
+    """Patches Keras once so that strategies can declare a `KerasHandoff`. Idempotent.
 
-    Why: Keras 3's ``TFOptimizer._backend_update_step`` always SUM-all-reduces the
-    gradients (``_all_reduce_sum_gradients``) before ``extended.update``; model
-    averaging needs each replica to apply its own gradient. When the strategy running
-    the step has a ``_tfdist_local_apply(optimizer, apply_fn, grads, variables)``
-    attribute, ``_backend_apply_gradients`` (clip, weight decay, update) is routed
-    through it and ``_all_reduce_sum_gradients`` returns the local gradients unchanged.
-    Every other strategy gets Keras' own code. Idempotent.
+    Why each patch (all private or internal Keras behaviour, tested in
+    tests/test_hooks.py):
+
+    - ``TFOptimizer._backend_apply_gradients`` and ``_all_reduce_sum_gradients``: Keras
+      3 always SUM-all-reduces gradients before ``extended.update``, with no place to
+      compress or count them, and model averaging and tfdist's gradient accumulation
+      must apply local gradients (`KerasHandoff.keras_local_update`,
+      `KerasHandoff.keras_reduce_gradients`).
+    - ``keras.Model`` methods: Keras has no strategy callback around ``fit`` nor before
+      evaluate/predict/save (model averaging must average first, non-chief workers must
+      write elsewhere), and Keras 3 dropped parameter-server ``fit``
+      (keras-team/keras#18624; `KerasHandoff.keras_fit_driver`).
+    - ``LossScaleOptimizer.check_finite``: decided per replica from local gradients, so
+      workers could take different branches around the all-reduce and hang.
+    - ``Variable.assign_add``/``assign_sub``: Keras reads then writes, so asynchronous
+      parameter-server updates lose increments.
     """
+    import keras
     from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
-    if getattr(TFOptimizer, "_tfdist_local_update_hooks", False):
+    if getattr(keras.Model, "_tfdist_keras_hooks", False):
         return
+    _patch_optimizer(TFOptimizer)
+    for name, when in MODEL_EVENTS.items():
+        setattr(keras.Model, name, _model_method(name, when, getattr(keras.Model, name)))
+    _patch_loss_scale_check()
+    _patch_atomic_updates()
+    keras.Model._tfdist_keras_hooks = True
+
+
+def _patch_optimizer(TFOptimizer) -> None:
+    import functools
+
     original_apply = TFOptimizer._backend_apply_gradients
     original_reduce = TFOptimizer._all_reduce_sum_gradients
 
     def _backend_apply_gradients(self, grads, trainable_variables):
-        handler = _local_update_handler()
-        if handler is None:
+        handoff = _replica_handoff()
+        update = handoff.keras_local_update() if handoff else None
+        if update is None:
             return original_apply(self, grads, trainable_variables)
-        return handler(self, original_apply, grads, trainable_variables)
+        return update(self, original_apply, grads, trainable_variables)
 
     def _all_reduce_sum_gradients(self, grads_and_vars):
-        if _local_update_handler() is None:
+        handoff = _replica_handoff()
+        if handoff is None:
             return original_reduce(self, grads_and_vars)
-        return list(grads_and_vars)
+        if handoff.keras_local_update() is not None:
+            return list(grads_and_vars)  # applied locally: no all-reduce
+        return handoff.keras_reduce_gradients(list(grads_and_vars),
+                                              functools.partial(original_reduce, self))
 
     TFOptimizer._backend_apply_gradients = _backend_apply_gradients
     TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients
-    TFOptimizer._tfdist_local_update_hooks = True
 
 
-# Strategy method: ``(model, fit_arguments) -> context manager`` entered around ``fit``.
-FIT_CONTEXT_ATTR = "_tfdist_fit_context"
-# Strategy attribute: when true, model.save/save_weights are atomic and refuse NaN/inf.
-SAFE_SAVES_ATTR = "_tfdist_safe_saves"
+def _model_method(name, when, original):
+    """``keras.Model.<name>`` that follows the model's strategy's hand-off."""
+    import functools
+    import importlib
+
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
+        handoff = handoff_of(self.distribute_strategy)
+        if handoff is None:
+            return original(self, *args, **kwargs)
+        if handoff.keras_fit_driver and name in FIT_DRIVER_METHODS:
+            driver = importlib.import_module(handoff.keras_fit_driver)
+            return getattr(driver, name)(self, *args, **kwargs)
+        context = (handoff.keras_fit_context(self, _bound_arguments(original, (self, *args),
+                                                                    kwargs))
+                   if name == "fit" else contextlib.nullcontext())
+        with context:
+            handoff.keras_model_event(self, name, "before")
+            if name in SAVE_METHODS and handoff.keras_safe_saves:
+                result = _save_safely(original, self, args, kwargs)
+            else:
+                result = original(self, *args, **kwargs)
+            if when == "around":
+                handoff.keras_model_event(self, name, "after")
+        return result
+
+    return method
+
+
+def _patch_loss_scale_check() -> None:
+    import tensorflow as tf
+    from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+
+    original = LossScaleOptimizer.check_finite
+
+    def check_finite(self, grads):
+        finite = original(self, grads)
+        handoff = _replica_handoff()
+        if handoff is None or not handoff.keras_global_finite_check:
+            return finite
+        not_finite = tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(finite), tf.float32))
+        return tf.equal(not_finite, 0.0)
+
+    check_finite.__doc__ = original.__doc__
+    LossScaleOptimizer.check_finite = check_finite
+
+
+def _patch_atomic_updates() -> None:
+    import tensorflow as tf
+    from keras.src.backend.common.stateless_scope import in_stateless_scope
+    from keras.src.backend.tensorflow.core import Variable
+
+    def wrap(name, original):
+        def method(self, value):
+            handoff = handoff_of(tf.distribute.get_strategy())
+            if in_stateless_scope() or handoff is None or not handoff.keras_atomic_updates:
+                return original(self, value)
+            value = self._convert_to_tensor(value, dtype=self._dtype)
+            return getattr(self._value, name)(tf.cast(value, self._value.dtype))
+
+        method.__name__ = name
+        method.__doc__ = original.__doc__
+        return method
+
+    Variable.assign_add = wrap("assign_add", Variable.assign_add)
+    Variable.assign_sub = wrap("assign_sub", Variable.assign_sub)
+
+
+# ---- saves and callbacks under tfdist strategies ------------------------------------------
+
 SAVE_METHODS = ("save", "save_weights")
 
 
@@ -186,52 +316,6 @@ def _bound_arguments(function, args, kwargs) -> dict:
         return dict(inspect.signature(function).bind(*args, **kwargs).arguments)
     except TypeError:
         return dict(kwargs)
-
-
-def install_model_hooks() -> None:
-    """Tells the model's strategy when ``fit`` ends and before evaluate/predict/save.
-
-    Why: with model averaging the replicas hold different weights between averages,
-    and Keras reads replica 0's copy in ``get_weights``/``save``. Keras has no strategy
-    callback for these moments, so ``keras.Model``'s methods are wrapped: when
-    ``model.distribute_strategy`` has a ``_tfdist_model_hook(model, method, when)``
-    attribute it is called ``"before"`` and ``"after"`` fit and ``"before"`` the
-    others. A strategy with a ``_tfdist_fit_context(model, fit_arguments)`` method
-    also has ``fit`` run inside the context manager it returns. Every other
-    strategy gets Keras' own methods. Idempotent.
-    """
-    import contextlib
-    import functools
-
-    import keras
-
-    if getattr(keras.Model, "_tfdist_model_hooks", False):
-        return
-
-    def wrap(name, when, original):
-        @functools.wraps(original)
-        def method(self, *args, **kwargs):
-            strategy = self.distribute_strategy
-            hook = getattr(strategy, MODEL_HOOK_ATTR, None)
-            fit_context = getattr(strategy, FIT_CONTEXT_ATTR, None) if name == "fit" else None
-            context = (fit_context(self, _bound_arguments(original, (self, *args), kwargs))
-                       if fit_context is not None else contextlib.nullcontext())
-            with context:
-                if hook is not None and when in ("before", "around"):
-                    hook(self, name, "before")
-                if name in SAVE_METHODS and getattr(strategy, SAFE_SAVES_ATTR, False):
-                    result = _save_safely(original, self, args, kwargs)
-                else:
-                    result = original(self, *args, **kwargs)
-                if hook is not None and when in ("after", "around"):
-                    hook(self, name, "after")
-            return result
-
-        return method
-
-    for name, when in MODEL_HOOK_METHODS.items():
-        setattr(keras.Model, name, wrap(name, when, getattr(keras.Model, name)))
-    keras.Model._tfdist_model_hooks = True
 
 
 # Keras' BackupAndRestore: its private path attributes, each relative to backup_dir.
@@ -336,42 +420,6 @@ def dataset_batch_size(dataset) -> int | None:
     return size if size > 0 else None
 
 
-# Strategy attribute: when true, a LossScaleOptimizer's finite check is global.
-GLOBAL_FINITE_CHECK_ATTR = "_tfdist_global_finite_check"
-
-
-def install_global_loss_scale_check() -> None:
-    """Makes ``LossScaleOptimizer.check_finite`` agree across every replica.
-
-    Why: Keras' ``LossScaleOptimizer`` decides from each replica's *local* gradients
-    (before the all-reduce) whether to apply the step or halve the scale, and applies
-    through a ``cond``. When one worker's gradients overflow fp16 and another's do not,
-    they take different branches around the gradient all-reduce, and the job hangs (a
-    2-worker ``fit`` hung until its timeout). Under a strategy whose
-    ``_tfdist_global_finite_check`` is true, the check all-reduces the count of
-    non-finite replicas, so every replica skips or applies together. Idempotent.
-    """
-    import tensorflow as tf
-    from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
-
-    if getattr(LossScaleOptimizer, "_tfdist_global_finite_check", False):
-        return
-    original = LossScaleOptimizer.check_finite
-
-    def check_finite(self, grads):
-        finite = original(self, grads)
-        context = tf.distribute.get_replica_context()
-        if context is None or not getattr(context.strategy, GLOBAL_FINITE_CHECK_ATTR, False):
-            return finite
-        not_finite = context.all_reduce(tf.distribute.ReduceOp.SUM,
-                                        tf.cast(tf.logical_not(finite), tf.float32))
-        return tf.equal(not_finite, 0.0)
-
-    check_finite.__doc__ = original.__doc__
-    LossScaleOptimizer.check_finite = check_finite
-    LossScaleOptimizer._tfdist_global_finite_check = True
-
-
 def overrides_backend_update_step(optimizer) -> bool:
     """Whether a Keras optimizer class does work outside ``update_step``.
 
@@ -386,47 +434,6 @@ def overrides_backend_update_step(optimizer) -> bool:
 
 
 # ---- parameter server (tfdist.strategies.parameter_server, tfdist.keras.ps_fit) ---------
-
-# Strategy attribute naming the module whose fit/evaluate/predict replace Keras' own.
-FIT_DRIVER_ATTR = "_tfdist_fit_driver"
-FIT_DRIVER_METHODS = ("fit", "evaluate", "predict")
-
-
-def route_keras_fit_to_driver() -> None:
-    """Sends ``fit``/``evaluate``/``predict`` of a model to its strategy's fit driver.
-
-    Why: Keras 3 dropped parameter-server support (keras-team/keras#18624). Its
-    TensorFlow trainer calls ``strategy.run`` on the chief and iterates a distributed
-    dataset there, which `ClusterCoordinator` does not allow, and it rejects dataset
-    functions. When the strategy a model was built under has a ``_tfdist_fit_driver``
-    attribute (a module path), ``keras.Model``'s methods call that module's function of
-    the same name with the model instead; every other model gets Keras' own method.
-    Wraps whatever ``keras.Model`` holds at install time, so it composes with other
-    wrappers. Idempotent.
-    """
-    import functools
-    import importlib
-
-    import keras
-
-    if getattr(keras.Model, "_tfdist_fit_driver_routed", False):
-        return
-
-    def wrap(name, original):
-        @functools.wraps(original)
-        def method(self, *args, **kwargs):
-            strategy = getattr(self, "_distribute_strategy", None)
-            driver = getattr(strategy, FIT_DRIVER_ATTR, None)
-            if driver is None:
-                return original(self, *args, **kwargs)
-            return getattr(importlib.import_module(driver), name)(self, *args, **kwargs)
-
-        return method
-
-    for name in FIT_DRIVER_METHODS:
-        setattr(keras.Model, name, wrap(name, getattr(keras.Model, name)))
-    keras.Model._tfdist_fit_driver_routed = True
-
 
 def build_keras_state(model, data_spec) -> None:
     """Creates the model's, metrics' and optimizer's variables from a batch's spec.
@@ -588,45 +595,6 @@ def keras_flatten_metrics(model, logs):
     return model._flatten_metrics_in_order(logs)
 
 
-# Strategy attribute: when true, Keras variables' assign_add/assign_sub are atomic.
-ATOMIC_UPDATES_ATTR = "_tfdist_atomic_updates"
-
-
-def install_atomic_keras_updates() -> None:
-    """Makes ``keras.Variable.assign_add``/``assign_sub`` atomic under some strategies.
-
-    Why: Keras 3 implements them as ``assign(self + value)``, a read then a write. With
-    asynchronous parameter-server steps, several workers update the same ps variable at
-    once and increments are lost: ``optimizer.iterations`` ended below the steps run,
-    and metric totals too. Under a strategy whose ``_tfdist_atomic_updates`` is true,
-    the TensorFlow backend's ``Variable`` uses TF's atomic ``assign_add``/``assign_sub``
-    instead (same result, without the race). Other strategies get Keras' methods.
-    Idempotent.
-    """
-    import tensorflow as tf
-    from keras.src.backend.common.stateless_scope import in_stateless_scope
-    from keras.src.backend.tensorflow.core import Variable
-
-    if getattr(Variable, "_tfdist_atomic_updates", False):
-        return
-
-    def wrap(name, original):
-        def method(self, value):
-            if in_stateless_scope() or not getattr(
-                    tf.distribute.get_strategy(), ATOMIC_UPDATES_ATTR, False):
-                return original(self, value)
-            value = self._convert_to_tensor(value, dtype=self._dtype)
-            return getattr(self._value, name)(tf.cast(value, self._value.dtype))
-
-        method.__name__ = name
-        method.__doc__ = original.__doc__
-        return method
-
-    Variable.assign_add = wrap("assign_add", Variable.assign_add)
-    Variable.assign_sub = wrap("assign_sub", Variable.assign_sub)
-    Variable._tfdist_atomic_updates = True
-
-
 def sharded_parts(variable):
     """The shard variables of a Keras/TF variable sharded by a partitioner, or None."""
     import tensorflow as tf
@@ -736,40 +704,6 @@ def set_initial_epoch(model, epoch: int) -> None:
 
 
 # ---- synchronous strategies: compression, byte counting, accumulation ------------------
-
-# Strategy method that takes over Keras' gradient all-reduce (install_sync_gradient_hooks).
-GRADIENT_REDUCER_ATTR = "_tfdist_reduce_gradients"
-
-
-def install_sync_gradient_hooks() -> None:
-    """Lets a synchronous strategy compress and count Keras' gradient all-reduce.
-
-    Why: Keras 3's ``TFOptimizer._all_reduce_sum_gradients`` SUM-all-reduces the
-    gradients with no place to cast them for the wire or to count the bytes. When the
-    strategy of the step has ``_tfdist_reduce_gradients(grads_and_vars, reduce)``, the
-    all-reduce goes through it (``reduce`` is Keras' own). Other strategies get Keras'
-    code. Idempotent. (Accumulation uses `install_local_update_hooks`.)
-    """
-    import functools
-
-    import tensorflow as tf
-    from keras.src.backend.tensorflow.optimizer import TFOptimizer
-
-    if getattr(TFOptimizer, "_tfdist_sync_gradient_hooks", False):
-        return
-    previous_reduce = TFOptimizer._all_reduce_sum_gradients
-
-    @functools.wraps(previous_reduce)
-    def _all_reduce_sum_gradients(self, grads_and_vars):
-        context = tf.distribute.get_replica_context()
-        reducer = getattr(context.strategy, GRADIENT_REDUCER_ATTR, None) if context else None
-        if reducer is None:
-            return previous_reduce(self, grads_and_vars)
-        return reducer(list(grads_and_vars), functools.partial(previous_reduce, self))
-
-    TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients
-    TFOptimizer._tfdist_sync_gradient_hooks = True
-
 
 def keras_distributed_update(optimizer, distribution, grads, variables) -> None:
     """Applies already-reduced ``grads`` with the Keras optimizer in cross-replica context.

@@ -8,8 +8,7 @@
   directory (see `tfdist._hooks.keras_callbacks_write_elsewhere`).
 - Saves (``model.save``/``save_weights``, so every checkpoint callback) are atomic and
   refuse weights with NaN or infinity (see `tfdist._hooks._save_safely`).
-- A ``LossScaleOptimizer`` applies or skips a step on every replica together (see
-  `tfdist._hooks.install_global_loss_scale_check`).
+- A ``LossScaleOptimizer`` applies or skips a step on every replica together.
 """
 
 from __future__ import annotations
@@ -43,14 +42,13 @@ def check_global_batch(batch_size: int | None, replicas: int, name: str = "batch
             f"{replicas} replicas; use e.g. {name}={batch_size // replicas * replicas or replicas}.")
 
 
-class KerasFitMixin:
-    """Mixed into a strategy class: `_tfdist_fit_context` runs around ``fit``, and
-    ``model.save``/``save_weights`` are atomic and refuse non-finite weights."""
+class KerasFitMixin(_hooks.KerasHandoff):
+    """Mixed into a strategy class: its Keras hand-off around ``fit`` and saves."""
 
-    _tfdist_safe_saves = True
-    _tfdist_global_finite_check = True  # see _hooks.install_global_loss_scale_check
+    keras_safe_saves = True
+    keras_global_finite_check = True
 
-    def _tfdist_fit_context(self, model, arguments):
+    def keras_fit_context(self, model, arguments):
         del model
         replicas = self.num_replicas_in_sync
         check_global_batch(global_batch_size(arguments), replicas)

@@ -39,7 +39,7 @@ class SyncGradientsMixin(KerasFitMixin):
     all-reduce, counts the bytes each worker contributes (`bytes_communicated`), and
     sums ``accumulate_steps`` micro-batches locally before each all-reduce. A strategy
     whose cross-device ops compress and count themselves sets
-    ``_compresses_in_cross_device_ops`` (and ``_tfdist_reduce_gradients = None``).
+    ``_compresses_in_cross_device_ops`` and hands gradients to Keras' own reduce.
     """
 
     _compresses_in_cross_device_ops = False
@@ -50,11 +50,7 @@ class SyncGradientsMixin(KerasFitMixin):
         self._accumulators = {}
         # Micro-batches seen, a host counter (created outside any scope).
         self._micro_steps = ByteCounter("tfdist_micro_steps")
-        _hooks.install_sync_gradient_hooks()
-        _hooks.install_model_hooks()
-        _hooks.install_global_loss_scale_check()
-        if options.accumulate_steps > 1:
-            _hooks.install_local_update_hooks()
+        _hooks.install_keras_hooks()
 
     @property
     def bytes_communicated(self) -> int:
@@ -63,7 +59,7 @@ class SyncGradientsMixin(KerasFitMixin):
 
     # ---- every step: compress and count around Keras' own all-reduce -----------------
 
-    def _tfdist_reduce_gradients(self, grads_and_vars, reduce):
+    def keras_reduce_gradients(self, grads_and_vars, reduce):
         compression = self.communication.compression_policy
         wire, dtypes = [], []
         for grad, var in grads_and_vars:
@@ -88,8 +84,7 @@ class SyncGradientsMixin(KerasFitMixin):
 
     # ---- accumulate_steps > 1: replaces Keras' optimizer step (see module docstring) ----
 
-    @property
-    def _tfdist_local_apply(self):
+    def keras_local_update(self):
         if self.communication.accumulate_steps > 1:
             return self._accumulate_apply
         return None

@@ -243,8 +243,10 @@ class HorovodStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerMirroredStrat
     """
 
     # HorovodCrossDeviceOps compresses and counts every all-reduce itself.
-    _tfdist_reduce_gradients = None
     _compresses_in_cross_device_ops = True
+
+    def keras_reduce_gradients(self, grads_and_vars, reduce):
+        return reduce(grads_and_vars)  # Keras' own, through HorovodCrossDeviceOps
 
     def __init__(self, devices=None, compression=None, communication_options=None,
                  accumulate_steps=None):

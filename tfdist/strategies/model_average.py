@@ -12,7 +12,7 @@ How it works with plain Keras code (private hooks in `tfdist._hooks`):
   every replica applies a different update, their per-replica copies differ between
   averages, which is the point.
 - Keras scales the loss by ``1/num_replicas_in_sync`` and SUM-all-reduces gradients. The
-  optimizer step is routed through `ModelAverageStrategy._tfdist_local_apply`, which
+  optimizer step is routed through `ModelAverageStrategy.keras_local_update`, which
   multiplies the local gradients by the number of replicas (so the learning rate is
   the user's), skips the all-reduce, applies the local update, then, in cross-replica
   context and under a ``tf.cond`` on the optimizer's step counter, averages.
@@ -175,9 +175,6 @@ class ModelAverageStrategy(tf.distribute.Strategy, metaclass=_PicksItsBase):
         ValueError: an argument is invalid (the message names it and its value).
     """
 
-    # No synchronous gradient all-reduce to compress or count: replicas update locally.
-    _tfdist_reduce_gradients = None
-
     def __init__(self, period=1, warmup_steps=0, outer_optimizer=None,
                  average_optimizer_state=False, devices=None, cluster_resolver=None, *,
                  backend=None, compression=None, engine="auto", **base_kwargs):
@@ -228,8 +225,7 @@ class ModelAverageStrategy(tf.distribute.Strategy, metaclass=_PicksItsBase):
                              f"Received: devices={devices!r}")
         self._states = {}
         self._fit_start = {}
-        _hooks.install_local_update_hooks()
-        _hooks.install_model_hooks()
+        _hooks.install_keras_hooks()
 
     def _init_base(self, devices, cluster_resolver, base_kwargs):  # pragma: no cover
         raise NotImplementedError
@@ -288,9 +284,13 @@ class ModelAverageStrategy(tf.distribute.Strategy, metaclass=_PicksItsBase):
         slots = [] if self.average_optimizer_state else self._optimizer_slots(optimizer)
         return bool(slots) or any(_is_replicated_float(v) for v in model.non_trainable_weights)
 
-    # ---- hooks called by tfdist._hooks ---------------------------------------------------
+    # ---- the Keras hand-off (tfdist._hooks.KerasHandoff) ----------------------------------
 
-    def _tfdist_model_hook(self, model, method, when):
+    def keras_local_update(self):
+        """Every optimizer step is local (see the module docstring)."""
+        return self._local_apply
+
+    def keras_model_event(self, model, method, when):
         """``keras.Model`` calls this around fit and before evaluate/predict/save."""
         optimizer = inner_optimizer(getattr(model, "optimizer", None))
         if method == "fit" and when == "before":
@@ -308,7 +308,7 @@ class ModelAverageStrategy(tf.distribute.Strategy, metaclass=_PicksItsBase):
                     "against this Keras version.")
         self.average(model)
 
-    def _tfdist_local_apply(self, optimizer, apply_fn, grads, variables):
+    def _local_apply(self, optimizer, apply_fn, grads, variables):
         """Replaces Keras' optimizer step in replica context (see module docstring)."""
         if getattr(optimizer, "gradient_accumulation_steps", None):
             raise ValueError("ModelAverageStrategy does not support gradient accumulation. "

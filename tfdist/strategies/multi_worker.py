@@ -310,9 +310,9 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
         return super().reduce(reduce_op, value, axis)
 
     @contextlib.contextmanager
-    def _tfdist_fit_context(self, model, arguments):
+    def keras_fit_context(self, model, arguments):
         """Keras ``fit`` runs in this: an unanswered heartbeat names the frozen leader."""
-        with super()._tfdist_fit_context(model, arguments):
+        with super().keras_fit_context(model, arguments):
             try:
                 yield
             except tf.errors.OpError as error:

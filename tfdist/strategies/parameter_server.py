@@ -34,7 +34,7 @@ DEFAULT_STEP_TIMEOUT = 600.0
 CONTROL_DIR_ENV = "TFDIST_CONTROL_DIR"
 # Dotted path of the module with fit/evaluate/predict for models of this strategy. A name,
 # not an import: strategies must not import the Keras glue layer above them.
-FIT_DRIVER = "tfdist.keras.ps_fit"
+FIT_DRIVER = "tfdist.keras.ps_fit"  # its fit/evaluate/predict replace Keras' own
 
 
 class ParameterServerUnavailableError(RuntimeError):
@@ -321,7 +321,7 @@ def _wait_for_servers(spec: ClusterSpec, timeout: float) -> None:
             time.sleep(0.2)
 
 
-class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
+class ParameterServerStrategy(_hooks.KerasHandoff, tf.distribute.ParameterServerStrategy):
     """`tf.distribute.ParameterServerStrategy` that works with Keras 3 ``model.fit``.
 
     Create it at the top of the script, before any other TensorFlow work, on every task.
@@ -357,6 +357,10 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
             within ``startup_timeout``; on a worker or ps, the chief did not (the message
             names the task).
     """
+
+    # The Keras hand-off (tfdist._hooks.KerasHandoff).
+    keras_fit_driver = FIT_DRIVER
+    keras_atomic_updates = True  # asynchronous steps update ps variables at once
 
     def __init__(self, cluster_resolver=None, mode="async", variable_partitioner=None, *,
                  steps_per_dispatch=None, chief_poll_seconds=1.0, startup_timeout=60.0,
@@ -400,10 +404,7 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         from tfdist.comm.accounting import ByteCounter
 
         self._bytes = ByteCounter("tfdist_ps_bytes_pushed")
-        self._tfdist_fit_driver = FIT_DRIVER
-        self._tfdist_atomic_updates = True
-        _hooks.route_keras_fit_to_driver()
-        _hooks.install_atomic_keras_updates()
+        _hooks.install_keras_hooks()
 
     @property
     def mode(self) -> str:
