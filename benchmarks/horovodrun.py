@@ -1,8 +1,7 @@
 """Run a module-level function on every rank of a ``horovodrun --gloo`` job.
 
-Shared by the benchmarks and the tests (``tests/helpers.py`` re-exports it). It imports
-neither tfdist nor Horovod: each rank finds its rank in ``HOROVOD_RANK``, which
-horovodrun sets.
+Shared by the benchmarks and the tests (``tests/helpers.py`` re-exports it). It does not
+import tfdist, and imports Horovod only in the ranks.
 """
 
 from __future__ import annotations
@@ -23,7 +22,10 @@ module, name, args_path, out_dir = sys.argv[1:5]
 with open(args_path, "rb") as f:
     args, kwargs = pickle.load(f)
 result = getattr(importlib.import_module(module), name)(*args, **kwargs)
-with open(os.path.join(out_dir, f"rank{os.environ['HOROVOD_RANK']}.pkl"), "wb") as f:
+import horovod.tensorflow as hvd
+if not hvd.is_initialized():  # a rank whose function never started Horovod joins here
+    hvd.init()
+with open(os.path.join(out_dir, f"rank{hvd.rank()}.pkl"), "wb") as f:
     pickle.dump(result, f)
 """
 
