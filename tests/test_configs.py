@@ -170,6 +170,7 @@ def _kubernetes_reachable():
     return probe.returncode == 0
 
 
+@pytest.mark.multiprocess
 def test_kubectl_dry_run_accepts_the_manifests():
     if not _kubernetes_reachable():
         pytest.skip("kubectl with a reachable cluster is needed for --dry-run=client (it "
