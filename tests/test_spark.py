@@ -115,7 +115,7 @@ def test_argument_errors(spark):
 
 
 def test_import_tfdist_loads_neither_spark_nor_ray():
-    code = ("import sys, tfdist; tfdist.spark; "
+    code = ("import sys, tfdist; tfdist.spark; tfdist.ray; "
             "print(sorted(m for m in ('pyspark', 'ray', 'tensorflow') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)

@@ -39,7 +39,7 @@ __all__ = [
 
 
 # Subpackages that import TensorFlow/Keras, loaded on first attribute access.
-_LAZY_MODULES = {"keras": "tfdist.keras", "spark": "tfdist.spark"}
+_LAZY_MODULES = {"keras": "tfdist.keras", "ray": "tfdist.ray", "spark": "tfdist.spark"}
 
 
 def __getattr__(name):
