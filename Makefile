@@ -7,12 +7,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: train test bench horovod notebooks clean slurm
+.PHONY: train test bench horovod notebooks clean java slurm
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
-	$(PIP) install -q -e '.[test,notebooks]'
+	$(PIP) install -q -e '.[test,notebooks,spark,ray]'
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
 
@@ -36,8 +36,17 @@ slurm:
 	    "tests/test_slurm.py will skip"; \
 	fi
 
-test: $(VENV)/.installed $(VENV)/.horovod slurm
-	TFDIST_REQUIRE_HOROVOD=1 $(PY) -m pytest
+# Java 17 for pyspark (tests/test_spark.py): installed only as root where apt-get exists
+# and java is missing.
+java:
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	    ! command -v java >/dev/null 2>&1; then \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+	    openjdk-17-jre-headless; \
+	fi
+
+test: $(VENV)/.installed $(VENV)/.horovod slurm java
+	TFDIST_REQUIRE_HOROVOD=1 TFDIST_REQUIRE_SPARK_RAY=1 $(PY) -m pytest
 
 # Re-executes every notebook and stores it with its outputs (plots visible on the web).
 notebooks: $(VENV)/.installed $(VENV)/.horovod
