@@ -15,6 +15,8 @@ import reprlib
 import warnings
 from typing import Any, Mapping
 
+from tfdist.checks import check_int
+
 TASK_TYPES = ("chief", "worker", "ps", "evaluator")
 # The tasks that train (run replicas); ps and evaluator tasks do not.
 TRAINING_TASK_TYPES = ("chief", "worker")
@@ -32,9 +34,7 @@ class TaskSpec:
         if self.type not in TASK_TYPES:
             raise ValueError(
                 f"task type must be one of {list(TASK_TYPES)}. Received: type={self.type!r}")
-        if isinstance(self.index, bool) or not isinstance(self.index, int) or self.index < 0:
-            raise ValueError(
-                f"task index must be an integer >= 0. Received: index={self.index!r}")
+        check_int("index", self.index, 0, field="task index")
 
     @property
     def name(self) -> str:

@@ -6,6 +6,8 @@ configured before TensorFlow initializes its runtime.
 
 from __future__ import annotations
 
+from tfdist.checks import check_int
+
 
 def use_logical_cpus(n: int) -> list[str]:
     """Splits the first physical CPU into ``n`` logical devices.
@@ -25,8 +27,7 @@ def use_logical_cpus(n: int) -> list[str]:
     """
     import tensorflow as tf
 
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be an integer >= 1. Received: n={n!r}")
+    check_int("n", n, 1)
     cpu = tf.config.list_physical_devices("CPU")[0]
     current = tf.config.get_logical_device_configuration(cpu)
     if current is not None and len(current) == n:

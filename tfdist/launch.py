@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from tfdist.checks import check_int, check_seconds
 from tfdist.cluster import ClusterSpec, TaskSpec
 from tfdist.rendezvous import gpu_env, run_node
 
@@ -768,15 +769,10 @@ def _run_node(argv, *, master, nnodes, max_restarts, cluster, isolate_network, *
 
 
 def _validate_counts(workers, chief, ps, timeout, max_restarts):
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be an integer >= 1. Received: workers={workers!r}")
-    if isinstance(ps, bool) or not isinstance(ps, int) or ps < 0:
-        raise ValueError(f"ps must be an integer >= 0. Received: ps={ps!r}")
-    if timeout is not None and not timeout > 0:
-        raise ValueError(f"timeout must be > 0 seconds. Received: timeout={timeout!r}")
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-        raise ValueError(f"max_restarts must be an integer >= 0. "
-                         f"Received: max_restarts={max_restarts!r}")
+    check_int("workers", workers, 1)
+    check_int("ps", ps, 0)
+    check_seconds("timeout", timeout, allow_none=True)
+    check_int("max_restarts", max_restarts, 0)
 
 
 def launch(target: str | os.PathLike | Callable | None = None, *args: Any,

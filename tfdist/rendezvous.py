@@ -29,6 +29,7 @@ import threading
 import time
 from typing import Any, Sequence
 
+from tfdist.checks import check_int
 from tfdist.cluster import ClusterSpec, TaskSpec
 
 TOKEN_ENV = "TFDIST_TOKEN"
@@ -493,10 +494,8 @@ def assign_gpus(gpus: Sequence[str], ntasks: int,
     Raises:
         ValueError: ``gpus_per_task`` is not >= 1, or asks for more GPUs than the node has.
     """
-    if gpus_per_task is not None and (isinstance(gpus_per_task, bool) or not isinstance(
-            gpus_per_task, int) or gpus_per_task < 1):
-        raise ValueError(f"gpus_per_task must be an integer >= 1. "
-                         f"Received: gpus_per_task={gpus_per_task!r}")
+    if gpus_per_task is not None:
+        check_int("gpus_per_task", gpus_per_task, 1)
     if not gpus or ntasks < 1:
         return [None] * ntasks
     if gpus_per_task is None:
@@ -579,8 +578,7 @@ def run_node(argv: Sequence[str], *, nnodes: int, node_rank: int, master: str,
 
 
 def _validate(nnodes, node_rank, chief, join_timeout) -> None:
-    if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
-        raise ValueError(f"nnodes must be an integer >= 1. Received: nnodes={nnodes!r}")
+    check_int("nnodes", nnodes, 1)
     if isinstance(node_rank, bool) or not isinstance(node_rank, int) or \
             not 0 <= node_rank < nnodes:
         raise ValueError(f"node_rank must be in 0..{nnodes - 1} for nnodes={nnodes}. "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from tfdist.checks import check_int, check_seconds
 from tfdist.comm.compression import Compression, get_compression
 
 IMPLEMENTATIONS = ("auto", "ring", "nccl")
@@ -36,19 +37,12 @@ class CommunicationOptions:
 
     def __post_init__(self):
         get_compression(self.compression)
-        steps = self.accumulate_steps
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError("accumulate_steps must be an integer >= 1. "
-                             f"Received: accumulate_steps={steps!r}")
-        if self.timeout_seconds is not None and not self.timeout_seconds > 0:
-            raise ValueError("timeout_seconds must be > 0 or None. "
-                             f"Received: timeout_seconds={self.timeout_seconds!r}")
+        check_int("accumulate_steps", self.accumulate_steps, 1)
+        check_seconds("timeout_seconds", self.timeout_seconds, allow_none=True)
         if self.implementation not in IMPLEMENTATIONS:
             raise ValueError(f"implementation must be one of {list(IMPLEMENTATIONS)}. "
                              f"Received: implementation={self.implementation!r}")
-        if not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
-            raise ValueError("bytes_per_pack must be an integer >= 0. "
-                             f"Received: bytes_per_pack={self.bytes_per_pack!r}")
+        check_int("bytes_per_pack", self.bytes_per_pack, 0)
 
     @property
     def compression_policy(self) -> Compression:

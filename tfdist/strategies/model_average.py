@@ -34,6 +34,7 @@ import warnings
 import tensorflow as tf
 
 from tfdist import _hooks
+from tfdist.checks import check_int
 from tfdist.comm.averaging import ENGINES as BACKENDS
 from tfdist.comm.averaging import PeriodicAverager
 from tfdist.comm.engines import select_engine
@@ -52,12 +53,6 @@ class _State:
         self.outer = outer            # the outer optimizer (a copy), or None
         self.averaged_at = 0          # optimizer step of the last forced average
         self.force_fns = {}           # forced-average tf.functions by variable set
-
-
-def _int(value, name, minimum):
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}. Received: {name}={value!r}")
-    return value
 
 
 def _wants_multi_worker(cluster_resolver) -> bool:
@@ -178,8 +173,8 @@ class ModelAverageStrategy(tf.distribute.Strategy, metaclass=_PicksItsBase):
     def __init__(self, period=1, warmup_steps=0, outer_optimizer=None,
                  average_optimizer_state=False, devices=None, cluster_resolver=None, *,
                  backend=None, compression=None, engine="auto", **base_kwargs):
-        self.period = _int(period, "period", 1)
-        self.warmup_steps = _int(warmup_steps, "warmup_steps", 0)
+        self.period = check_int("period", period, 1)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
         if outer_optimizer is not None and not (
                 hasattr(outer_optimizer, "get_config") or callable(outer_optimizer)
                 or isinstance(outer_optimizer, (str, dict))):

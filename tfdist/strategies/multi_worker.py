@@ -33,6 +33,7 @@ import secrets
 import tensorflow as tf
 
 from tfdist import _hooks
+from tfdist.checks import check_seconds
 from tfdist.cluster import ClusterSpec, resolve_cluster
 from tfdist.comm.engines import select_engine
 from tfdist.comm.options import CommunicationOptions, merge_options
@@ -51,14 +52,6 @@ DEFAULT_HEARTBEAT_TIMEOUT = 10.0
 _DEFAULT_GRAPH_SEED = 87654321
 
 logger = logging.getLogger("tfdist")
-
-
-def _positive(name, value, allow_none=False):
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name} must be a number of seconds > 0. Received: {name}={value!r}")
-    return float(value)
 
 
 class MultiWorkerExtended(_hooks.collective_all_reduce_extended_class()):
@@ -134,10 +127,10 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
                  collective_timeout=DEFAULT_COLLECTIVE_TIMEOUT,
                  heartbeat_timeout=DEFAULT_HEARTBEAT_TIMEOUT, compression=None,
                  accumulate_steps=None, engine="auto"):
-        self.startup_timeout = _positive("startup_timeout", startup_timeout)
-        self.collective_timeout = _positive("collective_timeout", collective_timeout,
-                                            allow_none=True)
-        self.heartbeat_timeout = _positive("heartbeat_timeout", heartbeat_timeout)
+        self.startup_timeout = check_seconds("startup_timeout", startup_timeout)
+        self.collective_timeout = check_seconds("collective_timeout", collective_timeout,
+                                                allow_none=True)
+        self.heartbeat_timeout = check_seconds("heartbeat_timeout", heartbeat_timeout)
         self.cluster = self._resolve(cluster_resolver)
         options = merge_options(communication_options, compression=compression,
                                 accumulate_steps=accumulate_steps)
