@@ -22,12 +22,11 @@ import pytest
 from helpers import TESTS_DIR, assert_weights_close, classification_data, mlp, run_cluster
 from test_model_average import GLOBAL_BATCH, fit_linear, linear_data, numpy_local_sgd
 
-pytestmark = pytest.mark.multiprocess
 LR = 0.1
 FP16_ATOL = 2e-3
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def horovod_installed():
     from tfdist.comm import horovod as comm
 
@@ -109,13 +108,15 @@ def _check(results, full=True, replicas=2):
     assert_weights_close(chief["average1"], other["average1"], atol=0)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_horovod_engine_under_tfdist_launch():
+def test_horovod_engine_under_tfdist_launch(horovod_installed):
     _check(run_cluster(engine_task, timeout=280))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_horovod_engine_two_processes_of_two_logical_cpus():
+def test_horovod_engine_two_processes_of_two_logical_cpus(horovod_installed):
     _check(run_cluster(engine_task, 2, False, timeout=280), full=False, replicas=4)
 
 
@@ -129,8 +130,9 @@ _PLAIN_TASK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_horovod_engine_in_a_tf_config_job_not_started_by_tfdist(tmp_path):
+def test_horovod_engine_in_a_tf_config_job_not_started_by_tfdist(horovod_installed, tmp_path):
     from tfdist.launch import find_free_ports
 
     ports = find_free_ports(2)
@@ -178,8 +180,9 @@ def missing_peer_task(result_dir):
     return "started"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-def test_horovod_engine_names_a_task_that_never_joins(tmp_path):
+def test_horovod_engine_names_a_task_that_never_joins(horovod_installed, tmp_path):
     chief, absent = run_cluster(missing_peer_task, str(tmp_path), timeout=100)
     assert absent == "absent"
     assert chief.startswith("DeadlineExceededError: worker-0: task(s) worker-1 did not join "

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 
+from tfdist.cluster import TRAINING_TASK_TYPES
+
 # Group keys a strategy instance may use before the next instance's range starts.
 COLLECTIVE_KEY_STRIDE = 10_000
 _collective_key_bases = itertools.count(1)
@@ -30,10 +32,6 @@ def assign_collective_key_base(strategy_cls_or_obj) -> int:
 
 
 # ---- multi-worker (tfdist.strategies.multi_worker) --------------------------------------
-
-# Task types the coordination service tracks in a MultiWorkerMirroredStrategy job.
-COORDINATED_JOBS = ("chief", "worker")
-
 
 def collective_all_reduce_extended_class():
     """TF's ``CollectiveAllReduceExtended``, the engine of MultiWorkerMirroredStrategy.
@@ -68,7 +66,7 @@ def configure_coordination_service(jobs, register_timeout_seconds, heartbeat_tim
     leader = "/job:chief/replica:0/task:0" if jobs.get("chief") else \
         "/job:worker/replica:0/task:0"
     coordinated = [coordination_config_pb2.CoordinatedJob(name=job, num_tasks=len(jobs[job]))
-                   for job in COORDINATED_JOBS if jobs.get(job)]
+                   for job in TRAINING_TASK_TYPES if jobs.get(job)]
     ctx = context.context()
     ctx.configure_coordination_service(
         service_type="standalone", service_leader=leader, enable_health_check=True,

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from tfdist.checks import check_int, check_seconds
-from tfdist.cluster import ClusterSpec, TaskSpec
+from tfdist.cluster import TRAINING_TASK_TYPES, ClusterSpec, TaskSpec
 from tfdist.rendezvous import gpu_env, run_node
 
 DEFAULT_GRACE_SECONDS = 5.0
@@ -586,7 +586,7 @@ def _run_once(argv: list[str], cluster: ClusterSpec, env, timeout, grace, stream
                 stop_tasks([t for t in tasks if t is not failed], grace)
                 failed.finish_output()
                 return tasks, failed, False
-            done = all(t.poll() == 0 for t in tasks if t.spec.type in ("chief", "worker"))
+            done = all(t.poll() == 0 for t in tasks if t.spec.type in TRAINING_TASK_TYPES)
             if done and peers is not None:
                 peers.report_done()  # ps tasks serve on until every node is done
             if (done and peers is None) or (peers is not None and peers.should_stop()):

@@ -70,7 +70,9 @@ def init_from_cluster(cluster, timeout_seconds: float = 60.0) -> None:
         return
     from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
 
-    training = [t for t in cluster.tasks() if t.type in ("chief", "worker")]
+    from tfdist.cluster import TRAINING_TASK_TYPES
+
+    training = [t for t in cluster.tasks() if t.type in TRAINING_TASK_TYPES]
     hosts = [_split(getattr(cluster, t.type)[t.index])[0] for t in training]
     counts = {host: hosts.count(host) for host in hosts}  # in order of first appearance
     plan = get_host_assignments(parse_hosts(",".join(f"{h}:{n}" for h, n in counts.items())),

@@ -34,7 +34,7 @@ import tensorflow as tf
 
 from tfdist import _hooks
 from tfdist.checks import check_seconds
-from tfdist.cluster import ClusterSpec, resolve_cluster
+from tfdist.cluster import TRAINING_TASK_TYPES, ClusterSpec, resolve_cluster
 from tfdist.comm.engines import select_engine
 from tfdist.comm.options import CommunicationOptions, merge_options
 from tfdist.strategies._sync import SyncGradientsMixin
@@ -171,7 +171,7 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
         if cluster.task is None and cluster.num_workers > 1:
             raise ValueError("the cluster has several workers but does not say which one "
                              f"this process is. Received: cluster={cluster.jobs()}, task=None")
-        if cluster.task is not None and cluster.task.type not in ("chief", "worker"):
+        if cluster.task is not None and cluster.task.type not in TRAINING_TASK_TYPES:
             raise ValueError("MultiWorkerMirroredStrategy runs on 'chief' and 'worker' "
                              f"tasks only. Received: task={cluster.task.name!r}")
         return cluster
@@ -274,7 +274,7 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
         """The start-up timeout as an error that names the missing task(s)."""
         me = self.cluster.task.name if self.cluster.task else "this task"
         others = [t.name for t in self.cluster.tasks()
-                  if t.type in ("chief", "worker") and t != self.cluster.task]
+                  if t.type in TRAINING_TASK_TYPES and t != self.cluster.task]
         missing = _missing_tasks(error.message, self.cluster) or (
             "one or more of " + ", ".join(others))
         first_line = error.message.strip().splitlines()[0] if error.message else ""
