@@ -31,17 +31,12 @@ def ray():
     # Ray Train pickles the test's loop by reference: its workers import this module.
     paths = [TESTS_DIR, os.path.dirname(TESTS_DIR), os.environ.get("PYTHONPATH", "")]
     runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}}
-    for attempt in range(3):
-        try:
-            ray.init(num_cpus=2, include_dashboard=False, runtime_env=runtime_env)
-            break
-        except Exception as error:  # Ray waits a fixed 30 s for its raylet: retry on load
-            ray.shutdown()
-            if "timed out during startup" not in str(error) or attempt == 2:
-                raise
-    assert ray.util.get_node_ip_address() == "127.0.0.1"
-    yield ray
-    ray.shutdown()
+    import tfdist
+
+    with tfdist.ray.connect(None, num_cpus=2, include_dashboard=False,
+                            runtime_env=runtime_env):
+        assert ray.util.get_node_ip_address() == "127.0.0.1"
+        yield ray
 
 
 @pytest.fixture(scope="module")

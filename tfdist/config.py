@@ -20,7 +20,9 @@ STRATEGIES = ("none", "mirrored", "multi_worker", "parameter_server", "model_ave
 MULTI_PROCESS_STRATEGIES = ("multi_worker", "parameter_server", "model_average", "horovod")
 # local: tasks on this host; env: this process is a task the environment describes;
 # nodes: this host's tasks of a multi-node job that meets at node 0's rendezvous.
-CLUSTER_MODES = ("local", "env", "nodes")
+# spark, ray: the tasks run on a Spark barrier stage / Ray actors (tfdist.spark, tfdist.ray).
+CLUSTER_MODES = ("local", "env", "nodes", "spark", "ray")
+ENGINE_MODES = ("spark", "ray")
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     "strategy": {"name": "mirrored", "options": {}},
@@ -39,7 +41,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 _CHECKS = {
     ("strategy", "name"): (str, lambda v: v in STRATEGIES, f"one of {list(STRATEGIES)}"),
     ("strategy", "options"): (dict, None, "a table of strategy keyword arguments"),
-    ("cluster", "mode"): (str, lambda v: v in CLUSTER_MODES, "'local', 'env' or 'nodes'"),
+    ("cluster", "mode"): (str, lambda v: v in CLUSTER_MODES,
+                          "'local', 'env', 'nodes', 'spark' or 'ray'"),
     ("cluster", "workers"): (int, lambda v: v >= 1, "an integer >= 1"),
     ("cluster", "chief"): (bool, None, "true or false"),
     ("cluster", "ps"): (int, lambda v: v >= 0, "an integer >= 0"),
@@ -49,7 +52,8 @@ _CHECKS = {
     ("cluster", "max_restarts"): (int, lambda v: v >= 0, "an integer >= 0"),
     ("cluster", "nnodes"): (int, lambda v: v >= 1, "an integer >= 1"),
     ("cluster", "node_rank"): (int, lambda v: v >= 0, "an integer >= 0"),
-    ("cluster", "master"): (str, None, "'HOST:PORT' of node 0's rendezvous"),
+    ("cluster", "master"): (str, None, "'HOST:PORT' of node 0's rendezvous, a Spark "
+                                       "master URL or a Ray address"),
     ("model", "name"): (str, lambda v: v in ("mlp", "cnn") or ":" in v,
                         "'mlp', 'cnn' or 'module:function'"),
     ("model", "hidden"): (list, lambda v: all(type(u) is int and u > 0 for u in v),
@@ -252,7 +256,11 @@ def _check_combination(config: dict[str, Any], source: str) -> None:
     if cluster["mode"] == "nodes":
         _check_nodes(config, source)
     else:
+        if cluster["mode"] in ENGINE_MODES:
+            _check_engine(config, source)
         for key, default in (("nnodes", 1), ("node_rank", 0), ("master", "")):
+            if key == "master" and cluster["mode"] in ENGINE_MODES:
+                continue
             if cluster[key] != default:
                 raise ConfigError(f"{source}: cluster.{key} applies only to cluster.mode = "
                                   f"'nodes'. Received: {key}={cluster[key]!r} with "
@@ -302,11 +310,26 @@ def _check_nodes(config: dict[str, Any], source: str) -> None:
                           f"{cluster['max_restarts']}")
 
 
+def _check_engine(config: dict[str, Any], source: str) -> None:
+    """``cluster.mode = "spark"`` / ``"ray"``: workers only, each a TensorFlow worker."""
+    strategy, cluster = config["strategy"]["name"], config["cluster"]
+    mode = cluster["mode"]
+    if strategy not in ("multi_worker", "model_average"):
+        raise ConfigError(f"{source}: cluster.mode = {mode!r} needs strategy.name "
+                          f"'multi_worker' or 'model_average'. Received: {strategy!r}")
+    for key in ("chief", "ps", "max_restarts"):
+        if cluster[key]:
+            raise ConfigError(f"{source}: cluster.{key} is not supported with cluster.mode = "
+                              f"{mode!r} (its tasks are workers only, not restarted). "
+                              f"Received: {key}={cluster[key]!r}")
+
+
 def _replicas(config: dict[str, Any]) -> int:
     name, cluster = config["strategy"]["name"], config["cluster"]
     if name == "mirrored":
         return cluster["logical_cpus"]
-    if name in ("multi_worker", "model_average", "horovod") and cluster["mode"] == "local":
+    if name in ("multi_worker", "model_average", "horovod") and cluster["mode"] in (
+            "local", *ENGINE_MODES):
         return cluster["workers"] + int(cluster["chief"])
     if name in ("multi_worker", "model_average") and cluster["mode"] == "nodes":
         # Every node runs the same config (its own node_rank): the same workers each.

@@ -13,6 +13,7 @@ Ray is imported on first use only; ``import tfdist`` does not load it.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import uuid
 from typing import Any, Callable
@@ -77,6 +78,38 @@ def run(fn: Callable, *args: Any, workers: int = 1, num_cpus: float = 1,
         for actor in actors:
             ray.kill(actor, no_restart=True)
     return load_results(blobs)
+
+
+@contextlib.contextmanager
+def connect(address: str | None = None, **init_kwargs: Any):
+    """This process's Ray connection, or a new one to ``address``, shut down on exit.
+
+    Args:
+        address: A Ray cluster (``auto``, ``HOST:6379``, ``ray://HOST:10001``); default:
+            $RAY_ADDRESS, else a new local instance.
+        **init_kwargs: More arguments of ``ray.init`` (``num_cpus=``, ...).
+
+    A new local instance is started again (up to 3 times) when its node does not
+    register in time, as happens on a heavily loaded host.
+    """
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    for attempt in range(3):
+        try:
+            ray.init(address=address, **init_kwargs)
+            break
+        except Exception as error:
+            ray.shutdown()
+            # A new local node waits a fixed 30 s for its raylet; a loaded host can pass it.
+            if address or "timed out during startup" not in str(error) or attempt == 2:
+                raise
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 class _TaskActor:

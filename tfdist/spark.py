@@ -11,6 +11,8 @@ PySpark is imported on first use only; ``import tfdist`` does not load it.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import sys
 from typing import Any, Callable, Mapping, Sequence
@@ -105,6 +107,39 @@ def cuda_visible_devices(resources: Mapping[str, Sequence[str]],
             f"{gpus}. Set spark.task.resource.gpu.amount to at least {gpus_per_task} "
             "(and spark.executor.resource.gpu.amount with a discovery script).")
     return ",".join(gpus[:gpus_per_task])
+
+
+@contextlib.contextmanager
+def session(master: str | None = None, app_name: str = "tfdist"):
+    """The active SparkSession, or a new one on ``master`` that is stopped on exit.
+
+    Args:
+        master: A Spark master URL (``spark://HOST:7077``, ``yarn``, ``local[4]``);
+            default ``local[*]``. A local master binds to loopback (127.0.0.1) and
+            runs this Python on its executors (unless $PYSPARK_PYTHON says otherwise).
+        app_name: The application's name in Spark.
+
+    Yields:
+        The `pyspark.sql.SparkSession`.
+    """
+    from pyspark.sql import SparkSession
+
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        yield active
+        return
+    master = master or "local[*]"
+    builder = SparkSession.builder.master(master).appName(app_name)
+    if master.startswith("local"):  # executors on this host: loopback, this Python
+        builder = builder.config("spark.driver.host", "127.0.0.1").config(
+            "spark.driver.bindAddress", "127.0.0.1")
+        if not os.environ.get("PYSPARK_PYTHON"):
+            builder = builder.config("spark.pyspark.python", sys.executable)
+    created = builder.getOrCreate()
+    try:
+        yield created
+    finally:
+        created.stop()
 
 
 # ---- on the executors ----------------------------------------------------------------------

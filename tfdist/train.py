@@ -169,6 +169,10 @@ def check_job(config: dict[str, Any], source: str = "<config>") -> None:
                 f"ranks with horovodrun, and horovod is not installed here (no horovodrun on "
                 f"PATH or next to {sys.executable}). Install it (docs/horovod.md) or choose "
                 "another strategy.name")
+    engine = {"spark": "pyspark", "ray": "ray"}.get(cluster["mode"])
+    if engine is not None and importlib.util.find_spec(engine) is None:
+        raise ConfigError(f"{source}: cluster.mode = {cluster['mode']!r} needs {engine}, which "
+                          f"is not installed here: pip install 'tfdist[{cluster['mode']}]'")
     try:
         check_model_name(config["model"]["name"])
     except ValueError as error:
@@ -246,7 +250,7 @@ def lock_output_dir(out: Path) -> int:
 def _holds_lock(config: dict[str, Any]) -> bool:
     """Whether this process locks the output directory: the launcher of a local job,
     or the chief of a job the environment describes (the other tasks write nothing)."""
-    if config["cluster"]["mode"] == "local" or not is_multi_process(config):
+    if config["cluster"]["mode"] in ("local", "spark", "ray") or not is_multi_process(config):
         return True
     if config["cluster"]["mode"] == "nodes":  # node 0's launcher: its host has the chief
         return config["cluster"]["node_rank"] == 0
@@ -545,6 +549,8 @@ def launch_job(config: dict[str, Any], config_path: Path) -> int:
     from tfdist.rendezvous import RendezvousError
 
     cluster = config["cluster"]
+    if cluster["mode"] in ("spark", "ray"):
+        return _engine_job(cluster, json.loads(config_path.read_text()))
     argv = [sys.executable, "-m", "tfdist.train", "--task", str(config_path)]
     if config["strategy"]["name"] == "horovod":
         return _horovodrun(cluster, argv)
@@ -561,6 +567,41 @@ def launch_job(config: dict[str, Any], config_path: Path) -> int:
         print(f"tfdist train: FAILED: {error}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _engine_job(cluster: dict[str, Any], snapshot: dict[str, Any]) -> int:
+    """``cluster.mode = "spark"`` / ``"ray"``: every task runs `run_task` on that engine,
+    on ``cluster.master`` (default: ``local[workers]``, or a local Ray instance)."""
+    from tfdist.launch import LaunchError
+
+    # The tasks run in the engine's working directory: give them absolute paths.
+    config = snapshot["config"]
+    for section, key in (("train", "output_dir"), ("data", "path")):
+        if config[section][key]:
+            config[section][key] = os.path.abspath(config[section][key])
+    options = dict(workers=cluster["workers"], timeout=cluster["timeout"])
+    try:
+        if cluster["mode"] == "spark":
+            from tfdist import spark
+
+            with spark.session(cluster["master"] or f"local[{cluster['workers']}]",
+                               "tfdist train") as session:
+                spark.run(_snapshot_task, snapshot, spark=session, **options)
+        else:
+            from tfdist import ray
+
+            with ray.connect(cluster["master"] or None):
+                ray.run(_snapshot_task, snapshot, **options)
+    except LaunchError as error:
+        print(f"tfdist train: FAILED: {error}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def _snapshot_task(snapshot: dict[str, Any]) -> None:
+    """One task of a Spark or Ray job (see `_task_entry`); fails on a config error."""
+    if _run_snapshot(snapshot):
+        raise SystemExit(2)
 
 
 def _horovodrun(cluster: dict[str, Any], argv: list[str]) -> int:
@@ -614,8 +655,8 @@ def main(args) -> int:
         return 2
     name = config_name(args.config)
     try:
-        launched = is_multi_process(config) and config["cluster"]["mode"] in ("local",
-                                                                               "nodes")
+        launched = is_multi_process(config) and config["cluster"]["mode"] in (
+            "local", "nodes", "spark", "ray")
         if lock is not None:  # the launcher points its tasks at OUTPUT_DIR/backup
             prepare_backup(config, out / "backup" if launched else backup_dir(config))
         if launched and config["strategy"]["name"] == "horovod" and \
@@ -764,7 +805,10 @@ def _task_entry(argv: list[str]) -> int:
     """``python -m tfdist.train --task SNAPSHOT_JSON``: one task of a launched job.
 
     The snapshot is ``{"name": ..., "config": {...}}`` (or a bare config)."""
-    snapshot = json.loads(Path(argv[1]).read_text())
+    return _run_snapshot(json.loads(Path(argv[1]).read_text()))
+
+
+def _run_snapshot(snapshot: dict[str, Any]) -> int:
     config, name = (snapshot["config"], snapshot.get("name")) if "config" in snapshot \
         and "strategy" not in snapshot else (snapshot, None)
     try:
