@@ -38,9 +38,11 @@ import time
 import numpy as np
 import pytest
 
-from helpers import TESTS_DIR, assert_weights_close, run_cluster, run_horovod
+from helpers import RESULT_DIR_MARK as MARK
+from helpers import (TESTS_DIR, assert_no_leftover_processes, assert_weights_close,
+                     run_cluster, run_horovod)
 from test_model_average import linear_data, linear_model, numpy_local_sgd
-from test_multi_worker import MARK, _assert_gone, _read, _write
+from test_multi_worker import _read, _write
 
 SEED = int(os.environ.get("TFDIST_FAULT_SEED", random.SystemRandom().randrange(10**6)))
 GLOBAL_BATCH = 16
@@ -188,6 +190,7 @@ def _check_bad_input(results):
                     r"Cancelled|DeadlineExceeded)Error)", results[0]["mismatch"]), results[0]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode, victims", [
     ("model_average", ["worker-1", "worker-0"]),   # a worker, then the chief
@@ -218,6 +221,7 @@ def test_kill_restart_resumes_to_uninterrupted_weights(tmp_path, capfd, mode, vi
     _check_bad_input(results)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("fault", ["missing", "stop"])
 def test_model_average_missing_or_frozen_peer_is_an_error(tmp_path, fault):
@@ -228,7 +232,7 @@ def test_model_average_missing_or_frozen_peer_is_an_error(tmp_path, fault):
             run_cluster(_fault_task, str(tmp_path), fault, "worker-1", timeout=120,
                         stream=None, grace_period=1, env={MARK: str(tmp_path)})
     finally:
-        _assert_gone(tmp_path)
+        assert_no_leftover_processes(tmp_path)
     assert info.value.task == "worker-0", info.value
     message = _read(tmp_path, "worker-0.error")
     assert message and message.startswith("DeadlineExceededError"), message
@@ -303,7 +307,7 @@ def test_ps_missing_frozen_worker_and_killed_chief_then_resume_every_step(tmp_pa
                             stream=output, max_restarts=4, grace_period=1,
                             env={MARK: str(tmp_path)})[0]
     finally:
-        _assert_gone(tmp_path)  # the frozen workers too (SIGKILL ends a stopped process)
+        assert_no_leftover_processes(tmp_path)  # the frozen workers too (SIGKILL ends a stopped process)
     log = capfd.readouterr().err
     assert "restart 1/4: chief-0 exited with code 1" in log, log
     message = _read(tmp_path, "chief-0.error-0")
@@ -364,6 +368,7 @@ def horovod_fault_task(result_dir, fault, victim, step):
     return "finished"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.horovod
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("fault, victim", [("kill", 1), ("kill", 0), ("stop", 1),
@@ -382,7 +387,7 @@ def test_horovod_faults(tmp_path, fault, victim):
             run_horovod(horovod_fault_task, str(tmp_path), fault, victim, step, timeout=120,
                         env={MARK: str(tmp_path), "HOROVOD_GLOO_TIMEOUT_SECONDS": "10"})
     finally:
-        _assert_gone(tmp_path)
+        assert_no_leftover_processes(tmp_path)
     output = str(info.value)
     errors = {p[:-6]: _read(tmp_path, p) for p in os.listdir(tmp_path) if p.endswith(".error")}
     where = f"fault={fault}, victim={victim}, step={step}, TFDIST_FAULT_SEED={SEED}"
@@ -420,6 +425,7 @@ print("serving")
 """
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 def test_port_in_use_is_named_or_retried(tmp_path):
     launch = importlib.import_module("tfdist.launch")

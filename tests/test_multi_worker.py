@@ -262,7 +262,6 @@ def test_fit_matches_single_process_and_shards_exactly_once():
 
 
 MARK = RESULT_DIR_MARK
-_assert_gone = assert_no_leftover_processes  # the name tests/test_faults.py imports
 
 
 @pytest.mark.multiprocess
