@@ -241,7 +241,8 @@ def _killed_worker_task(pid_dir):
 
     import keras
 
-    strategy = tfdist.ParameterServerStrategy()
+    # TF's own at-least-once (no ledger): exactly once is tested further below.
+    strategy = tfdist.ParameterServerStrategy(exactly_once=False)
     x, y = regression_data(n=256, features=5, seed=6)
 
     class KillWorker(keras.callbacks.Callback):
@@ -269,7 +270,8 @@ def test_worker_killed_mid_fit_still_completes(tmp_path):
                                        chief=True, ps=1)
     assert worker1["server_exit"] == -signal.SIGKILL  # the server really died mid-fit
     assert chief["calls"] == 3 * 3  # 24 steps per epoch in dispatches of 8
-    # Every step ran (a step cut short by the kill may have been applied and rerun).
+    # Every step ran (exactly_once=False: a step cut short by the kill may have been
+    # applied and rerun).
     assert chief["iterations"] >= 3 * 24
     assert len(chief["loss"]) == 3 and chief["loss"][-1] < chief["loss"][0]
     assert all(np.isfinite(w).all() for w in chief["weights"])
@@ -461,6 +463,9 @@ def test_step_timeout_is_validated():
         with pytest.raises(ValueError, match=r"step_timeout must be None or a number > 0\. "
                                              rf"Received: step_timeout={bad!r}"):
             tfdist.ParameterServerStrategy(spec, step_timeout=bad)
+    with pytest.raises(ValueError, match=r"exactly_once must be True or False\. "
+                                         r"Received: exactly_once=1"):
+        tfdist.ParameterServerStrategy(spec, exactly_once=1)
 
 
 # ---- a ps killed in the middle of fit: clear error, then resume from the checkpoint -------
@@ -579,7 +584,7 @@ def _counting_model(seen, by_worker):
     return model
 
 
-def _exactly_once_task(work_dir):
+def _exactly_once_task(work_dir, mode):
     import time
 
     import keras
@@ -589,7 +594,7 @@ def _exactly_once_task(work_dir):
 
     me = os.environ["TFDIST_TASK"]
     _write(work_dir, f"{me}.pid", str(os.getpid()))
-    strategy = tfdist.ParameterServerStrategy(startup_timeout=60)
+    strategy = tfdist.ParameterServerStrategy(mode=mode, startup_timeout=60)
     with strategy.scope():
         seen = tf.Variable(0, dtype=tf.int64)  # steps worker-1 applied
         by_worker = tf.Variable(tf.zeros([2], tf.int64))  # steps per input's worker
@@ -631,12 +636,12 @@ def _exactly_once_task(work_dir):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["async", "sync"])
 def test_killed_and_crashed_workers_restart_alone_and_every_step_applies_once(
-        tmp_path, capfd):
-    chief = run_cluster(_exactly_once_task, str(tmp_path), workers=2, chief=True, ps=1,
+        tmp_path, capfd, mode):
+    chief = run_cluster(_exactly_once_task, str(tmp_path), mode, workers=2, chief=True, ps=1,
                         max_restarts=ONCE_CRASHES + 1, timeout=280, stream=None)[0]
     log = capfd.readouterr().err
-    print(chief)
     # The launcher restarted each worker alone, at its address; the job went on.
     assert log.count("worker-1 exited with code -6; restarting worker-1 alone") == \
         ONCE_CRASHES, log
@@ -648,3 +653,6 @@ def test_killed_and_crashed_workers_restart_alone_and_every_step_applies_once(
     assert chief["iterations"] == chief["requested"], chief
     assert chief["applied"] == chief["requested"], chief
     assert chief["kernel"] == [-chief["requested"]] * 2, chief
+    # Data is not exactly once: a step run again reads another batch.
+    batches_per_step = 1 if mode == "async" else 2
+    assert sum(chief["by_worker"]) >= batches_per_step * chief["requested"] + ONCE_CRASHES

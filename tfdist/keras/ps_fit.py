@@ -2,7 +2,7 @@
 
 Keras 3 dropped parameter-server support (keras-team/keras#18624). For a model built
 under a `tfdist.ParameterServerStrategy`, ``model.fit`` and friends are routed here (see
-`tfdist._hooks.route_keras_fit_to_driver`) and run on the chief:
+`tfdist._hooks.KerasHandoff.keras_fit_driver`) and run on the chief:
 
 * training steps are `ClusterCoordinator` closures that call the model's own
   ``train_step`` on a worker, reading that worker's shard of the input;
@@ -10,6 +10,9 @@ under a `tfdist.ParameterServerStrategy`, ``model.fit`` and friends are routed h
 * ``mode="sync"``: a step is one closure on each of the K workers, each adding its
   gradient (times 1/K) to accumulators on the ps, then one apply of the sum from the
   chief: the same update as one step on the K-times-larger batch;
+* every step has an id, and its update (or gradient sum) runs on a ps under a ledger
+  of applied ids, so a step that TF's coordinator runs again after its worker died is
+  applied once (see `_once`);
 * callbacks, History and the progress bar get values fetched from the workers, every
   ``steps_per_dispatch`` steps, and the epoch's metrics read from the ps at its end;
 * ``evaluate`` and ``predict`` send each batch to a free worker, so every batch is seen
@@ -207,7 +210,8 @@ class _Ledger:
 
 
 def _once(ledger, step_id, tensors, apply):
-    """Runs ``apply(tensors)`` on the ps unless step ``step_id`` was applied before.
+    """Runs ``apply(tensors)`` on the ps unless step ``step_id`` was applied before
+    (just ``apply(tensors)`` if ``ledger`` is None: ``exactly_once=False``).
 
     While tracing a step. All of ``tensors`` (the gradients) are first moved to the
     ledger's ps together (one ``IdentityN``), then the check, ``apply`` and the ledger
@@ -215,6 +219,8 @@ def _once(ledger, step_id, tensors, apply):
     that dies before every gradient has arrived applies nothing, one that dies after
     cannot stop the update. The rerun of a step then applies it only if it was not.
     """
+    if ledger is None:
+        return apply(tensors)
     flat = tf.nest.flatten(tensors, expand_composites=True)
     present = [i for i, t in enumerate(flat) if t is not None]
     with tf.device(ledger.device):
@@ -296,38 +302,23 @@ def _train_step_applied_once(model, strategy, ledger, data, step_id):
     return logs
 
 
-@contextlib.contextmanager
-def _accumulate_instead_of_apply(optimizer, accumulators, scale, ledger, step_id):
-    """While tracing: ``optimizer.apply`` adds ``scale * gradient`` to the accumulators,
-    once per ``step_id`` (see `_once`)."""
-
-    def accumulate(grads, trainable_variables=None):
-        variables = list(trainable_variables)
-        _once(ledger, step_id, list(grads), lambda g: add(g, variables))
-        return optimizer.iterations
-
-    def add(grads, trainable_variables):
-        for grad, var in zip(grads, trainable_variables):
-            if grad is None:
-                continue
-            try:
-                accumulator = accumulators[id(var)]
-            except KeyError:
-                raise ValueError(
-                    "sync ParameterServerStrategy can only apply gradients to the model's "
-                    f"trainable variables. Received a gradient for {var.path!r}") from None
-            if isinstance(grad, tf.IndexedSlices):
-                accumulator.scatter_add(tf.IndexedSlices(
-                    grad.values * tf.cast(scale, grad.values.dtype), grad.indices,
-                    grad.dense_shape))
-            else:
-                accumulator.assign_add(grad * tf.cast(scale, grad.dtype))
-
-    optimizer.__dict__["apply"] = accumulate
-    try:
-        yield
-    finally:
-        optimizer.__dict__.pop("apply", None)
+def _accumulate(accumulators, scale, grads, variables):
+    """Sync mode: adds ``scale * gradient`` to each variable's accumulator on the ps."""
+    for grad, var in zip(grads, variables):
+        if grad is None:
+            continue
+        try:
+            accumulator = accumulators[id(var)]
+        except KeyError:
+            raise ValueError(
+                "sync ParameterServerStrategy can only apply gradients to the model's "
+                f"trainable variables. Received a gradient for {var.path!r}") from None
+        if isinstance(grad, tf.IndexedSlices):
+            accumulator.scatter_add(tf.IndexedSlices(
+                grad.values * tf.cast(scale, grad.values.dtype), grad.indices,
+                grad.dense_shape))
+        else:
+            accumulator.assign_add(grad * tf.cast(scale, grad.dtype))
 
 
 class _Driver:
@@ -347,7 +338,7 @@ class _Driver:
         model, strategy = self.model, self.strategy
         with strategy.scope():
             _hooks.build_keras_state(model, element_spec)
-            if self.ledger is None:
+            if self.ledger is None and strategy.exactly_once:
                 self.ledger = _Ledger(strategy, model.optimizer.iterations.value)
             if strategy.mode == "sync" and self.accumulators is None:
                 self.accumulators = {}
@@ -369,7 +360,13 @@ class _Driver:
         model, strategy = self.model, self.strategy
         if getattr(self, "_train_fn", None) is None:
             ledger = self.ledger
-            if strategy.mode == "async":
+            if strategy.mode == "async" and ledger is None:
+                def step(iterator, step_id):
+                    data = next(iterator)
+                    with _hooks.shard_aware_gradients():
+                        outputs = strategy.run(model.train_step, args=(data,))
+                    return _local(strategy, outputs, "mean")
+            elif strategy.mode == "async":
                 def step(iterator, step_id):
                     data = next(iterator)
                     outputs = _train_step_applied_once(model, strategy, ledger, data, step_id)
@@ -382,10 +379,18 @@ class _Driver:
                     data = next(iterator)
 
                     def replica_step(data):
-                        with _accumulate_instead_of_apply(model.optimizer, accumulators, scale,
-                                                          ledger, step_id), \
+                        records = {}
+                        with _record_instead_of_apply(model.optimizer, records), \
                                 _hooks.shard_aware_gradients():
-                            return model.train_step(data)
+                            logs = model.train_step(data)
+                        mine = records.get(threading.get_ident(), [])
+                        pairs = [pair for grads, variables in mine
+                                 for pair in zip(grads, variables)]
+                        variables = [v for _, v in pairs]
+                        # No merge_call in here: the sum can be added inside this replica.
+                        _once(ledger, step_id, [g for g, _ in pairs],
+                              lambda grads: _accumulate(accumulators, scale, grads, variables))
+                        return logs
 
                     return _local(strategy, strategy.run(replica_step, args=(data,)), "mean")
             self._train_fn = tf.function(step)
@@ -402,7 +407,7 @@ class _Driver:
 
             def apply_and_zero():
                 # The replica's own device is its worker's: keep the update on the ps.
-                with tf.device(ledger.device):
+                with contextlib.nullcontext() if ledger is None else tf.device(ledger.device):
                     apply_summed_gradients()
 
             def apply_summed_gradients():
