@@ -307,7 +307,8 @@ def test_ps_missing_frozen_worker_and_killed_chief_then_resume_every_step(tmp_pa
                             stream=output, max_restarts=4, grace_period=1,
                             env={MARK: str(tmp_path)})[0]
     finally:
-        assert_no_leftover_processes(tmp_path)  # the frozen workers too (SIGKILL ends a stopped process)
+        # The frozen workers too (SIGKILL ends a stopped process).
+        assert_no_leftover_processes(tmp_path)
     log = capfd.readouterr().err
     assert "restart 1/4: chief-0 exited with code 1" in log, log
     message = _read(tmp_path, "chief-0.error-0")
