@@ -94,3 +94,20 @@ def assert_no_leftover_processes(result_dir):
                 except ProcessLookupError:
                     pass
     assert not leftovers, f"processes left behind: {leftovers}"
+
+
+def require_horovod():
+    """Skips the calling test without Horovod, or fails it when the suite requires Horovod
+    (``TFDIST_REQUIRE_HOROVOD=1``, set by ``make test``)."""
+    import os
+
+    import pytest
+
+    from tfdist.comm import horovod as comm
+
+    if comm.is_available():
+        return
+    if os.environ.get("TFDIST_REQUIRE_HOROVOD") == "1":
+        pytest.fail("TFDIST_REQUIRE_HOROVOD=1 but Horovod is not installed. "
+                    + comm.INSTALL_HINT, pytrace=False)
+    pytest.skip(comm.INSTALL_HINT)

@@ -19,7 +19,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from helpers import TESTS_DIR, assert_weights_close, classification_data, mlp, run_cluster
+from helpers import (TESTS_DIR, assert_weights_close, classification_data, mlp,
+                     require_horovod, run_cluster)
 from test_model_average import GLOBAL_BATCH, fit_linear, linear_data, numpy_local_sgd
 
 LR = 0.1
@@ -28,14 +29,7 @@ FP16_ATOL = 2e-3
 
 @pytest.fixture(scope="module")
 def horovod_installed():
-    from tfdist.comm import horovod as comm
-
-    if comm.is_available():
-        return
-    if os.environ.get("TFDIST_REQUIRE_HOROVOD") == "1":
-        pytest.fail("TFDIST_REQUIRE_HOROVOD=1 but Horovod is not installed. "
-                    + comm.INSTALL_HINT, pytrace=False)
-    pytest.skip(comm.INSTALL_HINT)
+    require_horovod()
 
 
 def _fit_mlp(strategy, batch=GLOBAL_BATCH, epochs=2):

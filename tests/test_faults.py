@@ -40,7 +40,7 @@ import pytest
 
 from helpers import RESULT_DIR_MARK as MARK
 from helpers import (TESTS_DIR, assert_no_leftover_processes, assert_weights_close,
-                     run_cluster, run_horovod)
+                     require_horovod, run_cluster, run_horovod)
 from test_model_average import linear_data, linear_model, numpy_local_sgd
 from test_multi_worker import _read, _write
 
@@ -378,13 +378,7 @@ def horovod_fault_task(result_dir, fault, victim, step):
 @pytest.mark.parametrize("fault, victim", [("kill", 1), ("kill", 0), ("stop", 1),
                                            ("missing", 1), ("hang", 1)])
 def test_horovod_faults(tmp_path, fault, victim):
-    from tfdist.comm import horovod as comm
-
-    if not comm.is_available():
-        if os.environ.get("TFDIST_REQUIRE_HOROVOD") == "1":
-            pytest.fail("TFDIST_REQUIRE_HOROVOD=1 but Horovod is not installed. "
-                        + comm.INSTALL_HINT, pytrace=False)
-        pytest.skip(comm.INSTALL_HINT)
+    require_horovod()
     step = random.Random(SEED + victim).randrange(1, STEPS + 1)
     try:
         with pytest.raises(AssertionError) as info:

@@ -15,7 +15,8 @@ import os
 import numpy as np
 import pytest
 
-from helpers import assert_weights_close, regression_data, run_cluster, run_horovod
+from helpers import (assert_weights_close, regression_data, require_horovod, run_cluster,
+                     run_horovod)
 from tfdist.comm import horovod as comm
 
 pytestmark = [pytest.mark.horovod]
@@ -32,12 +33,7 @@ BF16_ATOL = 1e-2
 
 @pytest.fixture(scope="module")
 def horovod_installed():
-    if comm.is_available():
-        return
-    if os.environ.get("TFDIST_REQUIRE_HOROVOD") == "1":
-        pytest.fail("TFDIST_REQUIRE_HOROVOD=1 but Horovod is not installed. "
-                    + comm.INSTALL_HINT, pytrace=False)
-    pytest.skip(comm.INSTALL_HINT)
+    require_horovod()
 
 
 # ---- the shared problem ---------------------------------------------------------------

@@ -16,7 +16,8 @@ import signal
 import numpy as np
 import pytest
 
-from helpers import assert_weights_close, classification_data, mlp, run_cluster, run_horovod
+from helpers import (assert_weights_close, classification_data, mlp, require_horovod,
+                     run_cluster, run_horovod)
 
 GLOBAL_BATCH = 16
 LR = 0.1
@@ -127,12 +128,7 @@ def _make_strategy(name):
     import tfdist
 
     if name == "horovod":
-        from tfdist.comm import horovod as comm
-
-        if not comm.is_available():
-            if os.environ.get("TFDIST_REQUIRE_HOROVOD") == "1":
-                pytest.fail("TFDIST_REQUIRE_HOROVOD=1 but Horovod is not installed")
-            pytest.skip(comm.INSTALL_HINT)
+        require_horovod()
         return tfdist.HorovodStrategy()
     if name == "multi_worker":
         os.environ.pop("TF_CONFIG", None)
@@ -334,12 +330,7 @@ def horovod_callbacks_task(out_dir):
 @pytest.mark.horovod
 @pytest.mark.timeout(300)
 def test_keras_callbacks_and_mixed_precision_under_horovod(tmp_path):
-    from tfdist.comm import horovod as comm
-
-    if not comm.is_available():
-        if os.environ.get("TFDIST_REQUIRE_HOROVOD") == "1":
-            pytest.fail("TFDIST_REQUIRE_HOROVOD=1 but Horovod is not installed")
-        pytest.skip(comm.INSTALL_HINT)
+    require_horovod()
     out_dir, task_tmp = tmp_path / "out", tmp_path / "tmp"
     out_dir.mkdir()
     task_tmp.mkdir()
@@ -353,11 +344,11 @@ def test_keras_callbacks_and_mixed_precision_under_horovod(tmp_path):
                                            "tensorboard"]
 
 
-def _parameter_server_task():
-    """Mixed precision under both parameter-server modes, in one cluster."""
+def _parameter_server_task(mode):
+    """Mixed precision under one parameter-server ``mode``, in one cluster."""
     import tfdist
 
-    strategy = tfdist.ParameterServerStrategy()
+    strategy = tfdist.ParameterServerStrategy(mode=mode)
     x, y = classification_data(n=64)
     out = {}
     for policy in POLICIES:
@@ -365,13 +356,25 @@ def _parameter_server_task():
         out[policy] = {"loss": history.history["loss"],
                        "optimizer": type(model.optimizer).__name__,
                        "iterations": int(model.optimizer.iterations.numpy())}
+    if mode == "sync":
+        out["overflow"] = _fit_overflowing_on_one_worker(strategy)
     return out
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_mixed_precision_under_parameter_server():
-    chief = run_cluster(_parameter_server_task, workers=1, chief=True, ps=1, timeout=280)[0]
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_mixed_precision_under_parameter_server(mode):
+    # One strategy per process (its constructor blocks on workers and ps): a cluster
+    # per mode. One worker, so a sync step reads one batch, like an async step.
+    chief = run_cluster(_parameter_server_task, mode, workers=1, chief=True, ps=1,
+                        timeout=280)[0]
+    overflow = chief.pop("overflow", None)
+    if mode == "sync":
+        # The first batch overflows in both epochs: two skipped steps, the scale halved
+        # twice from Keras' 2**15, and no update of the inner optimizer.
+        assert overflow["iterations"] == 2 * (64 // GLOBAL_BATCH - 1), overflow
+        assert overflow["scale"] == 2.0 ** 13, overflow
     for policy, result in chief.items():
         assert np.isfinite(result["loss"]).all(), (policy, result)
         assert result["iterations"] == 2 * 64 // GLOBAL_BATCH, (policy, result)
