@@ -38,6 +38,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import _hooks
+from tfdist.strategies._optimizer import inner_optimizer
 from tfdist.strategies.parameter_server import ParameterServerUnavailableError
 
 DEFAULT_BATCH_SIZE = 32
@@ -321,6 +322,32 @@ def _accumulate(accumulators, scale, grads, variables):
             accumulator.assign_add(grad * tf.cast(scale, grad.dtype))
 
 
+def _apply_loss_scaled(optimizer, inner, grads, variables):
+    """Sync mode, finite summed gradients: Keras' `LossScaleOptimizer` step by hand.
+
+    ``grads`` are the sum of the workers' scaled gradients; they are unscaled and
+    applied by ``inner`` (the optimizer under the wrapper), then the scale grows as
+    Keras grows it: doubled after ``dynamic_growth_steps`` finite steps in a row.
+    """
+    scale = optimizer.dynamic_scale
+    inner.apply([g / tf.cast(scale, g.dtype) for g in grads], variables)
+
+    def grow():
+        optimizer.step_counter.assign(0)
+        optimizer.dynamic_scale.assign(scale * 2.0)
+
+    def count():
+        optimizer.step_counter.assign_add(1)
+
+    tf.cond(tf.equal(optimizer.step_counter, optimizer.dynamic_growth_steps - 1), grow, count)
+
+
+def _skip_loss_scaled(optimizer):
+    """Sync mode, non-finite summed gradients: no update, the loss scale halved."""
+    optimizer.step_counter.assign(0)
+    optimizer.dynamic_scale.assign(optimizer.dynamic_scale * 0.5)
+
+
 class _Driver:
     """The remote functions of one compiled model, built once and reused."""
 
@@ -397,30 +424,61 @@ class _Driver:
         return self._train_fn
 
     def apply_function(self):
-        """Sync mode: apply the summed gradients once, then zero them."""
+        """Sync mode: apply the summed gradients once, then zero them.
+
+        Under a `keras.optimizers.LossScaleOptimizer` the sum is of scaled gradients:
+        it is checked for finiteness once, then unscaled and applied by the inner
+        optimizer (see `_apply_loss_scaled`), or skipped with the scale halved. The
+        scale lives on the ps, so every worker scales its next loss by the same value.
+        """
         if getattr(self, "_apply_fn", None) is None:
             model, accumulators, ledger = self.model, self.accumulators, self.ledger
+            optimizer = model.optimizer
+            inner = inner_optimizer(optimizer)
+            on_ps = (lambda: contextlib.nullcontext()) if ledger is None else \
+                (lambda: tf.device(ledger.device))
 
             def apply_sum(step_id):
+                _once(ledger, step_id, [step_id], lambda _: apply_or_skip())
+
+            def apply_or_skip():
                 run = model.distribute_strategy.run
-                _once(ledger, step_id, [step_id], lambda _: run(apply_and_zero))
+                if inner is optimizer:
+                    run(apply_and_zero, args=(optimizer.apply,))
+                    return
+                with on_ps():
+                    finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g))
+                                            for g in summed_gradients()])
+                tf.cond(finite,
+                        lambda: run(apply_and_zero, args=(apply_loss_scaled,)),
+                        skip_and_zero)
 
-            def apply_and_zero():
+            def apply_loss_scaled(grads, variables):
+                _apply_loss_scaled(optimizer, inner, grads, variables)
+
+            def apply_and_zero(apply):
                 # The replica's own device is its worker's: keep the update on the ps.
-                with contextlib.nullcontext() if ledger is None else tf.device(ledger.device):
-                    apply_summed_gradients()
+                with on_ps():
+                    apply(summed_gradients(), model.trainable_variables)
+                    zero()
 
-            def apply_summed_gradients():
-                variables = model.trainable_variables
+            def skip_and_zero():
+                with on_ps():
+                    _skip_loss_scaled(optimizer)
+                    zero()
+
+            def summed_gradients():
                 grads = []
-                for v in variables:
+                for v in model.trainable_variables:
                     accumulator = accumulators[id(v)]
                     # Read where the sum lives: Keras' (identity) all-reduce needs a device.
                     parts = _hooks.sharded_parts(accumulator)
                     with tf.device((parts[0] if parts else accumulator).device):
                         grads.append(tf.identity(tf.convert_to_tensor(accumulator)))
-                model.optimizer.apply(grads, variables)
-                for v in variables:
+                return grads
+
+            def zero():
+                for v in model.trainable_variables:
                     accumulator = accumulators[id(v)]
                     accumulator.assign(tf.zeros(accumulator.shape, accumulator.dtype))
 
