@@ -11,9 +11,10 @@ import time
 
 import pytest
 
-from helpers import assert_weights_close, classification_data
+from helpers import (RESULT_DIR_MARK as MARK, assert_no_leftover_processes,
+                     assert_weights_close, classification_data)
 from test_model_average import linear_data, numpy_local_sgd
-from test_multi_worker import MARK, _assert_gone, _fit
+from test_multi_worker import _fit
 
 
 def import_engine(name: str):
@@ -106,4 +107,4 @@ def wait_gone(result_dir, seconds=60.0):
         if not alive:
             break
         time.sleep(0.5)
-    _assert_gone(result_dir)
+    assert_no_leftover_processes(result_dir)

@@ -79,12 +79,9 @@ def test_model_average_period_4_matches_numpy(ray):
 def test_horovod_engine(ray):
     """MultiWorkerMirroredStrategy(engine="horovod") brings Gloo up from TF_CONFIG."""
     import tfdist
-    from tfdist.comm import horovod as comm
+    from helpers import require_horovod
 
-    if not comm.is_available():
-        if os.environ.get("TFDIST_REQUIRE_HOROVOD") == "1":
-            pytest.fail("TFDIST_REQUIRE_HOROVOD=1 but Horovod is not installed")
-        pytest.skip(comm.INSTALL_HINT)
+    require_horovod()
     from test_engines import _check, engine_task
 
     _check(tfdist.ray.run(engine_task, 0, False, workers=2, timeout=280), full=False)

@@ -29,11 +29,12 @@ def spark():
     from pyspark import SparkContext
     from pyspark.sql import SparkSession
 
+    os.environ["PYSPARK_PYTHON"] = sys.executable  # the executors' Python: this venv
     session = (SparkSession.builder.master("local[2]").appName("tfdist-tests")
                .config("spark.driver.host", "127.0.0.1")
                .config("spark.driver.bindAddress", "127.0.0.1")
                .config("spark.ui.enabled", "false")
-               .config("spark.pyspark.python", sys.executable)
+               .config("spark.ui.showConsoleProgress", "false")
                .getOrCreate())
     session.sparkContext.setLogLevel("ERROR")
     yield session

@@ -61,13 +61,29 @@ def read_failure(text: str) -> dict | None:
 
 
 def make_payload(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any]) -> bytes:
-    """``fn`` (by value), its arguments, and this process's import path, pickled."""
+    """``fn`` (by value), its arguments, and where this process imports its own code
+    from, pickled."""
     import cloudpickle
 
     if not callable(fn):
         raise TypeError(f"fn must be callable. Received: {fn!r}")
     return cloudpickle.dumps({"call": cloudpickle.dumps((fn, tuple(args), dict(kwargs))),
-                              "path": [p for p in sys.path if p]})
+                              "path": _user_paths()})
+
+
+def _user_paths() -> list[str]:
+    """This process's import path less its interpreter's own (stdlib, site-packages):
+    where the user's modules are, without mixing another Python's packages in."""
+    own = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    paths = []
+    for path in sys.path:
+        path = os.path.abspath(path or os.getcwd())  # "": the working directory
+        real = os.path.realpath(path)
+        if "site-packages" in real or "dist-packages" in real or any(
+                real == prefix or real.startswith(prefix + os.sep) for prefix in own):
+            continue
+        paths.append(path)
+    return paths
 
 
 def reserve_port() -> socket.socket:

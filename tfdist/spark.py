@@ -133,8 +133,7 @@ def session(master: str | None = None, app_name: str = "tfdist"):
     if master.startswith("local"):  # executors on this host: loopback, this Python
         builder = builder.config("spark.driver.host", "127.0.0.1").config(
             "spark.driver.bindAddress", "127.0.0.1")
-        if not os.environ.get("PYSPARK_PYTHON"):
-            builder = builder.config("spark.pyspark.python", sys.executable)
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # read by SparkContext
     created = builder.getOrCreate()
     try:
         yield created
