@@ -383,7 +383,7 @@ def test_resume_after_killed_worker_matches_uninterrupted(tmp_path):
     assert os.listdir(task_tmp) == []
     assert sorted(os.listdir(out_dir)) == ["ckpt-1.weights.h5", "ckpt-2.weights.h5",
                                            "ckpt-3.weights.h5", "metrics.csv",
-                                           "metrics.jsonl"]
+                                           "metrics.jsonl", "tfdist_training_done.json"]
     assert not backup_dir.exists()  # deleted by the chief after training
     rows = (out_dir / "metrics.csv").read_text().splitlines()
     assert rows[0] == "epoch,accuracy,loss" and [r.split(",")[0] for r in rows[1:]] == \

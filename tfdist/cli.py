@@ -21,7 +21,8 @@ def _launch(args: argparse.Namespace) -> int:
                backup_dir=args.backup_dir, grace_period=args.grace_period,
                isolate_network=args.isolate_network, gpus_per_task=args.gpus_per_task,
                nnodes=args.nnodes, node_rank=args.node_rank, master=args.master,
-               node_addr=args.node_addr, token=args.token, join_timeout=args.join_timeout)
+               node_addr=args.node_addr, token=args.token, join_timeout=args.join_timeout,
+               evaluator=args.evaluator, evaluator_wait=args.evaluator_wait)
     except (LaunchError, RendezvousError) as error:
         print(f"tfdist launch: FAILED: {error}", file=sys.stderr, flush=True)
         return 1
@@ -75,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--workers", type=int, default=1, help="number of worker tasks")
     launch.add_argument("--chief", action="store_true", help="add a chief task")
     launch.add_argument("--ps", type=int, default=0, help="number of parameter servers")
+    launch.add_argument("--evaluator", action="store_true",
+                        help="add an evaluator task (side-car evaluation; does not train)")
+    launch.add_argument("--evaluator-wait", type=float, default=120.0, metavar="SECONDS",
+                        help="how long the evaluator may run on after training ended")
     launch.add_argument("--timeout", type=float, default=None,
                         help="seconds before every task is killed")
     launch.add_argument("--max-restarts", type=int, default=0,

@@ -174,9 +174,9 @@ class ClusterSpec:
     @classmethod
     def local(cls, ports: Mapping[str, list[int]] | None = None, *, workers: int = 1,
               chief: bool = False, ps: int = 0, host: str = "127.0.0.1",
-              task: TaskSpec | None = None) -> "ClusterSpec":
+              task: TaskSpec | None = None, evaluator: bool = False) -> "ClusterSpec":
         """A cluster on one host, one port per task (``ports`` maps type to ports)."""
-        counts = {"chief": int(chief), "worker": workers, "ps": ps}
+        counts = {"chief": int(chief), "worker": workers, "ps": ps, "evaluator": int(evaluator)}
         ports = ports or {}
         jobs = {}
         for task_type, count in counts.items():

@@ -34,6 +34,8 @@ from tfdist.cluster import TRAINING_TASK_TYPES, ClusterSpec, TaskSpec
 from tfdist.rendezvous import gpu_env, run_node
 
 DEFAULT_GRACE_SECONDS = 5.0
+# Seconds an evaluator task may go on after training ended before it is stopped.
+DEFAULT_EVALUATOR_WAIT_SECONDS = 120.0
 TAIL_LINES = 40
 MAX_PORT_RETRIES = 3
 IDLE_SECONDS = 0.5  # an unfinished line is shown after this long without output
@@ -101,15 +103,16 @@ def find_free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
 
 def make_local_cluster(workers: int, chief: bool = False, ps: int = 0,
-                       host: str = "127.0.0.1") -> ClusterSpec:
+                       host: str = "127.0.0.1", evaluator: bool = False) -> ClusterSpec:
     """A cluster of free ports on ``host`` (no task set)."""
-    counts = {"chief": int(chief), "worker": workers, "ps": ps}
+    counts = {"chief": int(chief), "worker": workers, "ps": ps, "evaluator": int(evaluator)}
     ports = find_free_ports(sum(counts.values()), host)
     by_type, start = {}, 0
     for task_type, count in counts.items():
         by_type[task_type] = ports[start:start + count]
         start += count
-    return ClusterSpec.local(by_type, workers=workers, chief=chief, ps=ps, host=host)
+    return ClusterSpec.local(by_type, workers=workers, chief=chief, ps=ps, host=host,
+                             evaluator=evaluator)
 
 
 class _Guard:
@@ -547,14 +550,22 @@ def _run_once(argv: list[str], cluster: ClusterSpec, env, timeout, grace, stream
               ps_restarts: _PsWorkerRestarts | None = None, *,
               specs: Sequence[TaskSpec] | None = None,
               extra_env: Callable[[TaskSpec], dict] | None = None,
-              peers=None) -> tuple[list[_Task], _Task | None, bool]:
+              peers=None, evaluator_wait: float = DEFAULT_EVALUATOR_WAIT_SECONDS,
+              log=None) -> tuple[list[_Task], _Task | None, bool]:
     """Runs every task of one attempt. Returns (tasks, failed task, timed out).
 
     ``specs`` are the tasks to start here (default: all of ``cluster``), ``extra_env``
     adds variables per task, and ``peers`` (a `tfdist.rendezvous.NodeLink`) joins this
     node to a multi-node job: a failure here is reported to node 0, and node 0's word
     (stop, or end) stops the tasks here; the caller reads ``peers`` for which.
+
+    An ``evaluator`` task does not train: its exit code never fails the job (a non-zero
+    one is reported on ``log``), and once the chief and workers have exited 0 it has
+    ``evaluator_wait`` seconds to end on its own before it is stopped like a ps task.
     """
+    log = log or sys.stderr
+    reported: set[str] = set()
+    trained_at = None
     tasks: list[_Task] = []
     if ps_restarts is not None:
         ps_restarts.control_dir = tempfile.mkdtemp(prefix="tfdist-control-")
@@ -576,7 +587,9 @@ def _run_once(argv: list[str], cluster: ClusterSpec, env, timeout, grace, stream
         while True:
             if ps_restarts is not None:
                 ps_restarts.kill_requested(tasks)
-            failed = next((t for t in tasks if t.poll() not in (None, 0)), None)
+            _report_evaluator_exit(tasks, reported, log)
+            failed = next((t for t in tasks if t.poll() not in (None, 0)
+                           and t.spec.type != "evaluator"), None)
             if failed is not None and ps_restarts is not None and \
                     ps_restarts.replace(tasks, failed, start):
                 continue
@@ -589,7 +602,12 @@ def _run_once(argv: list[str], cluster: ClusterSpec, env, timeout, grace, stream
             done = all(t.poll() == 0 for t in tasks if t.spec.type in TRAINING_TASK_TYPES)
             if done and peers is not None:
                 peers.report_done()  # ps tasks serve on until every node is done
-            if (done and peers is None) or (peers is not None and peers.should_stop()):
+            if done and trained_at is None:
+                trained_at = time.monotonic()
+            evaluating = done and peers is None and _is_evaluating(tasks) and \
+                time.monotonic() - trained_at < evaluator_wait
+            if (done and peers is None and not evaluating) or (
+                    peers is not None and peers.should_stop()):
                 stop_tasks([t for t in tasks if t.poll() is None], grace)
                 return tasks, None, False
             if deadline is not None and time.monotonic() > deadline:
@@ -604,6 +622,24 @@ def _run_once(argv: list[str], cluster: ClusterSpec, env, timeout, grace, stream
     finally:
         if ps_restarts is not None:
             shutil.rmtree(ps_restarts.control_dir, ignore_errors=True)
+
+
+def _is_evaluating(tasks: Sequence[_Task]) -> bool:
+    """Whether an evaluator task is still running."""
+    return any(t.spec.type == "evaluator" and t.poll() is None for t in tasks)
+
+
+def _report_evaluator_exit(tasks: Sequence[_Task], reported: set[str], log) -> None:
+    """Reports (once) an evaluator that exited non-zero; the job goes on without it."""
+    for task in tasks:
+        code = task.poll()
+        if task.spec.type == "evaluator" and code not in (None, 0) and \
+                task.name not in reported:
+            reported.add(task.name)
+            task.finish_output()
+            print(f"tfdist launch: {_exit_cause(task.name, code)}; training goes on "
+                  f"without it. Last output of {task.name}:\n{task.tail_text()}",
+                  file=log, flush=True)
 
 
 def _exit_cause(name: str, code: int) -> str:
@@ -626,7 +662,8 @@ def run(argv: Sequence[str], *, workers: int = 1, chief: bool = False, ps: int =
         isolate_network: bool = False, restart_ps_workers: bool = True,
         gpus_per_task: int | None = None, nnodes: int = 1, node_rank: int = 0,
         master: str | None = None, node_addr: str | None = None, token: str | None = None,
-        join_timeout: float = 120.0) -> LaunchResult:
+        join_timeout: float = 120.0, evaluator: bool = False,
+        evaluator_wait: float = DEFAULT_EVALUATOR_WAIT_SECONDS) -> LaunchResult:
     """Starts ``argv`` once per task and waits for the job.
 
     With ``master`` (and ``nnodes`` > 1), this is one node of a multi-node job: every
@@ -671,6 +708,11 @@ def run(argv: Sequence[str], *, workers: int = 1, chief: bool = False, ps: int =
             prints it when neither is set).
         join_timeout: Seconds for every node to join before each joined node fails,
             naming the missing ones.
+        evaluator: Whether to add an ``evaluator`` task (TF's role for side-car
+            evaluation, e.g. `tfdist.keras.SidecarEvaluator`). It does not train: the
+            job's outcome is the chief's and workers'. Single-node jobs only.
+        evaluator_wait: Seconds the evaluator may run on after training ended (to
+            evaluate the last checkpoints) before it is stopped like a ps task.
 
     Returns:
         A `LaunchResult` when every chief and worker exited 0 (in a multi-node job:
@@ -685,8 +727,14 @@ def run(argv: Sequence[str], *, workers: int = 1, chief: bool = False, ps: int =
             raise ValueError(f"cluster must be a tfdist.ClusterSpec. Received: {cluster!r}")
         cluster = dataclasses.replace(cluster, task=None)
         workers, chief, ps = len(cluster.worker), bool(cluster.chief), len(cluster.ps)
+        evaluator = bool(cluster.evaluator)
     _validate_counts(workers, chief, ps, timeout, max_restarts)
+    check_seconds("evaluator_wait", evaluator_wait)
     if master is not None or nnodes != 1:
+        if evaluator:
+            raise ValueError("an evaluator task runs in single-node jobs only; run it as "
+                             "a job of its own (or in the chief's process) on a multi-node "
+                             f"job. Received: evaluator=True, nnodes={nnodes!r}")
         return _run_node(argv, workers=workers, chief=chief, ps=ps, timeout=timeout,
                          max_restarts=max_restarts, env=env, backup_dir=backup_dir,
                          grace_period=grace_period, stream=stream, log=log, cluster=cluster,
@@ -702,21 +750,23 @@ def run(argv: Sequence[str], *, workers: int = 1, chief: bool = False, ps: int =
                        max_restarts=max_restarts, env=env, backup_dir=backup_dir,
                        grace_period=grace_period, host=host, stream=stream, log=log,
                        cluster=cluster, wrap=lambda spec: prefix,
-                       restart_ps_workers=restart_ps_workers, gpus_per_task=gpus_per_task)
+                       restart_ps_workers=restart_ps_workers, gpus_per_task=gpus_per_task,
+                       evaluator=evaluator, evaluator_wait=evaluator_wait)
     log = log or sys.stderr
     ps_restarts = _PsWorkerRestarts(max_restarts, log) if (
         restart_ps_workers and chief and ps) else None
     fixed_cluster = cluster
     attempt = restarts = port_retries = 0
     while True:
-        cluster = fixed_cluster or make_local_cluster(workers, chief, ps, host)
+        cluster = fixed_cluster or make_local_cluster(workers, chief, ps, host, evaluator)
         started = time.monotonic()
         if ps_restarts is not None:
             ps_restarts.job_restarts = restarts
         pins = gpu_env(cluster.tasks(), _command_env(env), gpus_per_task)
         tasks, failed, timed_out = _run_once(list(argv), cluster, env, timeout, grace_period,
                                              stream, attempt, backup_dir, wrap, ps_restarts,
-                                             extra_env=lambda spec: pins[spec.name])
+                                             extra_env=lambda spec: pins[spec.name],
+                                             evaluator_wait=evaluator_wait, log=log)
         if failed is None and not timed_out:
             return LaunchResult(
                 tuple(TaskResult(t.name, t.poll(), t.tail_text()) for t in tasks),
@@ -783,12 +833,14 @@ def launch(target: str | os.PathLike | Callable | None = None, *args: Any,
            isolate_network: bool = False, restart_ps_workers: bool = True,
            gpus_per_task: int | None = None, nnodes: int = 1, node_rank: int = 0,
            master: str | None = None, node_addr: str | None = None,
-           token: str | None = None, join_timeout: float = 120.0, **kwargs: Any):
+           token: str | None = None, join_timeout: float = 120.0, evaluator: bool = False,
+           evaluator_wait: float = DEFAULT_EVALUATOR_WAIT_SECONDS, **kwargs: Any):
     """Runs a script or a function as a local cluster, one fresh process per task.
 
     A function (from a notebook, say) is pickled by value with cloudpickle, run in every
     task with ``*args`` and ``**kwargs``, and its return values come back as a list in
-    task order (chief, workers, ps; ps tasks return None). Multi-worker TensorFlow
+    task order (chief, workers, ps, evaluator; ps tasks return None, and so does an
+    evaluator stopped after ``evaluator_wait``). Multi-worker TensorFlow
     cannot start twice in one process, so this is how a notebook trains on many workers.
 
     With ``module="pkg.train"`` every task runs ``python -m pkg.train`` instead, and all
@@ -820,6 +872,8 @@ def launch(target: str | os.PathLike | Callable | None = None, *args: Any,
         node_addr: This node's address as the others reach it (default: as node 0 sees it).
         token: Shared rendezvous secret (default: $TFDIST_TOKEN, else node 0 prints one).
         join_timeout: Seconds for every node to join.
+        evaluator: Add one ``evaluator`` task (see `run`); single-node jobs only.
+        evaluator_wait: Seconds the evaluator may run on after training ended.
         **kwargs: Keyword arguments of the function.
 
     Returns:
@@ -837,7 +891,8 @@ def launch(target: str | os.PathLike | Callable | None = None, *args: Any,
                    grace_period=grace_period, stream=stream, isolate_network=isolate_network,
                    restart_ps_workers=restart_ps_workers, gpus_per_task=gpus_per_task,
                    nnodes=nnodes, node_rank=node_rank, master=master, node_addr=node_addr,
-                   token=token, join_timeout=join_timeout)
+                   token=token, join_timeout=join_timeout, evaluator=evaluator,
+                   evaluator_wait=evaluator_wait)
     if module is not None:
         return _launch_module(module, target, args, kwargs, options)
     if target is None:

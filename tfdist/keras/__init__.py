@@ -1,10 +1,12 @@
-"""Glue Keras needs for distributed training: chief-aware callbacks.
+"""Glue Keras needs for distributed training: chief-aware callbacks, side-car evaluation.
 
 ``tfdist.keras.callbacks`` holds `ModelCheckpoint`, `BackupAndRestore` and
-`MetricsLogger`. Importing this package imports Keras (and TensorFlow); ``import
-tfdist`` alone does not, and loads ``tfdist.keras`` on first attribute access.
+`MetricsLogger`; `SidecarEvaluator` evaluates the chief's checkpoints in an evaluator
+task. Importing this package imports Keras (and TensorFlow); ``import tfdist`` alone
+does not, and loads ``tfdist.keras`` on first attribute access.
 """
 
 from tfdist.keras import callbacks
+from tfdist.keras.evaluator import SidecarEvaluator
 
-__all__ = ["callbacks"]
+__all__ = ["SidecarEvaluator", "callbacks"]

@@ -25,11 +25,14 @@ import keras
 
 from tfdist import _hooks
 from tfdist.cluster import ClusterSpec
-from tfdist.files import private_temp_dir, write_text_atomic
+from tfdist.files import commit, private_temp_dir, temp_path_for, write_text_atomic
 from tfdist.keras.guards import StopOnNaN  # noqa: F401  (re-exported)
 from tfdist.keras.warmup import LinearScalingWarmup  # noqa: F401  (re-exported)
 
 BACKUP_DIR_ENV = "TFDIST_BACKUP_DIR"
+# Written by the chief's `ModelCheckpoint` next to its checkpoints when training ends;
+# `tfdist.keras.SidecarEvaluator` stops once it has seen it.
+TRAINING_DONE_FILE = "tfdist_training_done.json"
 logger = logging.getLogger("tfdist")
 
 
@@ -94,20 +97,60 @@ class ModelCheckpoint(_ChiefAware, keras.callbacks.ModelCheckpoint):
     Every worker saves (and so takes part in any collective the save needs); the
     others save to a temporary file that is deleted right away. Same arguments as
     Keras' class.
+
+    The chief writes each checkpoint to a hidden ``.tmp-*`` sibling and renames it into
+    place, so a reader (`tfdist.keras.SidecarEvaluator`) never sees a partial file. When
+    training ends it writes ``tfdist_training_done.json`` (`TRAINING_DONE_FILE`, holding
+    the number of epochs done) in the checkpoints' directory, and removes it when
+    training begins.
     """
+
+    _final_path = None
 
     def _get_file_path(self, epoch, batch, logs):
         path = super()._get_file_path(epoch, batch, logs)
         if self.is_chief:
-            return path
+            self._final_path = path
+            return str(temp_path_for(path))
         return os.path.join(self._temp_dir(), os.path.basename(path))
 
     def _save_model(self, epoch, batch, logs):
+        self._final_path = None
         try:
             super()._save_model(epoch, batch, logs)
+            temp = temp_path_for(self._final_path) if self._final_path else None
+            if temp is not None and os.path.exists(temp):
+                commit(temp, self._final_path)
         finally:
+            if self._final_path:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(temp_path_for(self._final_path))
             if not self.is_chief:
                 self._remove_temp_dir()
+
+    def _done_marker(self):
+        """The training-done marker's path, or None if the directory is templated."""
+        directory = os.path.dirname(os.fspath(self.filepath))
+        return None if "{" in directory else os.path.join(directory, TRAINING_DONE_FILE)
+
+    def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
+        marker = self._done_marker()
+        if self.is_chief and marker is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(marker)
+        self._epochs_done = 0
+
+    def on_epoch_end(self, epoch, logs=None):
+        super().on_epoch_end(epoch, logs)
+        self._epochs_done = epoch + 1
+
+    def on_train_end(self, logs=None):
+        super().on_train_end(logs)
+        marker = self._done_marker()
+        if self.is_chief and marker is not None:
+            os.makedirs(os.path.dirname(marker) or ".", exist_ok=True)
+            write_text_atomic(marker, json.dumps({"epochs": self._epochs_done}))
 
 
 class BackupAndRestore(_ChiefAware, keras.callbacks.BackupAndRestore):
