@@ -456,10 +456,11 @@ class _StopAfterEpoch:
         return Stop()
 
 
-@pytest.mark.parametrize("period", [2, 3])
-def test_adam_backup_resumes_exactly(logical_cpus, tmp_path, period):
-    """Per-replica optimizer state is averaged into the backup; a resume equals the
-    uninterrupted run whether an epoch ends on a scheduled average (period 2) or not."""
+@pytest.mark.parametrize("period, outer", [(2, False), (3, False), (3, True)])
+def test_adam_backup_resumes_exactly(logical_cpus, tmp_path, period, outer):
+    """Per-replica optimizer state is averaged into the backup, and the outer optimizer's
+    momentum (SlowMo) is in it: a resume equals the uninterrupted run whether an epoch
+    ends on a scheduled average (period 2) or not."""
     import keras
 
     import tfdist
@@ -468,7 +469,9 @@ def test_adam_backup_resumes_exactly(logical_cpus, tmp_path, period):
     x, y = linear_data(n=64)  # 4 steps an epoch
 
     def run(backup_dir, interrupt_after=None):
-        strategy = tfdist.ModelAverageStrategy(period=period)
+        strategy = tfdist.ModelAverageStrategy(
+            period=period,
+            outer_optimizer=(lambda: keras.optimizers.SGD(0.5, momentum=0.9)) if outer else None)
         with strategy.scope():
             model = linear_model()
             model.compile(keras.optimizers.Adam(LR), "mse")
@@ -485,3 +488,9 @@ def test_adam_backup_resumes_exactly(logical_cpus, tmp_path, period):
     resumed = run(tmp_path / "resumed")
     assert int(resumed.optimizer.iterations.numpy()) == 12
     assert_weights_close(resumed.get_weights(), straight.get_weights(), atol=1e-5)
+    if outer:
+        [resumed_outer] = resumed.distribute_strategy.outer_optimizers
+        [straight_outer] = straight.distribute_strategy.outer_optimizers
+        assert int(resumed_outer.iterations.numpy()) == int(straight_outer.iterations.numpy())
+        assert_weights_close([v.numpy() for v in resumed_outer.variables],
+                             [v.numpy() for v in straight_outer.variables], atol=1e-5)

@@ -83,7 +83,8 @@ def configure_coordination_service(jobs, register_timeout_seconds, heartbeat_tim
 # Model methods around which (fit) or before which (the others) the strategy is told.
 MODEL_EVENTS = {"fit": "around", "evaluate": "before", "predict": "before",
                 "test_on_batch": "before", "predict_on_batch": "before",
-                "save": "before", "save_weights": "before", "export": "before"}
+                "save": "before", "save_weights": "before", "export": "before",
+                "load_weights": "around"}
 # Model methods a fit driver (parameter servers) replaces.
 FIT_DRIVER_METHODS = ("fit", "evaluate", "predict")
 

@@ -65,6 +65,10 @@ def _wants_multi_worker(cluster_resolver) -> bool:
     return resolve_cluster(None).num_workers > 1
 
 
+# The model attribute that holds the outer optimizer, so Keras saves its state too.
+OUTER_OPTIMIZER_ATTR = "_tfdist_outer_optimizer"
+
+
 def _tf_variable(variable):
     return variable.value if hasattr(variable, "path") and hasattr(variable, "value") \
         else variable
@@ -286,8 +290,12 @@ class ModelAverageStrategy(tf.distribute.Strategy, metaclass=_PicksItsBase):
         return self._local_apply
 
     def keras_model_event(self, model, method, when):
-        """``keras.Model`` calls this around fit and before evaluate/predict/save."""
+        """``keras.Model`` calls this around fit and load_weights, and before
+        evaluate/predict/save."""
         optimizer = inner_optimizer(getattr(model, "optimizer", None))
+        if method == "load_weights":
+            self._outer_around_load(model, optimizer, when)
+            return
         if method == "fit" and when == "before":
             self._fit_start[id(model)] = (
                 None if optimizer is None else int(optimizer.iterations.numpy()))
@@ -302,6 +310,30 @@ class ModelAverageStrategy(tf.distribute.Strategy, metaclass=_PicksItsBase):
                     f"Optimizer: {type(optimizer).__name__}. Check tests/test_hooks.py "
                     "against this Keras version.")
         self.average(model)
+        if method in ("save", "save_weights"):
+            self._attach_outer(model, optimizer)
+
+    def _attach_outer(self, model, optimizer) -> None:
+        """Makes the outer optimizer an attribute of ``model``, so Keras saves (and
+        loads) its state (SlowMo's momentum, its step) with the model's."""
+        state = self._states.get(id(optimizer))
+        if state is not None and state.outer is not None:
+            setattr(model, OUTER_OPTIMIZER_ATTR, state.outer)
+
+    def _outer_around_load(self, model, optimizer, when) -> None:
+        """Before ``load_weights``: the outer optimizer exists, for Keras to restore it.
+        After: the anchors are the loaded weights (a save averaged them first)."""
+        if self._outer_template is None or optimizer is None:
+            return
+        if when == "before":
+            if not optimizer.built:
+                optimizer.build(model.trainable_variables)
+            self._ensure_state(optimizer, list(model.trainable_variables), None)
+            self._attach_outer(model, optimizer)
+            return
+        state = self._states[id(optimizer)]
+        for anchor, variable in zip(state.anchors, state.variables):
+            anchor.assign(_tf_variable(variable).read_value())
 
     def _local_apply(self, optimizer, apply_fn, grads, variables):
         """Replaces Keras' optimizer step in replica context (see module docstring)."""
