@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # name, title, needs root
 SECTIONS = (
     ("allreduce", "All-reduce bus bandwidth, 2 processes, 4 KB - 64 MB", False),
+    ("engines", "Engines in fit: step time and the 64 MB all-reduce, 2 workers", False),
     ("mirrored", "Mirrored strategy: cross-device ops, overhead", False),
     ("overhead", "Strategy overhead against stock TF", False),
     ("throughput", "Throughput by mode, 2 workers", False),
