@@ -42,7 +42,12 @@ def _evaluator_job(out_dir):
         rows = evaluator.start()
         return {"task": cluster.task.name, "rows": rows, "csv": evaluator.csv_path,
                 "log_dir": evaluator.log_dir}
-    strategy = tfdist.MultiWorkerMirroredStrategy()
+    if cluster.ps:  # parameter servers: only the chief runs fit
+        if cluster.task.type != "chief":
+            tfdist.ParameterServerStrategy(mode="sync")  # serves until the chief is done
+        strategy = tfdist.ParameterServerStrategy(mode="sync")
+    else:
+        strategy = tfdist.MultiWorkerMirroredStrategy()
     with strategy.scope():
         model = _model()
     checkpoint = tfdist.keras.callbacks.ModelCheckpoint(
@@ -85,6 +90,19 @@ def test_evaluator_sees_every_checkpoint_and_ends_with_training(tmp_path):
         np.testing.assert_allclose(float(row["mae"]), expected["mae"], atol=1e-5)
         losses.append(expected["loss"])
     assert len(set(losses)) == EPOCHS, "every checkpoint should hold different weights"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+def test_evaluator_beside_parameter_servers(tmp_path):
+    """chief + worker + ps + evaluator: TF's servers do not wait for the evaluator."""
+    chief, evaluator = [r for r in run_cluster(
+        _evaluator_job, str(tmp_path), workers=1, chief=True, ps=1, evaluator=True,
+        timeout=400, stream=None) if r is not None and "task" in r and r["task"] in (
+            "chief-0", "evaluator-0")]
+    assert chief["task"] == "chief-0" and evaluator["task"] == "evaluator-0"
+    with open(evaluator["csv"], newline="") as f:
+        assert [int(r["epoch"]) for r in csv.DictReader(f)] == list(range(1, EPOCHS + 1))
 
 
 # ---- in-process: the evaluator's directory rules, and the launcher's arguments ----------

@@ -17,6 +17,7 @@ Modes:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import sys
@@ -263,6 +264,13 @@ def wait_for_chief(address: str, poll_seconds: float = 1.0, misses: int = 3,
         missed = 0 if _is_listening(address) else missed + 1
 
 
+def _without_evaluator(spec: ClusterSpec) -> ClusterSpec:
+    """``spec`` as TF's servers and coordinator see it: an evaluator task (a side-car
+    reading checkpoints, `tfdist.keras.SidecarEvaluator`) runs no TF server, and TF
+    would wait for one."""
+    return dataclasses.replace(spec, evaluator=())
+
+
 def serve_until_chief_done(spec: ClusterSpec, poll_seconds: float = 1.0,
                            startup_timeout: float | None = None) -> None:
     """Runs this worker or ps task's TF server; exits the process (code 0) after the chief.
@@ -279,7 +287,7 @@ def serve_until_chief_done(spec: ClusterSpec, poll_seconds: float = 1.0,
     # The chief itself listens only once every worker and ps does, after up to
     # its own startup_timeout: give it that long too.
     server = tf.distribute.Server(
-        tf.train.ClusterSpec(spec.jobs()), job_name=spec.task.type,
+        tf.train.ClusterSpec(_without_evaluator(spec).jobs()), job_name=spec.task.type,
         task_index=spec.task.index, protocol="grpc", start=True)
     print(f"tfdist: {spec.task.name} serving on {spec.task_address}; waiting for the chief "
           f"at {spec.chief[0]} to finish", flush=True)
@@ -401,7 +409,8 @@ class ParameterServerStrategy(_hooks.KerasHandoff, tf.distribute.ParameterServer
         self._spec = spec
         self._mode = mode
         self._steps_per_dispatch = steps_per_dispatch
-        super().__init__(spec.to_cluster_resolver(), variable_partitioner=variable_partitioner)
+        super().__init__(_without_evaluator(spec).to_cluster_resolver(),
+                         variable_partitioner=variable_partitioner)
         _hooks.allow_sharded_updates(self.extended)
         self._coordinator = tf.distribute.coordinator.ClusterCoordinator(self)
         self._step_timeout = step_timeout
