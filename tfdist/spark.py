@@ -55,7 +55,7 @@ def run(fn: Callable, *args: Any, workers: int = 1, spark=None, timeout: float |
     Raises:
         LaunchError: a task failed, was killed or timed out; names it, with the end of
             its output. Spark stops the other tasks of the stage.
-        RuntimeError: there is no active SparkSession.
+        RuntimeError: no active SparkSession, or a Spark Connect one (no barrier mode).
         ValueError: bad arguments.
     """
     check_run_options(workers, timeout)
