@@ -400,9 +400,8 @@ def test_horovod_faults(tmp_path, fault, victim):
         assert f"Process {victim} exit with status code 137" in output, (where, output[-3000:])
     survivor = f"rank{1 - victim}"
     assert set(errors) <= {survivor}, (where, errors)
-    if fault == "hang":  # Gloo's rendezvous timeout aborts the survivor in C++
-        assert (f"Wait timeout after 10 seconds for key(s): {victim}" in output
-                and f"Process {victim} exit with status code 143" in output), (where, output)
+    if fault == "hang":  # Gloo's rendezvous timeout aborts the survivor in C++ (134, above)
+        assert survivor not in errors, (where, errors)
         return
     if fault != "kill":  # the survivor raised: it is the first failure
         assert errors[survivor].startswith("UnknownError") and \
