@@ -122,9 +122,11 @@ def test_argument_errors(ray):
 def test_unplaceable_actors_are_named_and_removed(ray):
     import tfdist
 
+    # 3 CPUs per actor on a 2-CPU Ray: none can be placed, whatever the start-up speed.
     with pytest.raises(tfdist.LaunchError, match=r"worker-0, worker-1, worker-2 did not start "
-                                                 r"within 3s: Ray could not place 3 actors"):
-        tfdist.ray.run(print, workers=3, num_cpus=1, startup_timeout=3)
+                                                 r"within 3s: Ray could not place 3 actors "
+                                                 r"\(3 CPU and 0 GPU each\)"):
+        tfdist.ray.run(print, workers=3, num_cpus=3, startup_timeout=3)
     _assert_no_tfdist_actors(ray)
 
 
