@@ -90,10 +90,13 @@ def _env(extra=None):
 
 
 def _start_node(hosts, rank, script, *args, master_port, options=(), env=None):
-    """Starts node ``rank``'s launcher in its namespace; returns the Popen."""
-    argv = ["ip", "netns", "exec", hosts.names[rank], sys.executable, "-m", "tfdist.cli",
+    """Starts node ``rank``'s launcher in its namespace (``hosts`` None: on loopback);
+    returns the Popen."""
+    prefix = [] if hosts is None else ["ip", "netns", "exec", hosts.names[rank]]
+    master = "127.0.0.1" if hosts is None else hosts.addrs[0]
+    argv = [*prefix, sys.executable, "-m", "tfdist.cli",
             "launch", "--nnodes", "2", "--node-rank", str(rank),
-            "--master", f"{hosts.addrs[0]}:{master_port}", "--workers", "1",
+            "--master", f"{master}:{master_port}", "--workers", "1",
             *options, str(script), *map(str, args)]
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=_env(env), cwd=REPO, start_new_session=True)
@@ -238,6 +241,123 @@ def test_a_wrong_token_is_refused(hosts, tmp_path):
     assert "never runs" not in bad_output + good_output
 
 
+# ---- restarts of the whole job: two launchers on loopback ----------------------------------
+
+_CRASH = """
+    import os, sys, time
+    out, me, attempt = sys.argv[1], os.environ["TFDIST_TASK"], os.environ["TFDIST_RESTART"]
+    with open(os.path.join(out, me + ".attempts"), "a") as f:
+        f.write(attempt + "\\n")
+    if me == "worker-1" and (sys.argv[2] == "always" or attempt == "0"):
+        sys.exit(3)
+    time.sleep(0 if attempt == "1" else 600)  # attempt 0: stopped by the failure
+"""
+
+
+def _restarted_pair(tmp_path, mode):
+    """Runs `_CRASH` (``mode``: ``once`` or ``always``) on two loopback launchers with
+    --max-restarts 1; returns their (exit code, output)."""
+    script = _script(tmp_path, _CRASH)
+    port = find_free_ports(1)[0]
+    nodes = [_start_node(None, r, script, tmp_path, mode, master_port=port,
+                         options=("--token", TOKEN, "--max-restarts", "1", "--grace-period",
+                                  "1", "--join-timeout", "60"))
+             for r in (0, 1)]
+    try:
+        return [_finish(n, 120) for n in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+
+
+def test_max_restarts_restarts_every_node_and_the_job_then_succeeds(tmp_path):
+    results = _restarted_pair(tmp_path, "once")
+    for rank, (code, output) in enumerate(results):
+        assert code == 0, f"node {rank}:\n{output[-3000:]}"
+        assert "tfdist launch: restart 1/1: worker-1 on node 1 exited with code 3" in output, \
+            output
+    # Both tasks ran twice: every node restarted, with TFDIST_RESTART from node 0.
+    for task in ("worker-0", "worker-1"):
+        assert (tmp_path / f"{task}.attempts").read_text().split() == ["0", "1"]
+
+
+def test_with_no_restart_left_both_nodes_fail_naming_the_task_and_node(tmp_path):
+    results = _restarted_pair(tmp_path, "always")
+    for rank, (code, output) in enumerate(results):
+        assert code == 1, f"node {rank}:\n{output[-3000:]}"
+        assert output.count("tfdist launch: restart 1/1: worker-1 on node 1") == 1, output
+        assert "restart 2/" not in output
+        failed = [line for line in output.splitlines() if "FAILED" in line]
+        assert failed and "worker-1 exited with code 3" in failed[0], output
+        assert "on node 1" in failed[0] and "no restart left (1/1 used)" in failed[0], output
+    assert (tmp_path / "worker-1.attempts").read_text().split() == ["0", "1"]
+
+
+_RESUME = """
+    import json, os, signal, sys
+    import keras
+    import numpy as np
+    import tfdist
+    from tfdist.keras import callbacks as cbs
+    from helpers import classification_data, mlp
+    from test_multi_worker import GLOBAL_BATCH, _compile
+
+    # TF's engine: the one whose faults (a killed peer) tfdist names.
+    strategy = tfdist.MultiWorkerMirroredStrategy(startup_timeout=90, collective_timeout=120,
+                                                  engine="tf")
+    out, me = sys.argv[1], os.environ["TFDIST_TASK"]
+    restart = int(os.environ["TFDIST_RESTART"])
+    x, y = classification_data(n=64)
+    with strategy.scope():
+        model = mlp()
+        _compile(model, "sgd")
+    epochs_run = []
+
+    class KillWorker1(keras.callbacks.Callback):  # on node 1, in epoch 2 of the first start
+        def on_epoch_begin(self, epoch, logs=None):
+            epochs_run.append(epoch)
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            if restart == 0 and me == "worker-1" and self.epoch == 1 and batch == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=3, shuffle=False, verbose=0,
+              callbacks=[cbs.BackupAndRestore(), KillWorker1()])
+    np.savez(os.path.join(out, me + ".npz"), *model.get_weights())
+    with open(os.path.join(out, me + ".json"), "w") as f:
+        json.dump({"restart": restart, "epochs_run": epochs_run}, f)
+    if me == "worker-0":  # the same training, uninterrupted, in one process
+        reference = mlp()
+        _compile(reference, "sgd")
+        reference.fit(x, y, batch_size=GLOBAL_BATCH, epochs=3, shuffle=False, verbose=0)
+        np.savez(os.path.join(out, "reference.npz"), *reference.get_weights())
+"""
+
+
+def test_a_restarted_two_node_job_resumes_from_its_backup(hosts, tmp_path):
+    script = _script(tmp_path, _RESUME)
+    backup = tmp_path / "backup"  # one file system here; on real hosts, shared storage
+    nodes = [_start_node(hosts, r, script, tmp_path, master_port=_port() + 4,
+                         options=("--token", TOKEN, "--max-restarts", "1", "--backup-dir",
+                                  backup, "--grace-period", "2"))
+             for r in (0, 1)]
+    results = [_finish(n) for n in nodes]
+    assert [code for code, _ in results] == [0, 0], "\n".join(o[-4000:] for _, o in results)
+    for rank, (code, output) in enumerate(results):
+        assert "restart 1/1: worker-1 on node 1 exited with code -9 (signal SIGKILL)" in \
+            output, output
+    reference = _load(tmp_path / "reference.npz")
+    for task in ("worker-0", "worker-1"):
+        seen = json.loads((tmp_path / f"{task}.json").read_text())
+        assert seen == {"restart": 1, "epochs_run": [1, 2]}  # resumed after epoch 1
+        assert_weights_close(_load(tmp_path / f"{task}.npz"), reference, atol=1e-5)
+    assert not backup.exists()  # deleted after training
+    for rank in (0, 1):
+        assert hosts.pids(rank) == [], f"processes left on node {rank}"
+
+
 # ---- the rendezvous rules, on loopback -------------------------------------------------------
 
 def _join(port, rank, nnodes=2, token=TOKEN, counts=None, **kwargs):
@@ -263,6 +383,8 @@ def test_rendezvous_refuses_bad_nodes_then_forms_and_relays_a_failure():
             (dict(rank=1, counts={"chief": 1, "worker": 0, "ps": 0}),
              "only node 0 may run the chief"),
             (dict(rank=1, token="wrong"), "its token does not match"),
+            (dict(rank=1, max_restarts=1),
+             "it says --max-restarts 1, node 0 says --max-restarts 0"),
         ]
         for kwargs, message in refusals:
             with pytest.raises(rendezvous.RendezvousError, match=message):
@@ -277,9 +399,90 @@ def test_rendezvous_refuses_bad_nodes_then_forms_and_relays_a_failure():
         while links[0].stop is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert links[0].stop == {"type": "stop", "node": 1, "task": "worker-1",
-                                 "reason": "worker-1 exited with code 3"}
+                                 "reason": "worker-1 exited with code 3", "round": 0,
+                                 "restart": None, "max_restarts": 0}
     finally:
         for link in links.values():
+            link.close()
+        server.close(wait=1)
+
+
+def _together(*calls):
+    """Runs the blocking ``calls`` (joins, rejoins) at once; their results, in order."""
+    results = [None] * len(calls)
+
+    def run(i):
+        try:
+            results[i] = calls[i]()
+        except Exception as error:  # noqa: BLE001 - handed to the test
+            results[i] = error
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return results
+
+
+def _wait_until(predicate, seconds=20):
+    deadline = time.monotonic() + seconds
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert predicate()
+
+
+def test_rendezvous_restart_rounds_agree_and_take_back_a_restarted_node():
+    port = find_free_ports(1)[0]
+    server = rendezvous.RendezvousServer("127.0.0.1", port, 2, TOKEN, join_timeout=20,
+                                         log=open(os.devnull, "w"), max_restarts=2).start()
+    links = _together(lambda: _join(port, 0, max_restarts=2),
+                      lambda: _join(port, 1, max_restarts=2))
+    try:
+        assert [link.round for link in links] == [0, 0]
+        # A task fails on node 1: node 0 decides restart 1/2 for both nodes.
+        links[1].report_failure("worker-1", "worker-1 exited with code 3")
+        _wait_until(lambda: all(link.stop for link in links))
+        assert [link.restart for link in links] == [1, 1]
+        assert links[0].stop["node"] == 1 and links[0].stop["task"] == "worker-1"
+        _together(*(lambda link=link: link.rejoin(find_free_ports(1), 20) for link in links))
+        assert [link.round for link in links] == [1, 1]
+        assert links[0].cluster == links[1].cluster and links[0].stop is None
+        # Node 1's launcher dies: restart 2/2; a new launcher of node 1 joins it.
+        links[1].close()
+        _wait_until(lambda: links[0].stop is not None)
+        assert links[0].restart == 2 and links[0].stop["task"] is None
+        fresh = _together(lambda: links[0].rejoin(find_free_ports(1), 20),
+                          lambda: _join(port, 1, max_restarts=2))[1]
+        links[1] = fresh
+        assert [link.round for link in links] == [2, 2]
+        assert [t.name for t in fresh.tasks] == ["worker-1"]
+        # No restart left: the next failure stops the job.
+        links[0].report_failure("worker-0", "worker-0 exited with code 1")
+        _wait_until(lambda: all(link.stop for link in links))
+        assert [link.restart for link in links] == [None, None]
+    finally:
+        for link in links:
+            if isinstance(link, rendezvous.NodeLink):
+                link.close()
+        server.close(wait=1)
+
+
+def test_a_node_that_dies_during_a_restart_round_is_named_within_the_join_timeout():
+    port = find_free_ports(1)[0]
+    server = rendezvous.RendezvousServer("127.0.0.1", port, 2, TOKEN, join_timeout=3,
+                                         log=open(os.devnull, "w"), max_restarts=1).start()
+    links = _together(lambda: _join(port, 0, max_restarts=1),
+                      lambda: _join(port, 1, max_restarts=1))
+    try:
+        links[1].report_failure("worker-1", "worker-1 exited with code 3")
+        _wait_until(lambda: all(link.stop for link in links))
+        links[1].close()  # dies before it rejoins
+        with pytest.raises(rendezvous.RendezvousError,
+                           match=r"node\(s\) 1 did not rejoin within 3s for restart 1/1"):
+            links[0].rejoin(find_free_ports(1), 30)
+    finally:
+        for link in links:
             link.close()
         server.close(wait=1)
 
@@ -291,7 +494,7 @@ def test_rendezvous_refuses_bad_nodes_then_forms_and_relays_a_failure():
     (dict(nnodes=2), "needs master='HOST:PORT'"),
     (dict(nnodes=2, master="nohost"), "master must be HOST:PORT"),
     (dict(nnodes=2, node_rank=1, master="127.0.0.1:1"), "needs the rendezvous token"),
-    (dict(nnodes=2, master="127.0.0.1:1", max_restarts=1), "does not support max_restarts"),
+    (dict(nnodes=2, master="127.0.0.1:1", max_restarts=-1), "max_restarts must be"),
 ])
 def test_bad_multi_node_arguments(kwargs, match, tmp_path, monkeypatch):
     monkeypatch.delenv("TFDIST_TOKEN", raising=False)

@@ -88,6 +88,18 @@ class LaunchResult:
     cluster: ClusterSpec
 
 
+def launch_result(tasks: Sequence["_Task"], attempts: int, cluster: ClusterSpec) -> LaunchResult:
+    """The `LaunchResult` of a finished attempt (single-node or one node's share)."""
+    return LaunchResult(tuple(TaskResult(t.name, t.poll(), t.tail_text()) for t in tasks),
+                        attempts, cluster)
+
+
+def announce_restart(log, restart: int, max_restarts: int, cause: str, note: str = "") -> None:
+    """Prints ``tfdist launch: restart 1/3: worker-1 exited with code 3`` (+ ``note``)."""
+    print(f"tfdist launch: restart {restart}/{max_restarts}: {cause}{note}\n", end="",
+          file=log, flush=True)  # one write: other threads may write to the same log
+
+
 def find_free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """Ports on ``host`` that were free a moment ago (all held open while choosing)."""
     sockets = []
@@ -538,9 +550,9 @@ class _PsWorkerRestarts:
         code = failed.poll()
         failed.signal_group(signal.SIGKILL)  # whatever it started goes too
         failed.finish_output()
-        print(f"tfdist launch: restart {spent + 1}/{self.max_restarts}: {failed.name} exited "
-              f"with code {code}; restarting {failed.name} alone (parameter-server job)",
-              file=self.log, flush=True)
+        announce_restart(self.log, spent + 1, self.max_restarts,
+                         f"{failed.name} exited with code {code}",
+                         f"; restarting {failed.name} alone (parameter-server job)")
         tasks[tasks.index(failed)] = start(failed.spec, self.used)
         return True
 
@@ -676,7 +688,9 @@ def run(argv: Sequence[str], *, workers: int = 1, chief: bool = False, ps: int =
         chief: Whether to add a ``chief`` task.
         ps: Number of ``ps`` tasks.
         timeout: Seconds before every task is killed; None for no deadline.
-        max_restarts: How often a failed job is stopped and started again.
+        max_restarts: How often a failed job is stopped and started again. In a
+            multi-node job every node stops and rejoins node 0, which counts the
+            restarts for all (every node must give the same number).
         env: Extra environment variables for every task.
         backup_dir: Exported as ``TFDIST_BACKUP_DIR`` so restarts resume from it.
         grace_period: Seconds between SIGTERM and SIGKILL when stopping tasks.
@@ -768,9 +782,7 @@ def run(argv: Sequence[str], *, workers: int = 1, chief: bool = False, ps: int =
                                              extra_env=lambda spec: pins[spec.name],
                                              evaluator_wait=evaluator_wait, log=log)
         if failed is None and not timed_out:
-            return LaunchResult(
-                tuple(TaskResult(t.name, t.poll(), t.tail_text()) for t in tasks),
-                attempt + 1, cluster)
+            return launch_result(tasks, attempt + 1, cluster)
         if timed_out:
             cause = f"timed out after {timeout:g}s; every task was killed"
             error = LaunchError(f"job {cause}", attempts=attempt + 1,
@@ -800,17 +812,15 @@ def run(argv: Sequence[str], *, workers: int = 1, chief: bool = False, ps: int =
             raise error
         restarts += 1
         attempt += 1
-        print(f"tfdist launch: restart {spent + 1}/{max_restarts}: {cause}", file=log,
-              flush=True)
+        announce_restart(log, spent + 1, max_restarts, cause)
 
 
-def _run_node(argv, *, master, nnodes, max_restarts, cluster, isolate_network, **options):
+def _run_node(argv, *, master, nnodes, cluster, isolate_network, **options):
     """One node of a multi-node job (`tfdist.rendezvous.run_node`), after checks."""
     if master is None:
         raise ValueError(f"a multi-node job needs master='HOST:PORT' (node 0's rendezvous). "
                          f"Received: nnodes={nnodes!r}, master=None")
-    unsupported = {"max_restarts": max_restarts, "cluster": cluster,
-                   "isolate_network": isolate_network}
+    unsupported = {"cluster": cluster, "isolate_network": isolate_network}
     given = {k: v for k, v in unsupported.items() if v}
     if given:
         raise ValueError(f"a multi-node job does not support {', '.join(given)} yet. "
@@ -856,7 +866,8 @@ def launch(target: str | os.PathLike | Callable | None = None, *args: Any,
         chief: Whether to add a chief task.
         ps: Number of parameter-server tasks.
         timeout: Seconds before the whole job is killed.
-        max_restarts: Restarts of the whole job after a failure.
+        max_restarts: Restarts of the whole job after a failure (multi-node: on every
+            node; give every node the same number).
         env: Extra environment variables.
         backup_dir: Directory exported as ``TFDIST_BACKUP_DIR`` for resuming.
         grace_period: Seconds between SIGTERM and SIGKILL.

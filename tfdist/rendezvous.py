@@ -7,7 +7,8 @@ the others should use (default: the address its connection came from). When ever
 has joined, node 0 builds the whole cluster and sends it to each node, with the tasks
 that node runs. The connections stay open for the job's life: a task that fails on any
 node makes node 0 tell every node to stop (fail-fast), and a node that loses node 0
-stops its tasks too.
+stops its tasks too. With ``max_restarts``, node 0's stop says whether a restart is
+left; then every node rejoins with fresh ports (a new round) and gets a new cluster.
 
 The wire format is JSON, one object per line. Nothing is unpickled.
 """
@@ -36,6 +37,7 @@ TOKEN_ENV = "TFDIST_TOKEN"
 DEFAULT_JOIN_TIMEOUT = 120.0
 _TASK_TYPES = ("chief", "worker", "ps")
 _MAX_LINE = 1 << 20  # a longer message is refused
+_DECISION_SECONDS = 30.0  # a node whose task failed waits this long for node 0's word
 
 
 class RendezvousError(RuntimeError):
@@ -120,32 +122,49 @@ class _Node:
     rank: int
     addr: str
     counts: dict[str, int]
-    ports: list[int]
     channel: _Channel
-    done: bool = False
+
+
+def _port_refusal(ports: Any, counts: dict[str, int]) -> str | None:
+    """Why ``ports`` are not one valid port per task, or None."""
+    if not isinstance(ports, list) or len(ports) != sum(counts.values()) or not all(
+            isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536 for p in ports):
+        return f"needs one port per task. Received: ports={ports!r}"
+    return None
 
 
 class RendezvousServer:
-    """Node 0's side: admits nodes, hands out the cluster, relays fail-fast stops.
+    """Node 0's side: admits nodes, hands out the cluster, relays stops and restarts.
+
+    The job runs in rounds: round 0 is its first start, round k its k-th restart. In
+    each round every node joins (or rejoins, with fresh ports) within ``join_timeout``
+    seconds, then node 0 sends the cluster. A failure on any node ends the round: node 0
+    decides, once for every node, whether a restart is left (``max_restarts``), and
+    says so in its "stop" message.
 
     Args:
         host: Address to listen on (the host part of ``--master``).
         port: Port to listen on.
         nnodes: How many nodes the job has.
         token: The shared secret every node must prove it knows.
-        join_timeout: Seconds from `start` until every node must have joined.
+        join_timeout: Seconds from `start` (and from each restart decision) until every
+            node must have joined.
         log: Where refusals and stops are reported.
+        max_restarts: Restarts of the whole job; every node must give the same number.
     """
 
     def __init__(self, host: str, port: int, nnodes: int, token: str,
-                 join_timeout: float = DEFAULT_JOIN_TIMEOUT, log=None):
+                 join_timeout: float = DEFAULT_JOIN_TIMEOUT, log=None, max_restarts: int = 0):
         self.host, self.port, self.nnodes = host, port, nnodes
         self.token, self.join_timeout = token, join_timeout
+        self.max_restarts = max_restarts
         self.log = log or sys.stderr
-        self._nodes: dict[int, _Node] = {}
+        self._nodes: dict[int, _Node] = {}  # connected, admitted nodes
         self._lock = threading.Lock()
-        self._formed = threading.Event()
-        self._finished = threading.Event()  # "end" or "stop" was sent
+        self._state = "joining"  # then "running", and "joining" again on each restart
+        self._round = 0  # restarts decided so far
+        self._ports: dict[int, list[int]] = {}  # rank -> ports, of nodes in this round
+        self._done: set[int] = set()  # nodes whose chief and workers exited 0
         self._closed = False
         self._threads: list[threading.Thread] = []
         self._listener: socket.socket | None = None
@@ -179,11 +198,12 @@ class RendezvousServer:
         self._threads.append(thread)
 
     def _say(self, text: str) -> None:
-        print(f"tfdist launch: rendezvous: {text}", file=self.log, flush=True)
+        # One write per line: the launcher's thread writes to the same log.
+        print(f"tfdist launch: rendezvous: {text}\n", end="", file=self.log, flush=True)
 
     def _accept_loop(self) -> None:
         while not self._closed:
-            if not self._formed.is_set() and time.monotonic() > self._deadline:
+            if self._state == "joining" and time.monotonic() > self._deadline:
                 self._join_timed_out()
             try:
                 sock, peer = self._listener.accept()
@@ -196,14 +216,19 @@ class RendezvousServer:
 
     def _join_timed_out(self) -> None:
         with self._lock:
-            if self._formed.is_set() or self._finished.is_set():
+            if self._state != "joining" or time.monotonic() <= self._deadline:
                 return
-            missing = [r for r in range(self.nnodes) if r not in self._nodes]
-            message = (f"node(s) {', '.join(map(str, missing))} did not join within "
-                       f"{self.join_timeout:g}s (joined: "
-                       f"{sorted(self._nodes) or 'none'}); no task was started")
+            missing = ", ".join(str(r) for r in range(self.nnodes) if r not in self._ports)
+            joined = sorted(self._ports) or "none"
+            if self._round == 0:
+                message = (f"node(s) {missing} did not join within {self.join_timeout:g}s "
+                           f"(joined: {joined}); no task was started")
+            else:
+                message = (f"node(s) {missing} did not rejoin within {self.join_timeout:g}s "
+                           f"for restart {self._round}/{self.max_restarts} (rejoined: "
+                           f"{joined}); no task was restarted")
             self._broadcast({"type": "error", "message": message})
-            self._finished.set()
+            self._state = "finished"
         self._say(message)
 
     def _admit(self, channel: _Channel, peer: str) -> None:
@@ -220,18 +245,17 @@ class RendezvousServer:
         with self._lock:
             reason = self._refusal(hello, nonce)
             if reason is None:
-                node = _Node(rank, hello.get("addr") or peer, dict(hello["counts"]),
-                             list(hello["ports"]), channel)
+                node = _Node(rank, hello.get("addr") or peer, dict(hello["counts"]), channel)
                 self._nodes[rank] = node
-                if len(self._nodes) == self.nnodes:
-                    self._form()
+                self._enter(rank, list(hello["ports"]))
+                joined = f"{len(self._ports)}/{self.nnodes}"
         if reason is not None:
             message = f"node {rank} (connecting from {peer}) was refused: {reason}"
             self._say(message)
             channel.send({"type": "error", "message": message})
             channel.close()
             return
-        self._say(f"node {rank} joined from {peer} ({len(self._nodes)}/{self.nnodes})")
+        self._say(f"node {rank} joined from {peer} ({joined})")
         self._serve(node)
 
     def _refusal(self, hello: dict, nonce: str) -> str | None:
@@ -244,29 +268,36 @@ class RendezvousServer:
         rank, nnodes = hello.get("rank"), hello.get("nnodes")
         if nnodes != self.nnodes:
             return f"it says --nnodes {nnodes}, node 0 says --nnodes {self.nnodes}"
+        if hello.get("max_restarts", 0) != self.max_restarts:
+            return (f"it says --max-restarts {hello.get('max_restarts', 0)}, node 0 says "
+                    f"--max-restarts {self.max_restarts}")
         if not isinstance(rank, int) or not 0 <= rank < self.nnodes:
             return f"node rank must be in 0..{self.nnodes - 1}. Received: {rank!r}"
         if rank in self._nodes:
             return f"node rank {rank} has already joined from {self._nodes[rank].addr}"
-        if self._formed.is_set() or self._finished.is_set():
-            return "the job has already started (or ended)"
-        counts, ports = hello.get("counts"), hello.get("ports")
+        if self._state != "joining":
+            return ("the job is running (or over); a node joins only while the job starts "
+                    "or restarts")
+        counts = hello.get("counts")
         if not isinstance(counts, dict) or set(counts) != set(_TASK_TYPES) or not all(
                 isinstance(counts[t], int) and counts[t] >= 0 for t in _TASK_TYPES):
             return f"bad task counts. Received: {counts!r}"
         if counts["chief"] and rank != 0:
             return "only node 0 may run the chief (--chief)"
-        if not isinstance(ports, list) or len(ports) != sum(counts.values()) or not all(
-                isinstance(p, int) and 0 < p < 65536 for p in ports):
-            return f"needs one port per task. Received: ports={ports!r}"
-        return None
+        return _port_refusal(hello.get("ports"), counts)
+
+    def _enter(self, rank: int, ports: list[int]) -> None:
+        """Adds node ``rank`` to this round; forms the cluster when all are in. Locked."""
+        self._ports[rank] = ports
+        if len(self._ports) == self.nnodes:
+            self._form()
 
     def _form(self) -> None:
         """Builds the cluster from every node, in rank order; sends each its tasks."""
         jobs: dict[str, list[str]] = {t: [] for t in _TASK_TYPES}
         assigned: dict[int, list[dict]] = {}
         for rank in range(self.nnodes):
-            node, local, ports = self._nodes[rank], 0, iter(self._nodes[rank].ports)
+            node, local, ports = self._nodes[rank], 0, iter(self._ports[rank])
             assigned[rank] = []
             for task_type in _TASK_TYPES:
                 for _ in range(node.counts[task_type]):
@@ -278,48 +309,73 @@ class RendezvousServer:
             cluster = ClusterSpec(**jobs).jobs()
         except ValueError as error:
             self._broadcast({"type": "error", "message": f"no valid cluster: {error}"})
-            self._finished.set()
+            self._state = "finished"
             return
         for rank, node in self._nodes.items():
             node.channel.send({"type": "cluster", "cluster": cluster, "tasks": assigned[rank],
-                               "nnodes": self.nnodes})
-        self._formed.set()
+                               "nnodes": self.nnodes, "round": self._round})
+        self._state, self._done = "running", set()
 
     def _serve(self, node: _Node) -> None:
         """Reads one node's reports for the job's life."""
         while True:
             message = node.channel.receive()
             kind = None if message is None else message.get("type")
+            said = None
             with self._lock:
-                if self._finished.is_set():
-                    if message is None:
-                        return
-                    continue
-                if kind == "failed":
-                    stop = {"type": "stop", "node": node.rank,
-                            "task": str(message.get("task")), "reason": str(
-                                message.get("reason"))}
-                elif kind == "done":
-                    node.done = True
-                    if self._formed.is_set() and all(n.done for n in self._nodes.values()):
-                        self._broadcast({"type": "end"})
-                        self._finished.set()
-                    continue
-                elif message is None:
-                    if not self._formed.is_set():  # left before the job started
+                if message is None:
+                    if self._nodes.get(node.rank) is node:
                         del self._nodes[node.rank]
-                        self._say(f"node {node.rank} left before the job started")
-                        return
-                    stop = {"type": "stop", "node": node.rank, "task": None,
-                            "reason": "its launcher lost the connection to node 0 (it ended "
-                                      "or its host went down)"}
-                else:
-                    continue
-                self._broadcast(stop)
-                self._finished.set()
-            self._say(f"{_describe(stop)}; stopping every node")
+                        self._ports.pop(node.rank, None)
+                    if self._state == "joining":
+                        said = (f"node {node.rank} left before the job "
+                                f"{'restarted' if self._round else 'started'}")
+                    elif self._state == "running":
+                        said = self._stop(node.rank, None, "its launcher lost the connection "
+                                          "to node 0 (it ended or its host went down)")
+                elif self._state == "finished" or message.get("round") != self._round:
+                    pass  # late news of an earlier round
+                elif kind == "failed" and self._state == "running":
+                    said = self._stop(node.rank, message.get("task"), message.get("reason"))
+                elif kind == "done" and self._state == "running":
+                    self._done.add(node.rank)
+                    if len(self._done) == self.nnodes:
+                        self._broadcast({"type": "end"})
+                        self._state = "finished"
+                elif kind == "rejoin" and self._state == "joining" and \
+                        node.rank not in self._ports:
+                    refusal = _port_refusal(message.get("ports"), node.counts)
+                    if refusal is None:
+                        self._enter(node.rank, message["ports"])
+                        said = f"node {node.rank} rejoined ({len(self._ports)}/{self.nnodes})"
+                    else:
+                        said = f"node {node.rank} could not rejoin: {refusal}"
+            if said is not None:
+                self._say(said)
             if message is None:
                 return
+
+    def _stop(self, rank: int, task: Any, reason: Any) -> str:
+        """Ends the running round: a restart if one is left, else the job. Locked.
+
+        Returns:
+            What to log.
+        """
+        stop = {"type": "stop", "node": rank, "task": None if task is None else str(task),
+                "reason": str(reason), "round": self._round, "restart": None,
+                "max_restarts": self.max_restarts}
+        if self._round < self.max_restarts:
+            self._round += 1
+            stop["restart"] = self._round
+            self._state, self._ports = "joining", {}
+            self._deadline = time.monotonic() + self.join_timeout
+            said = (f"{_describe(stop)}; restart {self._round}/{self.max_restarts}: every "
+                    f"node stops its tasks and rejoins within {self.join_timeout:g}s")
+        else:
+            self._state = "finished"
+            said = f"{_describe(stop)}; stopping every node"
+        self._broadcast(stop)
+        return said
 
     def _broadcast(self, message: dict) -> None:
         for node in self._nodes.values():
@@ -343,54 +399,119 @@ class NodeLink:
     """A node's open connection to node 0 during the job.
 
     Attributes:
-        cluster: The whole cluster (no task set).
+        cluster: The whole cluster of this round (no task set).
         tasks: This node's tasks, as `TaskSpec`.
         local_ranks: Task name -> its rank among this node's tasks.
-        stop: node 0's "stop" message (which task on which node failed), or None.
-        lost: True if the connection to node 0 ended before the job did.
+        round: The job's restarts so far (0 on its first start), as node 0 counts them.
+        stop: node 0's "stop" message for this round (which task on which node failed,
+            and ``restart``: the restart node 0 decided on, or None), or None.
+        ended: True once node 0 said every node's chief and workers exited 0.
+        error: node 0's error message (a node did not rejoin), or None.
     """
 
     def __init__(self, channel: _Channel, reply: dict, master: str):
         self._channel, self.master = channel, master
-        try:
-            self.cluster = ClusterSpec.from_dict({"cluster": reply["cluster"]})
-        except (ValueError, KeyError, TypeError) as error:
-            channel.close()
-            raise RendezvousError(f"node 0 sent a cluster this node cannot use ({error}). "
-                                  f"Received: {reply!r}") from None
-        self.tasks = [TaskSpec(t["type"], t["index"]) for t in reply["tasks"]]
-        self.local_ranks = {TaskSpec(t["type"], t["index"]).name: t["local_rank"]
-                            for t in reply["tasks"]}
+        self._changed = threading.Condition()
+        self._take_cluster(reply)
         self.stop: dict | None = None
         self.ended = False
-        self.lost = False
-        self._done_sent = False
+        self.error: str | None = None
+        self._closed = False  # node 0 hung up
+        self._next: dict | None = None  # the next round's cluster
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+
+    def _take_cluster(self, reply: dict) -> None:
+        try:
+            self.cluster = ClusterSpec.from_dict({"cluster": reply["cluster"]})
+            self.tasks = [TaskSpec(t["type"], t["index"]) for t in reply["tasks"]]
+            self.local_ranks = {TaskSpec(t["type"], t["index"]).name: t["local_rank"]
+                                for t in reply["tasks"]}
+            self.round = int(reply.get("round", 0))
+        except (ValueError, KeyError, TypeError) as error:
+            self._channel.close()
+            raise RendezvousError(f"node 0 sent a cluster this node cannot use ({error}). "
+                                  f"Received: {reply!r}") from None
+        self._done_sent = False
+
+    @property
+    def lost(self) -> bool:
+        """True if the connection to node 0 ended before node 0 ended or stopped the job."""
+        return self._closed and not self.ended and self.stop is None
 
     def _read(self) -> None:
         while True:
             message = self._channel.receive()
+            with self._changed:
+                if message is None:
+                    self._closed = True
+                elif message.get("type") == "stop" and message.get("round") == (
+                        self.round if self._next is None else self._next.get("round")):
+                    self.stop = message  # (a new round's stop may come before `rejoin` wakes)
+                elif message.get("type") == "end":
+                    self.ended = True
+                elif message.get("type") == "cluster":
+                    self._next = message
+                elif message.get("type") == "error":
+                    self.error = str(message.get("message"))
+                self._changed.notify_all()
             if message is None:
-                self.lost = not (self.ended or self.stop)
                 return
-            if message.get("type") == "stop":
-                self.stop = message
-            elif message.get("type") == "end":
-                self.ended = True
 
     def report_failure(self, task: str | None, reason: str) -> None:
         """Tells node 0 that ``task`` failed (``reason``), so it stops every node."""
-        self._channel.send({"type": "failed", "task": task, "reason": reason})
+        self._channel.send({"type": "failed", "task": task, "reason": reason,
+                            "round": self.round})
 
     def report_done(self) -> None:
-        """Tells node 0 (once) that this node's chief and workers all exited 0."""
+        """Tells node 0 (once per round) that this node's chief and workers exited 0."""
         if not self._done_sent:
-            self._done_sent = self._channel.send({"type": "done"})
+            self._done_sent = self._channel.send({"type": "done", "round": self.round})
 
     def should_stop(self) -> bool:
-        """Whether the job is over for this node: ended, stopped, or node 0 is gone."""
-        return self.ended or self.stop is not None or self.lost
+        """Whether this round is over for this node: ended, stopped, or node 0 is gone."""
+        return self.ended or self.stop is not None or self._closed
+
+    def wait_for_decision(self, timeout: float) -> None:
+        """After this round's tasks stopped: waits (up to ``timeout`` s) for node 0's word.
+
+        Node 0's "stop" says whether the job restarts; a node whose own task failed
+        learns it here.
+        """
+        with self._changed:
+            self._changed.wait_for(self.should_stop, timeout)
+
+    @property
+    def restart(self) -> int | None:
+        """The restart node 0 decided on when it stopped this round, or None."""
+        return None if self.stop is None else self.stop.get("restart")
+
+    def rejoin(self, ports: Sequence[int], timeout: float) -> None:
+        """Joins the restart node 0 decided on, with this node's fresh ``ports``.
+
+        Returns when node 0 sent the new round's cluster (read `cluster`, `tasks`).
+
+        Raises:
+            RendezvousError: a node did not rejoin in time, or node 0 went away.
+        """
+        restart = self.restart
+        if restart is None:
+            raise RuntimeError("rejoin() needs node 0's decision to restart the job")
+        with self._changed:
+            self.stop, self._next = None, None
+            self._channel.send({"type": "rejoin", "round": restart, "ports": list(ports)})
+            self._changed.wait_for(
+                lambda: self._next is not None or self.error is not None or self._closed,
+                timeout)
+            if self._next is not None and self._next.get("round") == restart:
+                self._take_cluster(self._next)
+                self._next = None
+                return
+        if self.error is not None:
+            raise RendezvousError(self.error)
+        raise RendezvousError(
+            f"node 0 at {self.master} went away (or sent no cluster within {timeout:g}s) "
+            f"while every node rejoined for restart {restart}")
 
     def close(self) -> None:
         self._channel.close()
@@ -398,8 +519,11 @@ class NodeLink:
 
 def join(master: str, *, rank: int, nnodes: int, token: str, counts: dict[str, int],
          ports: Sequence[int], addr: str | None = None,
-         timeout: float = DEFAULT_JOIN_TIMEOUT) -> NodeLink:
+         timeout: float = DEFAULT_JOIN_TIMEOUT, max_restarts: int = 0) -> NodeLink:
     """Joins the rendezvous at ``master``; returns when node 0 sends the cluster.
+
+    A node may also join a restart of a running job (its launcher was started again
+    after it died): node 0 takes it in if its rank is missing from that restart.
 
     Raises:
         RendezvousError: node 0 was unreachable for ``timeout`` seconds, refused this
@@ -427,7 +551,7 @@ def join(master: str, *, rank: int, nnodes: int, token: str, counts: dict[str, i
         channel.close()
         raise RendezvousError(f"{master} did not answer as a tfdist rendezvous (node {rank})")
     channel.send({"type": "join", "rank": rank, "nnodes": nnodes, "addr": addr,
-                  "counts": dict(counts), "ports": list(ports),
+                  "counts": dict(counts), "ports": list(ports), "max_restarts": max_restarts,
                   "proof": _proof(token, str(challenge.get("nonce")))})
     reply = channel.receive()
     sock.settimeout(None)
@@ -522,18 +646,25 @@ def gpu_env(specs: Sequence[TaskSpec], environ: dict[str, str],
 def run_node(argv: Sequence[str], *, nnodes: int, node_rank: int, master: str,
              workers: int, chief: bool, ps: int, node_addr: str | None = None,
              token: str | None = None, join_timeout: float = DEFAULT_JOIN_TIMEOUT,
-             timeout: float | None = None, env: dict | None = None, backup_dir=None,
-             grace_period: float, stream, log=None, gpus_per_task: int | None = None,
-             wrap=None) -> Any:
+             timeout: float | None = None, max_restarts: int = 0, env: dict | None = None,
+             backup_dir=None, grace_period: float, stream, log=None,
+             gpus_per_task: int | None = None, wrap=None) -> Any:
     """Runs this node's share of a multi-node job (see `tfdist.launch.run`).
+
+    With ``max_restarts``, a failure on any node restarts the whole job: node 0
+    decides (the same restart count for every node), every node stops its tasks and
+    rejoins with fresh ports within ``join_timeout``, and the tasks start again with a
+    new TF_CONFIG (``TFDIST_RESTART`` counts the restarts; ``backup_dir`` is exported as
+    ``TFDIST_BACKUP_DIR``, so a job with `BackupAndRestore` resumes).
 
     Returns:
         A `LaunchResult` (this node's tasks; the whole cluster).
 
     Raises:
-        LaunchError: a task failed on some node (named, with its node), node 0 went
-            away, or the timeout passed.
-        RendezvousError: the job could not form (refused, a node missing).
+        LaunchError: a task failed on some node (named, with its node) and no restart
+            was left, node 0 went away, or the timeout passed.
+        RendezvousError: the job could not form (refused, a node missing), at its start
+            or at a restart.
         ValueError: bad arguments.
     """
     # The module (``tfdist.launch`` the attribute is the function); imported late, as
@@ -548,33 +679,55 @@ def run_node(argv: Sequence[str], *, nnodes: int, node_rank: int, master: str,
     server = None
     if node_rank == 0:
         host, port = parse_master(master)
-        server = RendezvousServer(host, port, nnodes, token, join_timeout, log).start()
+        server = RendezvousServer(host, port, nnodes, token, join_timeout, log,
+                                  max_restarts).start()
+
+    def free_ports() -> list[int]:
+        # TF's servers listen on 0.0.0.0 whatever the cluster says: pick ports free there.
+        return launcher.find_free_ports(sum(counts.values()), "0.0.0.0")
+
     link = None
     try:
-        # TF's servers listen on 0.0.0.0 whatever the cluster says: pick ports free there.
-        ports = launcher.find_free_ports(sum(counts.values()), "0.0.0.0")
         link = join(master, rank=node_rank, nnodes=nnodes, token=token, counts=counts,
-                    ports=ports, addr=node_addr, timeout=join_timeout)
-        print(f"tfdist launch: node {node_rank}/{nnodes}: running "
-              f"{', '.join(s.name for s in link.tasks) or 'no task'} of "
-              f"{link.cluster.jobs()}", file=log, flush=True)
-        pins = gpu_env(link.tasks, launcher._command_env(env), gpus_per_task)
+                    ports=free_ports(), addr=node_addr, timeout=join_timeout,
+                    max_restarts=max_restarts)
+        while True:
+            print(f"tfdist launch: node {node_rank}/{nnodes}: running "
+                  f"{', '.join(s.name for s in link.tasks) or 'no task'} of "
+                  f"{link.cluster.jobs()}\n", end="", file=log, flush=True)
+            pins = gpu_env(link.tasks, launcher._command_env(env), gpus_per_task)
 
-        def extra_env(spec: TaskSpec) -> dict[str, str]:
-            return {"TFDIST_NODE_RANK": str(node_rank), "TFDIST_NNODES": str(nnodes),
-                    "TFDIST_LOCAL_RANK": str(link.local_ranks[spec.name]), **pins[spec.name]}
+            def extra_env(spec: TaskSpec) -> dict[str, str]:
+                return {"TFDIST_NODE_RANK": str(node_rank), "TFDIST_NNODES": str(nnodes),
+                        "TFDIST_LOCAL_RANK": str(link.local_ranks[spec.name]),
+                        **pins[spec.name]}
 
-        started = time.monotonic()
-        tasks, failed, timed_out = launcher._run_once(
-            list(argv), link.cluster, env, timeout, grace_period, stream, 0, backup_dir,
-            wrap, None, specs=link.tasks, extra_env=extra_env, peers=link)
-        return _outcome(launcher, link, tasks, failed, timed_out, node_rank,
-                        time.monotonic() - started, timeout)
+            started = time.monotonic()
+            tasks, failed, timed_out = launcher._run_once(
+                list(argv), link.cluster, env, timeout, grace_period, stream, link.round,
+                backup_dir, wrap, None, specs=link.tasks, extra_env=extra_env, peers=link)
+            if failed is not None or timed_out:
+                link.wait_for_decision(_DECISION_SECONDS)  # our own failure: node 0 decides
+            if link.restart is None:
+                return _outcome(launcher, link, tasks, failed, timed_out, node_rank,
+                                time.monotonic() - started, timeout, max_restarts)
+            launcher.announce_restart(log, link.restart, link.stop["max_restarts"],
+                                      _restart_cause(link.stop),
+                                      "; restarting every task on every node")
+            link.rejoin(free_ports(), join_timeout + 30)  # node 0 gives up at join_timeout
     finally:
         if link is not None:
             link.close()
         if server is not None:
             server.close()
+
+
+def _restart_cause(stop: dict) -> str:
+    """``worker-1 on node 1 exited with code 3`` (or `_describe` when no task failed)."""
+    task, reason = stop.get("task"), str(stop.get("reason"))
+    if task and reason.startswith(task):
+        return f"{task} on node {stop['node']}{reason[len(task):]}"
+    return _describe(stop)
 
 
 def _validate(nnodes, node_rank, chief, join_timeout) -> None:
@@ -591,26 +744,28 @@ def _validate(nnodes, node_rank, chief, join_timeout) -> None:
                          f"Received: join_timeout={join_timeout!r}")
 
 
-def _outcome(launcher, link: NodeLink, tasks, failed, timed_out, node_rank, spent, timeout):
+def _outcome(launcher, link: NodeLink, tasks, failed, timed_out, node_rank, spent, timeout,
+             max_restarts):
     """This node's `LaunchResult`, or the `LaunchError` that names what failed where."""
     def error(message, task=None, code=None, tail=""):
-        return launcher.LaunchError(message, task=task, returncode=code, output_tail=tail)
+        return launcher.LaunchError(message, task=task, returncode=code, output_tail=tail,
+                                    attempts=link.round + 1)
 
+    stopped = "every task on every node was stopped"
+    spent_all = f"; no restart left ({link.round}/{max_restarts} used)" if max_restarts else ""
     if failed is not None:
         code = failed.poll()
         reason = launcher._exit_cause(failed.name, code)
-        raise error(f"{reason} on node {node_rank} after {spent:.1f}s; every task on every "
-                    f"node was stopped. Last output of {failed.name}:\n{failed.tail_text()}",
+        raise error(f"{reason} on node {node_rank} after {spent:.1f}s; {stopped}{spent_all}. "
+                    f"Last output of {failed.name}:\n{failed.tail_text()}",
                     failed.name, code, failed.tail_text())
     if timed_out:
-        raise error(f"job timed out on node {node_rank} after {timeout:g}s; every task on "
-                    "every node was stopped")
+        raise error(f"job timed out on node {node_rank} after {timeout:g}s; {stopped}"
+                    f"{spent_all}")
     if link.stop is not None:
-        raise error(f"{_describe(link.stop)}; every task on every node was stopped "
-                    f"(this is node {node_rank})", link.stop.get("task"))
+        raise error(f"{_describe(link.stop)}; {stopped} (this is node {node_rank})"
+                    f"{spent_all}", link.stop.get("task"))
     if link.lost:
         raise error(f"node {node_rank} lost its connection to node 0 at {link.master} (its "
                     "launcher ended, or the network failed); this node's tasks were stopped")
-    return launcher.LaunchResult(
-        tuple(launcher.TaskResult(t.name, t.poll(), t.tail_text()) for t in tasks), 1,
-        link.cluster)
+    return launcher.launch_result(tasks, link.round + 1, link.cluster)
