@@ -83,9 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--timeout", type=float, default=None,
                         help="seconds before every task is killed")
     launch.add_argument("--max-restarts", type=int, default=0,
-                        help="restart the whole job up to N times after a failure")
+                        help="restart the whole job up to N times after a failure (with "
+                             "--nnodes: on every node, which must all give the same N)")
     launch.add_argument("--backup-dir", default=None,
-                        help="exported as TFDIST_BACKUP_DIR; restarts resume from it")
+                        help="exported as TFDIST_BACKUP_DIR; restarts resume from it "
+                             "(with --nnodes: put it on storage every node reads)")
     launch.add_argument("--grace-period", type=float, default=5.0,
                         help="seconds between SIGTERM and SIGKILL when stopping tasks")
     launch.add_argument("--isolate-network", action="store_true",
