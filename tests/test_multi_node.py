@@ -400,7 +400,7 @@ def test_rendezvous_refuses_bad_nodes_then_forms_and_relays_a_failure():
             time.sleep(0.05)
         assert links[0].stop == {"type": "stop", "node": 1, "task": "worker-1",
                                  "reason": "worker-1 exited with code 3", "round": 0,
-                                 "restart": None, "max_restarts": 0}
+                                 "restart": None, "max_restarts": 0, "lost": False}
     finally:
         for link in links.values():
             link.close()
@@ -452,6 +452,7 @@ def test_rendezvous_restart_rounds_agree_and_take_back_a_restarted_node():
         links[1].close()
         _wait_until(lambda: links[0].stop is not None)
         assert links[0].restart == 2 and links[0].stop["task"] is None
+        assert links[0].stop["lost"]
         fresh = _together(lambda: links[0].rejoin(find_free_ports(1), 20),
                           lambda: _join(port, 1, max_restarts=2))[1]
         links[1] = fresh

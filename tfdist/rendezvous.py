@@ -332,7 +332,8 @@ class RendezvousServer:
                                 f"{'restarted' if self._round else 'started'}")
                     elif self._state == "running":
                         said = self._stop(node.rank, None, "its launcher lost the connection "
-                                          "to node 0 (it ended or its host went down)")
+                                          "to node 0 (it ended or its host went down)",
+                                          lost=True)
                 elif self._state == "finished" or message.get("round") != self._round:
                     pass  # late news of an earlier round
                 elif kind == "failed" and self._state == "running":
@@ -355,15 +356,21 @@ class RendezvousServer:
             if message is None:
                 return
 
-    def _stop(self, rank: int, task: Any, reason: Any) -> str:
+    def _stop(self, rank: int, task: Any, reason: Any, lost: bool = False) -> str:
         """Ends the running round: a restart if one is left, else the job. Locked.
+
+        Args:
+            rank: The node that failed.
+            task: Its failed task's name, or None.
+            reason: What happened.
+            lost: Whether that node's launcher is gone (it must join anew to restart).
 
         Returns:
             What to log.
         """
         stop = {"type": "stop", "node": rank, "task": None if task is None else str(task),
                 "reason": str(reason), "round": self._round, "restart": None,
-                "max_restarts": self.max_restarts}
+                "max_restarts": self.max_restarts, "lost": lost}
         if self._round < self.max_restarts:
             self._round += 1
             stop["restart"] = self._round
@@ -711,9 +718,12 @@ def run_node(argv: Sequence[str], *, nnodes: int, node_rank: int, master: str,
             if link.restart is None:
                 return _outcome(launcher, link, tasks, failed, timed_out, node_rank,
                                 time.monotonic() - started, timeout, max_restarts)
+            note = "; restarting every task on every node"
+            if link.stop.get("lost"):
+                note += (f" once node {link.stop['node']} rejoins (start its launcher again "
+                         f"within {join_timeout:g}s)")
             launcher.announce_restart(log, link.restart, link.stop["max_restarts"],
-                                      _restart_cause(link.stop),
-                                      "; restarting every task on every node")
+                                      _restart_cause(link.stop), note)
             link.rejoin(free_ports(), join_timeout + 30)  # node 0 gives up at join_timeout
     finally:
         if link is not None:
