@@ -453,3 +453,110 @@ def test_cluster_coordinator_internals_for_the_step_deadline():
     assert "timeout" in inspect.signature(cc._CoordinatedClosureQueue.wait).parameters
     assert "self._status_available_event.set()" in inspect.getsource(
         values.RemoteValueImpl._set_values)
+
+
+def _keras_variable_over_shards(table, rows):
+    """A Keras variable whose value is a `ShardedVariable` split after ``rows`` rows, as a
+    partitioner under ParameterServerStrategy makes it."""
+    import keras
+    import tensorflow as tf
+
+    parts = [tf.Variable(table[:rows]), tf.Variable(table[rows:])]
+
+    def creator(next_creator, **kwargs):
+        return tf.__internal__.distribute.ShardedVariable(parts)
+
+    with tf.variable_creator_scope(creator):
+        return keras.Variable(initializer="zeros", shape=table.shape, dtype="float32",
+                              name="table")
+
+
+def test_sharded_optimizer_state_keras_internals():
+    """What install_sharded_optimizer_state replaces and relies on (Keras/TF private)."""
+    import keras
+    import tensorflow as tf
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+    from keras.src.optimizers import base_optimizer
+
+    from tfdist import _hooks
+
+    # Keras colocates each slot with the variable's value: a ShardedVariable's is on the chief.
+    add = TFOptimizer.add_variable_from_reference
+    assert "colocate_vars_with" in inspect.getsource(getattr(add, "_tfdist_original", add))
+    update = TFOptimizer._distributed_tf_update_step
+    assert "distribution.extended.update(" in inspect.getsource(
+        getattr(update, "_tfdist_original", update))
+    params = list(inspect.signature(
+        base_optimizer.BaseOptimizer.add_variable_from_reference).parameters)
+    assert params == ["self", "reference_variable", "name", "initializer"], params
+    assert "self.add_variable(" in inspect.getsource(
+        base_optimizer.BaseOptimizer.add_variable_from_reference)
+    # Slot lookup by the private index dict and _var_key; ShardedVariable's key.
+    assert "self._trainable_variables_indices[self._var_key(variable)]" in inspect.getsource(
+        base_optimizer.BaseOptimizer._get_variable_index)
+    assert "_unique_id" in inspect.getsource(TFOptimizer._var_key)
+    sharded = tf.__internal__.distribute.ShardedVariable([tf.Variable([1.0]), tf.Variable([2.0])])
+    assert isinstance(sharded._unique_id, str) and len(sharded.variables) == 2
+    # Keras' TF variable keeps its value in _value, and reads and writes through it.
+    from keras.src.backend.tensorflow.core import Variable
+    from keras.src.backend.common.variables import Variable as KerasVariable
+
+    assert "self._value" in inspect.getsource(Variable._initialize)
+    assert "self._value" in inspect.getsource(KerasVariable.value.fget)
+    assert "variable.value" in inspect.getsource(TFOptimizer.assign_add)
+    for name in _hooks.ELEMENTWISE_OPTIMIZERS:
+        assert callable(getattr(keras.optimizers, name).update_step), name
+
+
+def test_sharded_optimizer_state_shards_slots_and_updates_shard_by_shard():
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from tfdist import _hooks
+
+    _hooks.install_shard_aware_gradients()
+    _hooks.install_sharded_optimizer_state()
+    table = np.random.default_rng(0).normal(size=(7, 3)).astype("float32")
+    ids = tf.constant([0, 6, 6, 2, 4])
+    for make in (lambda: keras.optimizers.Adam(0.1), lambda: keras.optimizers.SGD(0.1, 0.9),
+                 lambda: keras.optimizers.RMSprop(0.1, centered=True)):
+        sharded, plain = _keras_variable_over_shards(table, 4), keras.Variable(table)
+        sharded_opt, plain_opt = make(), make()
+        sharded_opt.build([sharded])
+        seen = []
+        update_step = sharded_opt.update_step
+
+        def recording_update_step(gradient, variable, learning_rate, update_step=update_step):
+            seen.append(tuple(variable.shape))
+            return update_step(gradient, variable, learning_rate)
+
+        sharded_opt.update_step = recording_update_step
+        slots = _hooks.sharded_slots(sharded_opt, sharded)
+        assert slots and len(slots) == len(sharded_opt.variables) - 2  # all but iteration, lr
+        for slot in slots:
+            assert [tuple(p.shape) for p in slot.value.variables] == [(4, 3), (3, 3)]
+            assert [p.device for p in slot.value.variables] == \
+                [p.device for p in sharded.value.variables]
+
+        @tf.function
+        def sharded_step(scale):
+            with tf.GradientTape() as tape:  # a sparse gradient, then a dense one
+                loss = tf.reduce_sum(tf.gather(tf.convert_to_tensor(sharded), ids) ** 2)
+                loss += scale * tf.reduce_sum(tf.convert_to_tensor(sharded))
+            sharded_opt.apply(tape.gradient(loss, [sharded]), [sharded])
+
+        for step in range(3):
+            sharded_step(tf.constant(float(step)))
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.gather(tf.convert_to_tensor(plain), ids) ** 2)
+                loss += float(step) * tf.reduce_sum(tf.convert_to_tensor(plain))
+            plain_opt.apply(tape.gradient(loss, [plain]), [plain])
+        assert seen == [(4, 3), (3, 3)], seen  # traced once, one update per shard
+        np.testing.assert_allclose(tf.convert_to_tensor(sharded.value), plain.numpy(),
+                                   atol=1e-6, rtol=0)
+        for got, want in zip(sharded_opt.variables, plain_opt.variables):
+            np.testing.assert_allclose(tf.convert_to_tensor(got.value), want.numpy(),
+                                       atol=1e-6, rtol=0, err_msg=got.path)
+    assert _hooks.updates_shard_by_shard(keras.optimizers.AdamW())
+    assert not _hooks.updates_shard_by_shard(keras.optimizers.Lamb())  # layer-wise norms

@@ -134,7 +134,7 @@ def _train_step_applied_once(model, strategy, ledger, data, step_id):
     layout = []  # per apply call: (its variables, which gradients are not None)
 
     def replica_step(data):
-        with _record_instead_of_apply(optimizer, records), _hooks.shard_aware_gradients():
+        with _record_instead_of_apply(optimizer, records):
             logs = model.train_step(data)
         mine = records.get(threading.get_ident(), [])
         if not layout:
@@ -205,6 +205,12 @@ def _skip_loss_scaled(optimizer):
     optimizer.dynamic_scale.assign(optimizer.dynamic_scale * 0.5)
 
 
+def _zeros_variable(like, name):
+    """A non-trainable variable of zeros shaped like ``like`` (made where it lives)."""
+    shape, dtype = like.shape, like.dtype
+    return tf.Variable(lambda: tf.zeros(shape, dtype), trainable=False, name=name)
+
+
 class _Driver:
     """The remote functions of one compiled model, built once and reused."""
 
@@ -227,14 +233,19 @@ class _Driver:
             if strategy.mode == "sync" and self.accumulators is None:
                 self.accumulators = {}
                 for var in model.trainable_variables:
-                    value = var.value
-                    sharded = _hooks.sharded_parts(var) is not None
-                    colocate = contextlib.nullcontext() if sharded else \
-                        strategy.extended.colocate_vars_with(value)
-                    with colocate:
-                        self.accumulators[id(var)] = tf.Variable(
-                            tf.zeros(var.shape, var.dtype), trainable=False,
-                            name=f"tfdist_grad_sum/{var.path.replace('/', '_')}")
+                    name = f"tfdist_grad_sum/{var.path.replace('/', '_')}"
+                    parts = _hooks.sharded_parts(var)
+                    if parts is None:
+                        with strategy.extended.colocate_vars_with(var.value):
+                            self.accumulators[id(var)] = _zeros_variable(var, name)
+                        continue
+                    # A sharded variable's sum is sharded alike: each shard on its ps.
+                    shards = []
+                    for i, part in enumerate(parts):
+                        with strategy.extended.colocate_vars_with(part):
+                            shards.append(_zeros_variable(part, f"{name}/part_{i}"))
+                    self.accumulators[id(var)] = \
+                        tf.__internal__.distribute.ShardedVariable(shards)
         self.gradient_bytes = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
                                   for v in model.trainable_variables)
 
@@ -247,8 +258,7 @@ class _Driver:
             if strategy.mode == "async" and ledger is None:
                 def step(iterator, step_id):
                     data = next(iterator)
-                    with _hooks.shard_aware_gradients():
-                        outputs = strategy.run(model.train_step, args=(data,))
+                    outputs = strategy.run(model.train_step, args=(data,))
                     return _local(strategy, outputs, "mean")
             elif strategy.mode == "async":
                 def step(iterator, step_id):
@@ -264,8 +274,7 @@ class _Driver:
 
                     def replica_step(data):
                         records = {}
-                        with _record_instead_of_apply(model.optimizer, records), \
-                                _hooks.shard_aware_gradients():
+                        with _record_instead_of_apply(model.optimizer, records):
                             logs = model.train_step(data)
                         mine = records.get(threading.get_ident(), [])
                         pairs = [pair for grads, variables in mine

@@ -412,6 +412,9 @@ class ParameterServerStrategy(_hooks.KerasHandoff, tf.distribute.ParameterServer
         super().__init__(_without_evaluator(spec).to_cluster_resolver(),
                          variable_partitioner=variable_partitioner)
         _hooks.allow_sharded_updates(self.extended)
+        # tape.gradient and optimizer slots for sharded variables, in fit and custom loops
+        _hooks.install_shard_aware_gradients()
+        _hooks.install_sharded_optimizer_state()
         self._coordinator = tf.distribute.coordinator.ClusterCoordinator(self)
         self._step_timeout = step_timeout
         self._exactly_once = exactly_once
