@@ -26,7 +26,7 @@ import time
 
 import tensorflow as tf
 
-from tfdist import _hooks
+from tfdist import _hooks, _sharded_io
 from tfdist.cluster import ClusterSpec, resolve_cluster
 
 MODES = ("async", "sync")
@@ -425,6 +425,7 @@ class ParameterServerStrategy(_hooks.KerasHandoff, tf.distribute.ParameterServer
 
         self._bytes = ByteCounter("tfdist_ps_bytes_pushed")
         _hooks.install_keras_hooks()
+        _sharded_io.install()  # save/restore models with sharded variables
 
     @property
     def mode(self) -> str:
