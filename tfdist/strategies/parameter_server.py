@@ -341,7 +341,9 @@ class ParameterServerStrategy(_hooks.KerasHandoff, tf.distribute.ParameterServer
         mode: ``"async"`` (each step's update applied when it arrives) or ``"sync"``
             (each step sums one gradient from each worker, then applies it once).
         variable_partitioner: A `tf.distribute.experimental.partitioners.Partitioner`
-            to shard large variables across the ps tasks, or None.
+            to shard large variables across the ps tasks, or None. Sharded models
+            save and restore like others (Keras files hold full tables; a
+            `tf.train.Checkpoint` restores into any number of shards).
         steps_per_dispatch: Steps scheduled between two fetches of the logs (callbacks
             see one ``on_train_batch_end`` per dispatch). Default: the model's
             ``steps_per_execution`` if above 1, else ``4 * workers`` in async mode and 1
