@@ -10,13 +10,19 @@
 #   2. cmake < 4 from PyPI and CMAKE_POLICY_VERSION_MINIMUM=3.5 (old cmake_minimum_required),
 #   3. a HOROVOD_CMAKE wrapper that disables CUDA on configure: machines with nvcc on
 #      PATH but no cudart otherwise fail with "Couldn't find CUDA library root",
-#   4. --no-build-isolation, so it compiles against the installed TensorFlow.
-# Idempotent: does nothing when `import horovod.tensorflow` already works.
+#   4. --no-build-isolation, so it compiles against the installed TensorFlow,
+#   5. a one-line fix in horovod/common/gloo/gloo_context.cc: a process set's Gloo
+#      device ignored HOROVOD_GLOO_IFACE (it read its own, empty, interface name) and
+#      bound to whatever the host name resolves to, e.g. 127.0.0.1, so ranks on hosts
+#      whose name does not resolve to their TF_CONFIG address aborted.
+# Idempotent: does nothing when `import horovod.tensorflow` already works and the
+# installed build carries this script's patch level (PATCH_LEVEL below).
 # Takes ~3-4 minutes on 2 cores.
 set -euo pipefail
 
 PY="${1:-.venv/bin/python}"
 HOROVOD_VERSION="${HOROVOD_VERSION:-0.28.1}"
+PATCH_LEVEL="tfdist-2"  # bump when a patch changes, so older builds are rebuilt
 log() { echo "[install_horovod] $*"; }
 
 if [ ! -x "$PY" ]; then
@@ -26,16 +32,22 @@ fi
 PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")"
 
 check_import() {
-    "$PY" - <<'EOF' 2>/dev/null
+    "$PY" - "$PATCH_LEVEL" <<'EOF' 2>/dev/null
 import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import pathlib, sys
 import horovod.tensorflow as hvd
-print(f"horovod {__import__('horovod').__version__}: gloo built={hvd.gloo_built()}")
+marker = pathlib.Path(__import__("horovod").__file__).parent.parent / "TFDIST_PATCH_LEVEL"
+level = marker.read_text().strip() if marker.exists() else "none"
+if level != sys.argv[1]:
+    sys.exit(f"horovod patch level {level}, wanted {sys.argv[1]}")
+print(f"horovod {__import__('horovod').__version__}: gloo built={hvd.gloo_built()}, "
+      f"patches {level}")
 EOF
 }
 
 if check_import; then
-    log "horovod.tensorflow already imports with $PY; nothing to do."
+    log "horovod.tensorflow (patch level $PATCH_LEVEL) already imports with $PY; nothing to do."
     exit 0
 fi
 
@@ -65,6 +77,17 @@ fi
 sed -i "s/^#if TENSORFLOW_VERSION >= 2006000000\$/#if TENSORFLOW_VERSION >= 2006000000 \&\& HAVE_GPU/" "$XLA"
 grep -qxF "$GUARD && HAVE_GPU" "$XLA" || { log "ERROR: patching $XLA failed."; exit 1; }
 
+log "patching horovod/common/gloo/gloo_context.cc (process sets use HOROVOD_GLOO_IFACE)"
+GLOO_CTX="$SRC/horovod/common/gloo/gloo_context.cc"
+OLD='  device_attr.iface = gloo_iface_;'
+# The first such line after InitializeForProcessSet's start is the process set's device.
+LINE="$(grep -n 'void GlooContext::InitializeForProcessSet' "$GLOO_CTX" | cut -d: -f1)"
+[ -n "$LINE" ] || { log "ERROR: InitializeForProcessSet not found in $GLOO_CTX"; exit 1; }
+TARGET="$(awk -v start="$LINE" -v old="$OLD" 'NR > start && $0 == old { print NR; exit }' "$GLOO_CTX")"
+[ -n "$TARGET" ] || { log "ERROR: '$OLD' not found after line $LINE of $GLOO_CTX"; exit 1; }
+sed -i "${TARGET}s/.*/  gloo_iface_ = global_context.gloo_iface_;\n  device_attr.iface = gloo_iface_;/" "$GLOO_CTX"
+grep -qF 'gloo_iface_ = global_context.gloo_iface_;' "$GLOO_CTX" || { log "ERROR: patching $GLOO_CTX failed."; exit 1; }
+
 # cmake from the target env (PyPI, < 4), wrapped so configure runs never enable CUDA.
 CMAKE_BIN="$(dirname "$PY")/cmake"
 [ -x "$CMAKE_BIN" ] || { log "ERROR: cmake not found next to $PY ($CMAKE_BIN)"; exit 1; }
@@ -91,6 +114,8 @@ start=$(date +%s)
     MAKEFLAGS="-j$(nproc)" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
     "$PY" -m pip install --no-build-isolation --no-deps --no-cache-dir "$SRC"
 )
+SITE="$("$PY" -c 'import horovod, pathlib; print(pathlib.Path(horovod.__file__).parent.parent)')"
+echo "$PATCH_LEVEL" > "$SITE/TFDIST_PATCH_LEVEL"
 # horovod's runtime deps (horovodrun needs cloudpickle, psutil, pyyaml).
 "$PY" -m pip install -q cloudpickle psutil pyyaml packaging
 log "compiled and installed in $(( $(date +%s) - start ))s"

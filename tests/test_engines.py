@@ -157,7 +157,87 @@ def test_engine_names_are_checked():
     with pytest.raises(ValueError, match=r"engine must be one of .*Received: engine='gloo'"):
         select_engine("gloo", 2, on_gpus=False)
     assert select_engine("horovod", 2, on_gpus=False) == "horovod"
-    assert select_engine("auto", 2, on_gpus=False) == "tf"
+    assert select_engine("tf", 2, on_gpus=False) == "tf"
+
+
+def test_auto_picks_the_measured_engine(monkeypatch, caplog):
+    from tfdist.comm import engines
+
+    monkeypatch.delenv(engines.ENV_VAR, raising=False)
+    monkeypatch.setattr(engines, "_logged", set())
+    monkeypatch.setattr(engines, "_horovod_installed", lambda: True)
+    with caplog.at_level("INFO", logger="tfdist"):
+        assert engines.select_engine("auto", 2, on_gpus=False) == "horovod"
+        assert engines.select_engine("auto", 2, on_gpus=False, is_chief=True) == "horovod"
+    assert [r.getMessage() for r in caplog.records].count(
+        "engine='auto' chose 'horovod' for 2 workers: Gloo's all-reduce is faster than TF's "
+        "gRPC ring on CPUs (see tfdist.comm.engines).") == 1  # once per job
+    assert engines.select_engine("auto", 1, on_gpus=False) == "tf"
+    assert engines.select_engine("auto", 2, on_gpus=True) == "tf"
+    monkeypatch.setattr(engines, "_horovod_installed", lambda: False)
+    assert engines.select_engine("auto", 2, on_gpus=False) == "tf"
+    monkeypatch.setenv(engines.ENV_VAR, "horovod")
+    assert engines.select_engine("auto", 2, on_gpus=False) == "horovod"
+    assert engines.select_engine("tf", 2, on_gpus=False) == "tf"  # explicit wins
+    monkeypatch.setenv(engines.ENV_VAR, "gloo")
+    with pytest.raises(ValueError, match="TFDIST_ENGINE must be 'tf' or 'horovod'"):
+        engines.select_engine("auto", 2, on_gpus=False)
+
+
+def peer_fault_task(result_dir, fault):
+    """worker-1 freezes (SIGSTOP) or dies (SIGKILL) after 3 steps of fit (engine="auto")."""
+    import signal
+
+    import keras
+
+    import tfdist
+
+    me = os.environ["TFDIST_TASK"]
+    with open(os.path.join(result_dir, f"{me}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    strategy = tfdist.MultiWorkerMirroredStrategy(heartbeat_timeout=5)
+    assert strategy.engine == "horovod", strategy.engine
+
+    class Fault(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if me == "worker-1" and batch == 2:
+                os.kill(os.getpid(), signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
+
+    x, y = classification_data(n=64)
+    with strategy.scope():
+        model = mlp()
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    try:
+        model.fit(x, y, batch_size=8, epochs=50, verbose=0, callbacks=[Fault()])
+    except Exception as error:  # noqa: BLE001 - the test reads what was raised
+        with open(os.path.join(result_dir, f"{me}.error"), "w") as f:
+            f.write(f"{type(error).__name__}: {error}")
+        raise
+    return "finished"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("fault", ["stop", "kill"])
+def test_horovod_engine_frozen_or_killed_peer_ends_the_job(horovod_installed, tmp_path,
+                                                           fault):
+    """The default engine on CPU: a frozen peer stops the survivor after heartbeat_timeout
+    (Gloo's timeout); a killed one at once. Either way the launcher fails the job."""
+    import tfdist
+    from helpers import RESULT_DIR_MARK, assert_no_leftover_processes
+
+    try:
+        with pytest.raises(tfdist.LaunchError) as info:
+            run_cluster(peer_fault_task, str(tmp_path), fault, timeout=120, stream=None,
+                        grace_period=1, env={RESULT_DIR_MARK: str(tmp_path)})
+    finally:
+        assert_no_leftover_processes(tmp_path)
+    if fault == "kill":
+        assert info.value.task == "worker-1" and info.value.returncode == -9, info.value
+    else:
+        assert info.value.task == "worker-0", info.value
+        error = (tmp_path / "worker-0.error").read_text()
+        assert "Horovod has been shut down" in error, error
 
 
 def missing_peer_task(result_dir):
@@ -180,4 +260,4 @@ def test_horovod_engine_names_a_task_that_never_joins(horovod_installed, tmp_pat
     chief, absent = run_cluster(missing_peer_task, str(tmp_path), timeout=100)
     assert absent == "absent"
     assert chief.startswith("DeadlineExceededError: worker-0: task(s) worker-1 did not join "
-                            "the cluster within 5s"), chief
+                            "the cluster within startup_timeout=5s"), chief

@@ -148,7 +148,9 @@ def _fault_task(result_dir, fault, victim):
     if fault == "missing" and me == victim:
         return "absent"
     try:
-        strategy = _strategy("model_average", startup_timeout=5 if fault == "missing" else 60,
+        # engine="tf": collective_timeout is TF's (engine="horovod": tests/test_engines.py).
+        strategy = _strategy("model_average", engine="tf",
+                             startup_timeout=5 if fault == "missing" else 60,
                              collective_timeout=5 if fault == "stop" else 60,
                              heartbeat_timeout=120)
         x, y = linear_data(n=N)

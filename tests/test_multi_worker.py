@@ -100,11 +100,12 @@ def _ids_seen(strategy):
     return per_epoch
 
 
-def _train_task():
+def _train_task(engine="auto"):
     import tfdist
 
-    strategy = tfdist.MultiWorkerMirroredStrategy(startup_timeout=60, collective_timeout=120)
-    out = {"task": strategy.task_name, "chief": strategy.is_chief,
+    strategy = tfdist.MultiWorkerMirroredStrategy(startup_timeout=60, collective_timeout=120,
+                                                  engine=engine)
+    out = {"engine": strategy.engine, "task": strategy.task_name, "chief": strategy.is_chief,
            "replicas": strategy.num_replicas_in_sync, "seed": strategy.shared_seed}
     out["ids"] = _ids_seen(strategy)  # first: no seed set yet
     x, y = classification_data(n=64)
@@ -149,8 +150,10 @@ def _fault_task(result_dir, mode, victim):
               "freeze": lambda: None,
               "kill": lambda: tfdist.ClusterSpec.from_env().to_dict()}[mode]()
     try:
+        # engine="tf": TF's coordination service and collective timeouts are what these
+        # faults check (engine="horovod": tests/test_engines.py).
         strategy = tfdist.MultiWorkerMirroredStrategy(
-            source, startup_timeout=5 if mode == "missing" else 60,
+            source, engine="tf", startup_timeout=5 if mode == "missing" else 60,
             collective_timeout={"stop": 5, "freeze": None}.get(mode, 120),
             heartbeat_timeout={"stop": 120, "kill": 3, "freeze": 5}.get(mode, 10))
         import keras
@@ -230,12 +233,22 @@ def _resume_task(out_dir):
 # ---- the tests ------------------------------------------------------------------------------
 
 
+def _horovod_installed():
+    from tfdist.comm import horovod
+
+    return horovod.is_available()
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_fit_matches_single_process_and_shards_exactly_once():
+@pytest.mark.parametrize("engine", ["tf", "auto"])
+def test_fit_matches_single_process_and_shards_exactly_once(engine):
+    """Either engine; "auto" is Horovod when it is installed (tests/test_engines.py)."""
     output = io.StringIO()
-    chief, other = run_cluster(_train_task, timeout=280, stream=output,
+    chief, other = run_cluster(_train_task, engine, timeout=280, stream=output,
                                env={"TF_CPP_MIN_LOG_LEVEL": "0"})
+    assert chief["engine"] == other["engine"] == (engine if engine == "tf" else (
+        "horovod" if _horovod_installed() else "tf"))
     assert chief["chief"] and not other["chief"]
     assert chief["replicas"] == other["replicas"] == 2
     # Numpy shuffling agrees across workers because they share the chief's seed.

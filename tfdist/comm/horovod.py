@@ -11,6 +11,7 @@ is a world of size 1, so the same code runs alone.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 from tfdist.comm.compression import get_compression
@@ -26,6 +27,17 @@ _OPS = {"average": "Average", "sum": "Sum"}
 _WIRE_FOR = {"uint32": "int64", "uint16": "int32", "int16": "int32", "bfloat16": "float32"}
 
 _hvd = None
+_op_count = itertools.count()
+
+
+def _op_name(name: str | None, kind: str) -> str:
+    """``name``, or the next name in call order: Horovod pairs ops across ranks by name.
+
+    Its own default names come from the tensors, which follow Keras' layer names, so a
+    rank that built one more model (a reference, say) would wait for names that never
+    come. Call order is what every rank shares, as with TF's collective instance keys.
+    """
+    return name if name is not None else f"tfdist.{kind}.{next(_op_count)}"
 
 
 def hvd():
@@ -36,18 +48,24 @@ def hvd():
     """
     global _hvd
     if _hvd is None:
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-        try:
-            import horovod.tensorflow as module
-        except ImportError as e:  # missing, or built against another TF
-            raise ImportError(f"{INSTALL_HINT} (import error: {e})") from e
+        module = _import_horovod()
         if not module.is_initialized():
             module.init()
         _hvd = module
     return _hvd
 
 
-def init_from_cluster(cluster, timeout_seconds: float = 60.0) -> None:
+def _import_horovod():
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    try:
+        import horovod.tensorflow as module
+    except ImportError as e:  # missing, or built against another TF
+        raise ImportError(f"{INSTALL_HINT} (import error: {e})") from e
+    return module
+
+
+def init_from_cluster(cluster, timeout_seconds: float = 60.0,
+                      peer_timeout: float | None = None) -> None:
     """Starts Horovod over Gloo for a TF_CONFIG cluster, without ``horovodrun``.
 
     Ranks follow Horovod's own host plan over the training tasks (chief first, then
@@ -57,9 +75,14 @@ def init_from_cluster(cluster, timeout_seconds: float = 60.0) -> None:
     then all call ``hvd.init()``. Does nothing when Horovod's variables are already set
     (``horovodrun``) or Horovod is initialized.
 
+    Gloo's timeout (``HOROVOD_GLOO_TIMEOUT_SECONDS``, unless set) is ``peer_timeout``:
+    Horovod's background thread negotiates with every rank all the time, so a frozen
+    or dead rank stops the others after that long, like TF's heartbeat.
+
     Args:
         cluster: A `tfdist.ClusterSpec` with this process's ``task``.
-        timeout_seconds: How long to wait for the chief, and Gloo's own timeout.
+        timeout_seconds: How long to wait for the chief and the other tasks.
+        peer_timeout: Gloo's timeout; default ``timeout_seconds``.
 
     Raises:
         TimeoutError: the chief's rendezvous did not open in time (names the chief).
@@ -69,6 +92,8 @@ def init_from_cluster(cluster, timeout_seconds: float = 60.0) -> None:
         hvd()
         return
     from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
+
+    _import_horovod()  # before the hello: a task that said hello is ready for Gloo
 
     from tfdist.cluster import TRAINING_TASK_TYPES
 
@@ -97,7 +122,8 @@ def init_from_cluster(cluster, timeout_seconds: float = 60.0) -> None:
         "HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_GLOO_IFACE": _interface_of(host),
         "HOROVOD_GLOO_RENDEZVOUS_ADDR": leader_host,
         "HOROVOD_GLOO_RENDEZVOUS_PORT": str(leader_port)})
-    os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(int(max(timeout_seconds, 1))))
+    gloo_timeout = timeout_seconds if peer_timeout is None else peer_timeout
+    os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(int(max(gloo_timeout, 1))))
     hvd()
 
 
@@ -137,8 +163,9 @@ def _wait_for_hellos(server, names: dict, timeout_seconds: float) -> None:
             return
         if time.monotonic() > deadline:
             raise TimeoutError(f"{names[0]}: task(s) {', '.join(missing)} did not join the "
-                               f"cluster within {timeout_seconds:g}s. Check that every task "
-                               "was started with the same cluster and can reach the others.")
+                               f"cluster within startup_timeout={timeout_seconds:g}s. Check "
+                               "that every task was started with the same cluster and can "
+                               "reach the others.")
         time.sleep(0.1)
 
 
@@ -266,8 +293,8 @@ def allreduce(tensors: list, op: str = "average", compression=None, name: str | 
         op: ``"average"`` (divide by `size()`) or ``"sum"``.
         compression: None, ``"fp16"``, ``"bf16"`` or a `Compression`: floating tensors
             travel in that dtype and come back in their own.
-        name: Optional name prefix for the Horovod ops (graph mode names them after the
-            tensors otherwise).
+        name: Optional name prefix for the Horovod ops (default: one from call order,
+            the same on every rank).
 
     Returns:
         A list of reduced tensors, same dtypes and order as ``tensors``.
@@ -282,11 +309,11 @@ def allreduce(tensors: list, op: str = "average", compression=None, name: str | 
         return []
     wires, restores = zip(*(_to_wire(t, policy) for t in tensors))
     # Integers are summed and divided here: Horovod's Average on ints truncates.
+    name = _op_name(name, "allreduce")
     results = []
     hop = h.Sum if op == "sum" or not all(w.dtype.is_floating for w in wires) else h.Average
     for i, wire in enumerate(wires):
-        op_name = None if name is None else f"{name}_{i}"
-        results.append(h.allreduce(wire, op=hop, name=op_name))
+        results.append(h.allreduce(wire, op=hop, name=f"{name}_{i}"))
     out = []
     for wire, restore, tensor in zip(results, restores, tensors):
         value = restore(wire)
@@ -303,7 +330,8 @@ def allreduce(tensors: list, op: str = "average", compression=None, name: str | 
 def broadcast(tensor, root_rank: int = 0, name: str | None = None):
     """Returns ``root_rank``'s value of ``tensor`` on every rank (eager or graph)."""
     wire, restore = _to_wire(tensor, get_compression(None))
-    return restore(hvd().broadcast(wire, root_rank=root_rank, name=name))
+    return restore(hvd().broadcast(wire, root_rank=root_rank,
+                                   name=_op_name(name, "broadcast")))
 
 
 def broadcast_variables(variables, root_rank: int = 0) -> None:
@@ -321,7 +349,7 @@ def broadcast_variables(variables, root_rank: int = 0) -> None:
 def allgather(tensor, name: str | None = None):
     """Concatenates ``tensor`` from every rank along axis 0 (dims > 0 must agree)."""
     wire, restore = _to_wire(tensor, get_compression(None))
-    return restore(hvd().allgather(wire, name=name))
+    return restore(hvd().allgather(wire, name=_op_name(name, "allgather")))
 
 
 def wire_bytes(tensors, compression=None) -> int:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import secrets
 
@@ -106,13 +107,16 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
             Each timed collective costs TF one sleeping OS thread for that long.
             Frozen (SIGSTOPped) or dead peers are caught by ``heartbeat_timeout``.
         heartbeat_timeout: Seconds without a heartbeat before the coordination
-            service declares a task dead and fails the others.
+            service declares a task dead and fails the others. With
+            ``engine="horovod"``: Gloo's timeout (or ``collective_timeout`` when
+            smaller), after which a frozen or dead peer stops the others.
         compression: Shortcut for ``communication_options.compression``.
         accumulate_steps: Shortcut for ``communication_options.accumulate_steps``.
         engine: ``"tf"`` (TF collectives: the gRPC ring on CPU, NCCL on GPU),
             ``"horovod"`` (Horovod's ops: Gloo on CPU, NCCL on GPU builds; no
             ``horovodrun`` needed, the chief hosts the rendezvous at its TF_CONFIG
-            address) or ``"auto"`` (see `tfdist.comm.engines.select_engine`). Replicas,
+            address) or ``"auto"``: Horovod with several workers on CPUs where it is
+            installed, else TF (see `tfdist.comm.engines.select_engine`). Replicas,
             metrics, the initial-variable broadcast, accumulation, compression and
             byte counting are the same with either engine.
 
@@ -135,7 +139,8 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
         options = merge_options(communication_options, compression=compression,
                                 accumulate_steps=accumulate_steps)
         self.engine = select_engine(engine, self.num_workers,
-                                    on_gpus=bool(tf.config.list_physical_devices("GPU")))
+                                    on_gpus=bool(tf.config.list_physical_devices("GPU")),
+                                    is_chief=self.is_chief)
         if self.engine == "horovod":
             self._init_sync_gradients(options)
             tf.distribute.Strategy.__init__(self, self._create_horovod_extended())
@@ -237,7 +242,9 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
 
         if self.cluster is not None and self.num_workers > 1:
             try:
-                comm.init_from_cluster(self.cluster, self.startup_timeout)
+                comm.init_from_cluster(self.cluster, self.startup_timeout,
+                                       peer_timeout=min(self.heartbeat_timeout,
+                                                        self.collective_timeout or math.inf))
             except TimeoutError as error:
                 raise tf.errors.DeadlineExceededError(None, None, str(error)) from None
         else:
@@ -340,7 +347,7 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
 
     @property
     def num_workers(self) -> int:
-        """Training tasks in the cluster (chief plus workers)."""
+        """Tasks that compute steps: the chief plus the workers."""
         if self.cluster is None:
             return self._horovod_size()
         return self.cluster.num_workers

@@ -440,12 +440,19 @@ class ParameterServerStrategy(_hooks.KerasHandoff, tf.distribute.ParameterServer
         return self._coordinator
 
     @property
+    def cluster(self) -> ClusterSpec:
+        """The job's cluster, as `tfdist.MultiWorkerMirroredStrategy.cluster`."""
+        return self._spec
+
+    @property
     def cluster_spec(self) -> ClusterSpec:
+        """Deprecated name of `cluster`."""
         return self._spec
 
     @property
     def num_workers(self) -> int:
-        """Worker tasks that compute steps (K in sync mode)."""
+        """Tasks that compute steps: the worker tasks (K in sync mode); the chief only
+        dispatches them (in `tfdist.MultiWorkerMirroredStrategy` it computes too)."""
         return len(self._spec.worker)
 
     @property
