@@ -23,6 +23,7 @@ import time
 from benchmarks.common import parse_section_args, section_parser, task_env
 
 CONFIGS = [("async", 1), ("async", 2), ("sync", 1), ("sync", 2)]
+QUICK_CONFIGS = [("async", 1), ("sync", 2)]  # the smoke run: each mode once
 
 
 def _chief_task(mode, steps, warmup, batch, features, hidden):
@@ -59,11 +60,11 @@ def _chief_task(mode, steps, warmup, batch, features, hidden):
             "parameters": int(model.count_params())}
 
 
-def run(steps, warmup, batch, features, hidden, timeout):
+def run(steps, warmup, batch, features, hidden, timeout, configs=CONFIGS):
     import tfdist
 
     results = []
-    for mode, workers in CONFIGS:
+    for mode, workers in configs:
         values = tfdist.launch(_chief_task, mode, steps, warmup, batch, features, hidden,
                                workers=workers, chief=True, ps=1, timeout=timeout,
                                env=task_env(), stream=None)
@@ -122,7 +123,7 @@ def main(argv=None):
         args.steps, args.warmup = 20, 4
     load = " ".join(f"{v:.1f}" for v in os.getloadavg())
     results = run(args.steps, args.warmup, args.batch, args.features, args.hidden,
-                  args.timeout)
+                  args.timeout, QUICK_CONFIGS if args.quick else CONFIGS)
     report = {
         "command": "python -m benchmarks.parameter_server" + (" --quick" if args.quick else ""),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
