@@ -54,8 +54,6 @@ def _weights(out):
       "cluster.nnodes=2"], "cluster.node_rank must be < cluster.nnodes=2. Received: 2"),
     (["cluster.mode=\"nodes\"", "cluster.master=\"h:1\"", "cluster.node_rank=1",
       "cluster.nnodes=2", "cluster.chief=true"], "allowed only on node 0"),
-    (["cluster.mode=\"nodes\"", "cluster.master=\"h:1\"", "cluster.max_restarts=1"],
-     "cluster.max_restarts must be 0"),
     (["cluster.mode=\"nodes\"", "cluster.master=\"h:1\"", "strategy.name=\"mirrored\""],
      "needs strategy.name"),
     (["cluster.nnodes=2"], "cluster.nnodes applies only to cluster.mode = 'nodes'"),

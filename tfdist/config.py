@@ -303,11 +303,6 @@ def _check_nodes(config: dict[str, Any], source: str) -> None:
     if cluster["chief"] and cluster["node_rank"] != 0:
         raise ConfigError(f"{source}: cluster.chief = true is allowed only on node 0. "
                           f"Received: node_rank={cluster['node_rank']}")
-    if cluster["max_restarts"]:
-        raise ConfigError(f"{source}: cluster.max_restarts must be 0 with cluster.mode = "
-                          "'nodes' (a multi-node job is not restarted; run the command "
-                          "again on every node to resume). Received: "
-                          f"{cluster['max_restarts']}")
 
 
 def _check_engine(config: dict[str, Any], source: str) -> None:
