@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from tfdist.cluster import ClusterSpec, TaskSpec
-from tfdist.launch import DEFAULT_GRACE_SECONDS, _exit_cause, _Task, _task_env, stop_tasks
+from tfdist.launch import (DEFAULT_GRACE_SECONDS, TaskProcess, exit_cause, stop_tasks,
+                           task_env)
 
 # Ends a failure's message: the same facts as one JSON line, read back by the driver
 # from an engine's error text (Spark passes the task's exception on as text only).
@@ -134,7 +135,7 @@ def run_task(payload: bytes, cluster: ClusterSpec, index: int, *,
         argv = [sys.executable, "-m", "tfdist._task_main", str(call), tmp]
         if reserved is not None:
             reserved.close()
-        task = _Task(spec, argv, _task_env(cluster, spec, child_env, 0, None), stream)
+        task = TaskProcess(spec, argv, task_env(cluster, spec, child_env, 0, None), stream)
         deadline = None if timeout is None else time.monotonic() + timeout
         timed_out = False
         try:
@@ -149,7 +150,7 @@ def run_task(payload: bytes, cluster: ClusterSpec, index: int, *,
         code = task.poll()
         if code != 0:
             raise TaskFailedError(spec.name, code, task.tail_text(),
-                                  _exit_cause(spec.name, code))
+                                  exit_cause(spec.name, code))
         return Path(tmp, f"{spec.name}.result.pkl").read_bytes()
 
 

@@ -88,7 +88,7 @@ class LaunchResult:
     cluster: ClusterSpec
 
 
-def launch_result(tasks: Sequence["_Task"], attempts: int, cluster: ClusterSpec) -> LaunchResult:
+def launch_result(tasks: Sequence["TaskProcess"], attempts: int, cluster: ClusterSpec) -> LaunchResult:
     """The `LaunchResult` of a finished attempt (single-node or one node's share)."""
     return LaunchResult(tuple(TaskResult(t.name, t.poll(), t.tail_text()) for t in tasks),
                         attempts, cluster)
@@ -339,7 +339,7 @@ class _TaskOutput:
             _CONSOLE.close(self.stream, self.name)
 
 
-class _Task:
+class TaskProcess:
     """A running task: its process, and a thread that relays its output as it comes."""
 
     def __init__(self, spec: TaskSpec, argv: list[str], env: dict[str, str], stream):
@@ -371,7 +371,7 @@ class _Task:
         return "\n".join(self.tail)
 
 
-def stop_tasks(tasks: Sequence[_Task], grace: float = DEFAULT_GRACE_SECONDS) -> None:
+def stop_tasks(tasks: Sequence[TaskProcess], grace: float = DEFAULT_GRACE_SECONDS) -> None:
     """SIGTERM every task's process group, then SIGKILL what is left after ``grace``.
 
     The group is killed even when its leader has exited, so no grandchild survives.
@@ -493,15 +493,16 @@ def _command_env(env: dict[str, str] | None) -> dict[str, str]:
     return command_env
 
 
-def _task_env(cluster: ClusterSpec, spec: TaskSpec, env: dict[str, str] | None,
-              attempt: int, backup_dir: str | None) -> dict[str, str]:
-    task_env = _command_env(env)
-    task_env["TF_CONFIG"] = cluster.with_task(spec).to_tf_config()
-    task_env["TFDIST_TASK"] = spec.name
-    task_env["TFDIST_RESTART"] = str(attempt)
+def task_env(cluster: ClusterSpec, spec: TaskSpec, env: dict[str, str] | None,
+             attempt: int, backup_dir: str | None) -> dict[str, str]:
+    """The environment of task ``spec``: ``env`` plus its TF_CONFIG and tfdist's variables."""
+    environ = _command_env(env)
+    environ["TF_CONFIG"] = cluster.with_task(spec).to_tf_config()
+    environ["TFDIST_TASK"] = spec.name
+    environ["TFDIST_RESTART"] = str(attempt)
     if backup_dir:
-        task_env["TFDIST_BACKUP_DIR"] = str(backup_dir)
-    return task_env
+        environ["TFDIST_BACKUP_DIR"] = str(backup_dir)
+    return environ
 
 
 # A parameter-server chief asks the launcher to restart a worker by creating the file
@@ -563,7 +564,7 @@ def _run_once(argv: list[str], cluster: ClusterSpec, env, timeout, grace, stream
               specs: Sequence[TaskSpec] | None = None,
               extra_env: Callable[[TaskSpec], dict] | None = None,
               peers=None, evaluator_wait: float = DEFAULT_EVALUATOR_WAIT_SECONDS,
-              log=None) -> tuple[list[_Task], _Task | None, bool]:
+              log=None) -> tuple[list[TaskProcess], TaskProcess | None, bool]:
     """Runs every task of one attempt. Returns (tasks, failed task, timed out).
 
     ``specs`` are the tasks to start here (default: all of ``cluster``), ``extra_env``
@@ -578,19 +579,19 @@ def _run_once(argv: list[str], cluster: ClusterSpec, env, timeout, grace, stream
     log = log or sys.stderr
     reported: set[str] = set()
     trained_at = None
-    tasks: list[_Task] = []
+    tasks: list[TaskProcess] = []
     if ps_restarts is not None:
         ps_restarts.control_dir = tempfile.mkdtemp(prefix="tfdist-control-")
 
     def start(spec, task_restart=0):
         prefix = [str(a) for a in wrap(spec)] if wrap is not None else []
-        task_env = _task_env(cluster, spec, env, attempt, backup_dir)
+        environ = task_env(cluster, spec, env, attempt, backup_dir)
         if extra_env is not None:
-            task_env.update(extra_env(spec))
+            environ.update(extra_env(spec))
         if ps_restarts is not None:
-            task_env[CONTROL_DIR_ENV] = ps_restarts.control_dir
-            task_env["TFDIST_TASK_RESTART"] = str(task_restart)
-        return _Task(spec, prefix + argv, task_env, stream)
+            environ[CONTROL_DIR_ENV] = ps_restarts.control_dir
+            environ["TFDIST_TASK_RESTART"] = str(task_restart)
+        return TaskProcess(spec, prefix + argv, environ, stream)
 
     try:
         for spec in (cluster.tasks() if specs is None else specs):
@@ -607,7 +608,7 @@ def _run_once(argv: list[str], cluster: ClusterSpec, env, timeout, grace, stream
                 continue
             if failed is not None:
                 if peers is not None:
-                    peers.report_failure(failed.name, _exit_cause(failed.name, failed.poll()))
+                    peers.report_failure(failed.name, exit_cause(failed.name, failed.poll()))
                 stop_tasks([t for t in tasks if t is not failed], grace)
                 failed.finish_output()
                 return tasks, failed, False
@@ -636,12 +637,12 @@ def _run_once(argv: list[str], cluster: ClusterSpec, env, timeout, grace, stream
             shutil.rmtree(ps_restarts.control_dir, ignore_errors=True)
 
 
-def _is_evaluating(tasks: Sequence[_Task]) -> bool:
+def _is_evaluating(tasks: Sequence[TaskProcess]) -> bool:
     """Whether an evaluator task is still running."""
     return any(t.spec.type == "evaluator" and t.poll() is None for t in tasks)
 
 
-def _report_evaluator_exit(tasks: Sequence[_Task], reported: set[str], log) -> None:
+def _report_evaluator_exit(tasks: Sequence[TaskProcess], reported: set[str], log) -> None:
     """Reports (once) an evaluator that exited non-zero; the job goes on without it."""
     for task in tasks:
         code = task.poll()
@@ -649,19 +650,19 @@ def _report_evaluator_exit(tasks: Sequence[_Task], reported: set[str], log) -> N
                 task.name not in reported:
             reported.add(task.name)
             task.finish_output()
-            print(f"tfdist launch: {_exit_cause(task.name, code)}; training goes on "
+            print(f"tfdist launch: {exit_cause(task.name, code)}; training goes on "
                   f"without it. Last output of {task.name}:\n{task.tail_text()}",
                   file=log, flush=True)
 
 
-def _exit_cause(name: str, code: int) -> str:
+def exit_cause(name: str, code: int) -> str:
     """``worker-1 exited with code -9 (signal SIGKILL)``."""
     return f"{name} exited with code {code}" + (
         f" (signal {signal.Signals(-code).name})" if code < 0 and -code in
         signal.valid_signals() else "")
 
 
-def _is_port_clash(task: _Task) -> bool:
+def _is_port_clash(task: TaskProcess) -> bool:
     return any(marker in task.tail_text() for marker in _PORT_IN_USE_MARKERS)
 
 
@@ -790,7 +791,7 @@ def run(argv: Sequence[str], *, workers: int = 1, chief: bool = False, ps: int =
                                                       for t in tasks))
         else:
             code = failed.poll()
-            cause = _exit_cause(failed.name, code)
+            cause = exit_cause(failed.name, code)
             clash = _is_port_clash(failed)
             if clash:
                 cause += (f": it could not bind its port "

@@ -765,7 +765,7 @@ def _outcome(launcher, link: NodeLink, tasks, failed, timed_out, node_rank, spen
     spent_all = f"; no restart left ({link.round}/{max_restarts} used)" if max_restarts else ""
     if failed is not None:
         code = failed.poll()
-        reason = launcher._exit_cause(failed.name, code)
+        reason = launcher.exit_cause(failed.name, code)
         raise error(f"{reason} on node {node_rank} after {spent:.1f}s; {stopped}{spent_all}. "
                     f"Last output of {failed.name}:\n{failed.tail_text()}",
                     failed.name, code, failed.tail_text())
