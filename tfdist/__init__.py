@@ -20,6 +20,7 @@ _LAZY = {
     "MultiWorkerMirroredStrategy": "tfdist.strategies.multi_worker",
     "ModelAverageStrategy": "tfdist.strategies.model_average",
     "ParameterServerStrategy": "tfdist.strategies.parameter_server",
+    "StepTimeoutError": "tfdist.strategies.parameter_server",
 }
 
 __all__ = [
@@ -32,13 +33,15 @@ __all__ = [
     "ModelAverageStrategy",
     "MultiWorkerMirroredStrategy",
     "ParameterServerStrategy",
+    "StepTimeoutError",
     "TaskSpec",
     "devices",
     "launch",
 ]
 
 
-# Subpackages that import TensorFlow/Keras, loaded on first attribute access.
+# Subpackages loaded on first attribute access: tfdist.keras imports Keras; ray and
+# spark import their engines.
 _LAZY_MODULES = {"keras": "tfdist.keras", "ray": "tfdist.ray", "spark": "tfdist.spark"}
 
 
