@@ -2,6 +2,7 @@
 
 import os
 import signal
+import subprocess
 import sys
 
 import numpy as np
@@ -111,3 +112,22 @@ def require_horovod():
         pytest.fail("TFDIST_REQUIRE_HOROVOD=1 but Horovod is not installed. "
                     + comm.INSTALL_HINT, pytrace=False)
     pytest.skip(comm.INSTALL_HINT)
+
+
+def serve_ps_from_a_child(pid_path) -> None:
+    """In a ps task: serves from a child process (whose pid goes to ``pid_path``, for the
+    test to kill), then stays up until the chief's port closes, like a failed pod's slot.
+    The launcher sees no failure of its own ps task."""
+    import time
+
+    import tfdist
+    from tfdist.strategies.parameter_server import _is_listening
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import tfdist; tfdist.ParameterServerStrategy()"])
+    with open(pid_path, "w") as f:
+        f.write(str(child.pid))
+    child.wait()
+    chief = tfdist.ClusterSpec.from_env().chief[0]
+    while _is_listening(chief):
+        time.sleep(0.5)

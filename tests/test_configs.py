@@ -2,7 +2,6 @@
 files are valid and produce an environment tfdist's resolver accepts."""
 
 import json
-import os
 import shlex
 import shutil
 import subprocess
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tfdist.cli import build_parser
-from tfdist.cluster import ClusterSpec, from_slurm
+from tfdist.cluster import from_slurm
 from tfdist.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
 import pytest
 
 from helpers import (TESTS_DIR, assert_weights_close, classification_data, mlp,

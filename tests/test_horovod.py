@@ -10,7 +10,6 @@ tests skip with the install command, except when TFDIST_REQUIRE_HOROVOD=1 (set b
 Makefile): then they fail.
 """
 
-import os
 
 import numpy as np
 import pytest

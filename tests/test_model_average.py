@@ -5,7 +5,6 @@ tfdist.launch. The reference for local SGD is the seeds' example: linear regress
 squared loss, each replica training on its own half of every global batch.
 """
 
-import os
 
 import numpy as np
 import pytest

@@ -16,7 +16,8 @@ import threading
 import numpy as np
 import pytest
 
-from helpers import assert_weights_close, regression_data, run_cluster
+from helpers import (assert_weights_close, regression_data, run_cluster,
+                     serve_ps_from_a_child)
 
 pytestmark = pytest.mark.timeout(200)
 
@@ -471,21 +472,12 @@ def test_step_timeout_is_validated():
 # ---- a ps killed in the middle of fit: clear error, then resume from the checkpoint -------
 
 def _killed_ps_task(work_dir):
-    import time
-
     import tfdist
 
     task = os.environ["TFDIST_TASK"]
     attempt = int(os.environ["TFDIST_RESTART"])
     if task == "ps-0" and attempt == 0:
-        child = subprocess.Popen(
-            [sys.executable, "-c", "import tfdist; tfdist.ParameterServerStrategy()"])
-        with open(os.path.join(work_dir, "ps-0.pid"), "w") as f:
-            f.write(str(child.pid))
-        child.wait()
-        spec = tfdist.ClusterSpec.from_env()
-        while _chief_alive(spec):
-            time.sleep(0.5)
+        serve_ps_from_a_child(os.path.join(work_dir, "ps-0.pid"))
         return None
 
     import keras

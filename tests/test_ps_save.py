@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import ROOT, TESTS_DIR, assert_weights_close, run_cluster
+from helpers import ROOT, TESTS_DIR, assert_weights_close, run_cluster, serve_ps_from_a_child
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -86,23 +86,11 @@ def _paths(work_dir):
 # ---- the 2-ps job: killed, resumed, compared with an uninterrupted run, saved -------------
 
 def _two_ps_task(work_dir):
-    import time
-
-    import tfdist
-
     task = os.environ["TFDIST_TASK"]
     attempt = int(os.environ["TFDIST_RESTART"])
     if task == "ps-0" and attempt == 0:
         # Its TF server runs in a child process that the chief kills.
-        child = subprocess.Popen(
-            [sys.executable, "-c", "import tfdist; tfdist.ParameterServerStrategy()"])
-        with open(os.path.join(work_dir, "ps-0.pid"), "w") as f:
-            f.write(str(child.pid))
-        child.wait()
-        from tfdist.strategies.parameter_server import _is_listening
-
-        while _is_listening(tfdist.ClusterSpec.from_env().chief[0]):  # stay up till the end
-            time.sleep(0.5)
+        serve_ps_from_a_child(os.path.join(work_dir, "ps-0.pid"))
         return None
 
     import keras

@@ -87,7 +87,6 @@ def init_from_cluster(cluster, timeout_seconds: float = 60.0,
     Raises:
         TimeoutError: the chief's rendezvous did not open in time (names the chief).
     """
-    global _hvd
     if _hvd is not None or "HOROVOD_RANK" in os.environ:
         hvd()
         return

@@ -37,7 +37,7 @@ from tfdist import _hooks
 from tfdist.checks import check_seconds
 from tfdist.cluster import TRAINING_TASK_TYPES, ClusterSpec, resolve_cluster
 from tfdist.comm.engines import select_engine
-from tfdist.comm.options import CommunicationOptions, merge_options
+from tfdist.comm.options import merge_options
 from tfdist.strategies._sync import SyncGradientsMixin
 
 DEFAULT_STARTUP_TIMEOUT = 60.0
