@@ -93,6 +93,8 @@ def goal_rows(results: dict) -> tuple[list[list[str]], list[str]]:
     _overhead(goals["overhead"], analysis, data, results, rows, notes)
     _allreduce(goals["allreduce"], analysis, data, results, rows, notes)
     _slow_link(goals["slow_link"], analysis, data, results, rows, notes)
+    _sharded_embedding(goals["sharded-embedding-ps"], goals["sharded-embedding-copy"],
+                       analysis, data, results, rows, notes)
     return rows, notes
 
 
@@ -207,3 +209,40 @@ def _slow_link(goal_, analysis, data, results, rows, notes):
     if not measured:
         rows.append(["model average period=16 vs sync, 100 Mbit/s", f"{goal_.target}x",
                      "not measured", _why_missing(results, "slow_link")])
+
+
+def _sharded_embedding(ps_goal, copy_goal, analysis, data, results, rows, notes):
+    """Rows for ``sharded-embedding-ps`` (2 ps) and ``sharded-embedding-copy`` (every run)
+    from the ``ratios`` of section ``sharded_embedding``; one note per missed goal."""
+    section = data.get("sharded_embedding") or {}
+    measured = section.get("ratios") or {}
+    if not measured or (section.get("settings") or {}).get("rows", 0) < 1_000_000:
+        why = ("a --quick run (tiny table)" if measured else
+               _why_missing(results, "sharded_embedding"))
+        for goal_ in (ps_goal, copy_goal):
+            rows.append([f"sharded embedding: {goal_.what.split(',')[0]}", goal_.target,
+                         "not measured", why])
+        return
+    table_mb = section.get("table_bytes", 0) / 1e6
+    missed = {"ps": [], "copy": []}
+    for label, r in measured.items():
+        name = f"sharded embedding {table_mb:.0f} MB + Adam, {label}"
+        if label.startswith("2 ps"):
+            value = r["ps_over_state"]
+            rows.append([f"{name}: largest ps net peak RSS / (table + slots)",
+                         ps_goal.target, f"{value:.2f}", ps_goal.status(value)])
+            if not ps_goal.is_met(value):
+                missed["ps"].append(f"{label}: {value:.2f}")
+        value = r["copy_over_table"]
+        rows.append([f"{name}: largest chief/worker net peak RSS / table ({r['copy_task']})",
+                     copy_goal.target, f"{value:.2f}", copy_goal.status(value)])
+        if not copy_goal.is_met(value):
+            missed["copy"].append(f"{label}: {r['copy_task']} {value:.2f}")
+    if missed["ps"]:
+        notes.append("- Sharded embedding, largest ps net peak / (table + slots) ("
+                     + "; ".join(missed["ps"]) + "). "
+                     + analysis.get("sharded-embedding-ps", ""))
+    if missed["copy"]:
+        notes.append("- Sharded embedding, chief/worker net peak / table ("
+                     + "; ".join(missed["copy"]) + "). "
+                     + analysis.get("sharded-embedding-copy", ""))
