@@ -2,6 +2,7 @@
 
 Convention: the payload one worker contributes to an all-reduce, after compression, is
 counted once per reduction (not once per local replica, not times the ring factor).
+`tfdist.comm.communicator.Accounted` is the only place that counts.
 """
 
 from __future__ import annotations
@@ -31,3 +32,27 @@ class ByteCounter:
     @property
     def total(self) -> int:
         return int(self._variable.numpy())
+
+
+def payload_bytes(value, compression=None):
+    """Bytes one replica's ``value`` takes on the wire under ``compression``.
+
+    Floating tensors count at the compression dtype. IndexedSlices (embedding
+    gradients) travel uncompressed: their values plus their indices.
+
+    Returns:
+        An int, or an int64 scalar tensor when the shape is not static.
+    """
+    import tensorflow as tf
+
+    from tfdist.comm.compression import get_compression
+
+    if isinstance(value, tf.IndexedSlices):
+        return payload_bytes(value.values) + payload_bytes(value.indices)
+    policy = get_compression(compression)
+    if value.shape.num_elements() is not None:
+        return policy.wire_bytes(value)
+    dtype = tf.as_dtype(value.dtype)
+    if policy.wire_dtype is not None and dtype.is_floating:
+        dtype = tf.as_dtype(policy.wire_dtype)
+    return tf.size(value, out_type=tf.int64) * dtype.size

@@ -6,20 +6,23 @@ engines implement it:
 
 - `StrategyCommunicator` (``"tf"``): the strategy's own cross-device ops, i.e. TF's
   collectives (gRPC ring on CPU, NCCL on GPU), ReductionToOneDevice on one host, or
-  Horovod's ops under ``engine="horovod"``;
+  Horovod's ops under ``engine="horovod"`` and in `tfdist.HorovodStrategy`;
 - `HorovodCommunicator` (``"horovod"``): `tfdist.comm.horovod` directly, one replica
   per process (the deprecated ``ModelAverageStrategy(backend="horovod")``).
 
 `Accounted` wraps any of them once: it casts floating payloads for the wire
-(`tfdist.comm.compression`) and counts the bytes one replica contributes. Adding an
-engine means adding one `Communicator` subclass.
+(`tfdist.comm.compression`) and counts the bytes one replica contributes
+(`tfdist.comm.accounting.payload_bytes`). Every strategy that compresses or counts
+(the synchronous ones for gradients, model averaging for weights) does so only here.
+IndexedSlices (embedding gradients) travel uncompressed. Adding an engine means adding
+one `Communicator` subclass.
 """
 
 from __future__ import annotations
 
 import abc
 
-from tfdist.comm.accounting import ByteCounter
+from tfdist.comm.accounting import ByteCounter, payload_bytes
 from tfdist.comm.compression import get_compression
 
 OPS = ("sum", "mean")
@@ -71,9 +74,18 @@ def _check_op(op: str) -> str:
 
 
 class StrategyCommunicator(Communicator):
-    """The strategy's own cross-device ops (``distribution.extended.batch_reduce_to``)."""
+    """The strategy's own cross-device ops (``distribution.extended.batch_reduce_to``).
+
+    Args:
+        cross_device_ops: Reduce with these `tf.distribute.CrossDeviceOps` instead of
+            ``batch_reduce_to``: for a strategy whose ``batch_reduce_to`` itself goes
+            through this communicator (`tfdist.HorovodStrategy`).
+    """
 
     name = "tf"
+
+    def __init__(self, cross_device_ops=None):
+        self._cross_device_ops = cross_device_ops
 
     def all_reduce(self, distribution, values, destinations, op="mean"):
         import tensorflow as tf
@@ -82,8 +94,21 @@ class StrategyCommunicator(Communicator):
             return []
         reduce_op = {"sum": tf.distribute.ReduceOp.SUM,
                      "mean": tf.distribute.ReduceOp.MEAN}[_check_op(op)]
-        pairs = [(v, d if d is not None else v) for v, d in zip(values, destinations)]
+        pairs = [(v, d if d is not None else _destination(v))
+                 for v, d in zip(values, destinations)]
+        if self._cross_device_ops is not None:
+            return self._cross_device_ops.batch_reduce(reduce_op, pairs)
         return distribution.extended.batch_reduce_to(reduce_op, pairs)
+
+
+def _destination(value):
+    """Where ``value``'s reduction lands when no variable is given: its own devices.
+
+    As TF's replica-context ``all_reduce`` (a plain tensor: one replica, its device).
+    """
+    import tensorflow as tf
+
+    return value.device if isinstance(value, tf.Tensor) else value
 
 
 class HorovodCommunicator(Communicator):
@@ -130,50 +155,57 @@ class Accounted(Communicator):
         return self.counter.total
 
     def all_reduce(self, distribution, values, destinations, op="mean"):
-        from tfdist import _hooks
-
-        internals = _hooks.tf_distribute_internals()
         import tensorflow as tf
 
-        if self.compression.wire_dtype is None:  # nothing to cast: count and pass on
-            self.counter.add(sum(self.compression.wire_bytes(
-                distribution.experimental_local_results(v)[0]) for v in values))
+        # One replica's payload, once per reduction (every replica sends the same shapes).
+        self.counter.add(sum(payload_bytes(distribution.experimental_local_results(v)[0],
+                                           self.compression) for v in values))
+        if self.compression.wire_dtype is None:  # nothing to cast
             return self.inner.all_reduce(distribution, values, destinations, op)
-        wire, dtypes, nbytes = [], [], 0
+        from tfdist import _hooks
+
+        regroup = _hooks.tf_distribute_internals().regroup
+        wire, dtypes = [], []
         for value in values:
             parts = distribution.experimental_local_results(value)
+            if isinstance(parts[0], tf.IndexedSlices):  # sparse: sent as it is
+                wire.append(value)
+                dtypes.append(None)
+                continue
             cast = []
             for part in parts:
                 with tf.device(part.device):
-                    cast.append(self.compression.compress(part))
-            wire.append(internals.regroup([c for c, _ in cast]) if len(parts) > 1
-                        else cast[0][0])
-            dtypes.append(cast[0][1])
-            nbytes += self.compression.wire_bytes(parts[0])
-        self.counter.add(nbytes)
+                    cast.append(self.compression.compress(part)[0])
+            wire.append(regroup(cast) if len(parts) > 1 else cast[0])
+            dtypes.append(tf.as_dtype(parts[0].dtype))
         reduced = self.inner.all_reduce(distribution, wire, destinations, op)
-        return [self._decompress(distribution, r, dtype) for r, dtype in zip(reduced, dtypes)]
+        return [r if dtype is None else self._decompress(distribution, r, dtype)
+                for r, dtype in zip(reduced, dtypes)]
 
     def _decompress(self, distribution, value, dtype):
         import tensorflow as tf
 
         if isinstance(value, tf.distribute.DistributedValues):
-            parts = [self.compression.decompress(p, dtype)
-                     for p in distribution.experimental_local_results(value)]
             from tfdist import _hooks
 
-            return _hooks.tf_distribute_internals().regroup(parts)
+            parts = []
+            for part in distribution.experimental_local_results(value):
+                with tf.device(part.device):
+                    parts.append(self.compression.decompress(part, dtype))
+            # Same wrapper as the engine's result (Mirrored from cross-device ops).
+            return _hooks.tf_distribute_internals().regroup(parts, wrap_class=type(value))
         return self.compression.decompress(value, dtype)
 
 
 def make_communicator(engine: str, compression=None, counter: ByteCounter | None = None,
-                      name: str = "tfdist") -> Accounted:
+                      name: str = "tfdist", cross_device_ops=None) -> Accounted:
     """The accounted communicator of ``engine`` (``"tf"`` or ``"horovod"``).
 
-    ``name`` prefixes Horovod's op names (ranks match tensors by name).
+    ``name`` prefixes Horovod's op names (ranks match tensors by name);
+    ``cross_device_ops`` goes to `StrategyCommunicator` (``"tf"`` only).
     """
     if engine == "tf":
-        inner = StrategyCommunicator()
+        inner = StrategyCommunicator(cross_device_ops)
     elif engine == "horovod":
         inner = HorovodCommunicator(name)
     else:

@@ -2,8 +2,15 @@
 
 Each process (started by ``horovodrun``) mirrors the model on its local devices like
 `tfdist.MirroredStrategy`. Every reduction first sums the local replicas on one device,
-then all-reduces that sum across processes with Horovod (Gloo on CPU, NCCL on GPU).
-Initial variable values are broadcast from rank 0 when the variables are created.
+then all-reduces that sum across processes with Horovod (Gloo on CPU, NCCL on GPU):
+`HorovodCrossDeviceOps`, which only moves tensors. Initial variable values are
+broadcast from rank 0 when the variables are created.
+
+`HorovodExtended` is also the ``extended`` of
+``tfdist.MultiWorkerMirroredStrategy(engine="horovod")``. In `HorovodStrategy` every
+batch all-reduce (gradients, a replica's ``all_reduce``) goes through the strategy's
+communicator, which compresses and counts it once, as Horovod's ``Compression`` does;
+``strategy.reduce`` (losses, metrics) is exact and not counted.
 """
 
 from __future__ import annotations
@@ -15,8 +22,6 @@ import tensorflow as tf
 
 from tfdist import _hooks
 from tfdist.comm import horovod as comm
-from tfdist.comm.accounting import ByteCounter
-from tfdist.comm.compression import get_compression
 from tfdist.comm.options import merge_options
 from tfdist.strategies._sync import SyncGradientsMixin
 from tfdist.devices import default_devices, validate_devices
@@ -34,18 +39,16 @@ def _local_values(value):
 class HorovodCrossDeviceOps(tf.distribute.CrossDeviceOps):
     """Sums local replicas on one device, then all-reduces across processes with Horovod.
 
+    It only moves tensors, in their own dtype: compression and byte counting are the
+    strategy's communicator's (`tfdist.comm.communicator.Accounted`).
+
     Args:
         reduce_to_device: Device that holds the local sum.
-        compression: Compression of the cross-process payload of `batch_reduce` (the
-            gradient all-reduce); `reduce` (metrics, `strategy.reduce`) is exact.
-        byte_counter: A `ByteCounter` that gets the payload of every all-reduce.
     """
 
-    def __init__(self, reduce_to_device: str, compression=None, byte_counter: ByteCounter | None = None):
+    def __init__(self, reduce_to_device: str):
         super().__init__()
         self._reduce_to_device = reduce_to_device
-        self._compression = get_compression(compression)
-        self._byte_counter = byte_counter
 
     @property
     def _num_between_graph_workers(self):
@@ -53,14 +56,12 @@ class HorovodCrossDeviceOps(tf.distribute.CrossDeviceOps):
         # single local replica: the other processes still hold values.
         return comm.size()
 
-    def _all_reduce(self, reduce_op, per_replica_values, compression):
+    def _all_reduce(self, reduce_op, per_replica_values):
         """Returns one reduced tensor (on the reduce device) per input value."""
         local_values = [_local_values(v) for v in per_replica_values]
         with tf.device(self._reduce_to_device):
             local_sums = [vals[0] if len(vals) == 1 else tf.add_n(vals) for vals in local_values]
-            if self._byte_counter is not None:
-                self._byte_counter.add(comm.wire_bytes(local_sums, compression))
-            sums = comm.allreduce(local_sums, op="sum", compression=compression)
+            sums = comm.allreduce(local_sums, op="sum")
             out = []
             for total, vals in zip(sums, local_values):
                 if reduce_op == tf.distribute.ReduceOp.MEAN:
@@ -74,14 +75,13 @@ class HorovodCrossDeviceOps(tf.distribute.CrossDeviceOps):
 
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
         del options
-        (total,) = self._all_reduce(reduce_op, [per_replica_value], get_compression(None))
+        (total,) = self._all_reduce(reduce_op, [per_replica_value])
         return _tf.simple_broadcast(total, destinations, always_mirrored=True,
                                     canonicalize_devices=self._canonicalize_devices)
 
     def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
         del options
-        totals = self._all_reduce(reduce_op, [v for v, _ in value_destination_pairs],
-                                  self._compression)
+        totals = self._all_reduce(reduce_op, [v for v, _ in value_destination_pairs])
         return [_tf.simple_broadcast(t, d, always_mirrored=True,
                                      canonicalize_devices=self._canonicalize_devices)
                 for t, (_, d) in zip(totals, value_destination_pairs)]
@@ -92,12 +92,21 @@ class HorovodCrossDeviceOps(tf.distribute.CrossDeviceOps):
 
 
 class HorovodExtended(_tf.MirroredExtended):
-    """`MirroredExtended` whose replicas span every Horovod process."""
+    """`MirroredExtended` whose replicas span every Horovod process.
 
-    def __init__(self, container_strategy, devices, compression, byte_counter):
+    Args:
+        container_strategy: The strategy.
+        devices: This process's devices.
+        cross_device_ops: The `HorovodCrossDeviceOps` (default: one on ``devices[0]``).
+        communicator: None, or a communicator every ``batch_reduce_to`` goes through
+            (it must reduce with ``cross_device_ops`` itself, not ``batch_reduce_to``).
+    """
+
+    def __init__(self, container_strategy, devices, cross_device_ops=None, communicator=None):
         self._hvd_rank = comm.rank()
         self._hvd_size = comm.size()
-        self._hvd_ops = HorovodCrossDeviceOps(devices[0], compression, byte_counter)
+        self._hvd_ops = cross_device_ops or HorovodCrossDeviceOps(devices[0])
+        self._communicator = communicator
         super().__init__(container_strategy, devices=devices, cross_device_ops=self._hvd_ops)
         self._cluster_resolver = None
 
@@ -157,7 +166,13 @@ class HorovodExtended(_tf.MirroredExtended):
         return tf.nest.map_structure(reduce_one, value)
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
-        return self._hvd_ops.batch_reduce(reduce_op, value_destination_pairs, options=options)
+        if self._communicator is None:
+            return self._hvd_ops.batch_reduce(reduce_op, value_destination_pairs,
+                                              options=options)
+        op = {"SUM": "sum", "MEAN": "mean"}[getattr(reduce_op, "value", str(reduce_op).upper())]
+        return self._communicator.all_reduce(
+            self._container_strategy(), [v for v, _ in value_destination_pairs],
+            [d for _, d in value_destination_pairs], op=op)
 
     def _gather_to_implementation(self, value, destinations, axis, options):
         del options
@@ -230,39 +245,37 @@ class HorovodStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerMirroredStrat
     Args:
         devices: Local device names; default: this process's GPU (by Horovod local
             rank) if there are GPUs, else the local CPU(s).
-        compression: None, ``"fp16"`` or ``"bf16"``: dtype of floating gradients on
-            the wire (as Horovod's ``Compression.fp16``). Metrics are never compressed.
+        compression: None, ``"fp16"`` or ``"bf16"``: dtype of floating gradients (and
+            of any replica-context ``all_reduce``) on the wire, as Horovod's
+            ``Compression.fp16``. Metrics are never compressed.
         communication_options: A `tfdist.CommunicationOptions` (compression,
             accumulate_steps); timeouts and implementation are Horovod's own.
         accumulate_steps: Sum this many micro-batches locally before each all-reduce
             (Horovod's ``backward_passes_per_step``).
 
     Attributes:
-        bytes_communicated: Bytes this process contributed to all-reduces so far.
+        communicator: The `tfdist.comm.communicator.Accounted` communicator every
+            batch all-reduce goes through (compression, byte counting).
+        bytes_communicated: Bytes this process contributed to batch all-reduces
+            (gradients, replica-context ``all_reduce``) so far, after compression.
         rank, size: This process's Horovod rank and the number of processes.
     """
-
-    # HorovodCrossDeviceOps compresses and counts every all-reduce itself.
-    _compresses_in_cross_device_ops = True
-
-    def keras_reduce_gradients(self, grads_and_vars, reduce):
-        return reduce(grads_and_vars)  # Keras' own, through HorovodCrossDeviceOps
 
     def __init__(self, devices=None, compression=None, communication_options=None,
                  accumulate_steps=None):
         options = merge_options(communication_options, compression=compression,
                                 accumulate_steps=accumulate_steps)
-        compression = options.compression
-        self._init_sync_gradients(options)
         comm.init()
         if "HOROVOD_RANK" not in os.environ:
             logger.info("HorovodStrategy: not started by horovodrun (HOROVOD_RANK is not "
                         "set), so this process is the only rank (replicas: its devices).")
         devices = rank_devices(devices)
-        self._compression = get_compression(compression)
-        self._byte_counter = ByteCounter("tfdist_horovod_bytes")
+        ops = HorovodCrossDeviceOps(devices[0])
+        # The communicator reduces with `ops`; extended's batch_reduce_to goes through it.
+        self._init_sync_gradients(options, cross_device_ops=ops)
         _hooks.assign_collective_key_base(self)
-        extended = HorovodExtended(self, devices, self._compression, self._byte_counter)
+        extended = HorovodExtended(self, devices, cross_device_ops=ops,
+                                   communicator=self.communicator)
         # Skip MultiWorkerMirroredStrategy.__init__ (TF_CONFIG, gRPC): Strategy's own.
         super(tf.distribute.MultiWorkerMirroredStrategy, self).__init__(extended)
 
@@ -286,12 +299,7 @@ class HorovodStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerMirroredStrat
 
     @property
     def compression(self):
-        return self._compression
-
-    @property
-    def bytes_communicated(self) -> int:
-        """Bytes this process contributed to cross-process all-reduces (after compression)."""
-        return self._byte_counter.total
+        return self.communicator.compression
 
     def reduce(self, reduce_op, value, axis=None):
         """`tf.distribute.Strategy.reduce`, also for nested structures and scalars.

@@ -1,4 +1,4 @@
-"""One host, many devices: gradients summed every step."""
+"""One host, many devices: gradients summed every step (through the strategy's communicator)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,11 @@ class MirroredStrategy(SyncGradientsMixin, tf.distribute.MirroredStrategy):
         communication_options: A `tfdist.CommunicationOptions`.
         compression: Shortcut for ``communication_options.compression``.
         accumulate_steps: Shortcut for ``communication_options.accumulate_steps``.
+
+    Attributes:
+        communicator: The `tfdist.comm.communicator.Accounted` communicator gradients
+            are all-reduced through (compression, byte counting).
+        bytes_communicated: Gradient bytes all-reduced so far, after compression.
     """
 
     def __init__(self, devices=None, cross_device_ops=None, communication_options=None,

@@ -235,8 +235,9 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
         """The ``StrategyExtended`` of ``engine="horovod"``: replicas span every process
         and reductions go through Horovod's ops
         (`tfdist.strategies.horovod.HorovodExtended`). Gradients are compressed and
-        counted by the same hook as with ``engine="tf"``. Horovod starts without
-        ``horovodrun``: the chief hosts Gloo's rendezvous at its TF_CONFIG address."""
+        counted by the strategy's communicator, as with ``engine="tf"``. Horovod starts
+        without ``horovodrun``: the chief hosts Gloo's rendezvous at its TF_CONFIG
+        address."""
         from tfdist.comm import horovod as comm
         from tfdist.strategies.horovod import HorovodExtended, rank_devices
 
@@ -249,7 +250,7 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
                 raise tf.errors.DeadlineExceededError(None, None, str(error)) from None
         else:
             comm.init()
-        return HorovodExtended(self, rank_devices(), compression=None, byte_counter=None)
+        return HorovodExtended(self, rank_devices())
 
     def _share_random_seed(self):
         """Sets the chief's random global seed on every worker when the user set none.
