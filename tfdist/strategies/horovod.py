@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 
 import tensorflow as tf
 
 from tfdist import _hooks
 from tfdist.comm import horovod as comm
 from tfdist.comm.options import merge_options
+from tfdist.strategies._fit import models_differ
 from tfdist.strategies._sync import SyncGradientsMixin
 from tfdist.devices import default_devices, validate_devices
 
@@ -91,6 +93,17 @@ class HorovodCrossDeviceOps(tf.distribute.CrossDeviceOps):
                                     canonicalize_devices=self._canonicalize_devices)
 
 
+def _shape_of(shape, initial_value) -> str:
+    """``"[3,4]"``: a variable's shape as Horovod prints it (from its initial value when
+    ``shape`` is None)."""
+    if shape is None:
+        if isinstance(initial_value, _tf.CheckpointInitialValue):
+            initial_value = initial_value.wrapped_value
+        value = initial_value() if callable(initial_value) else initial_value
+        shape = getattr(value, "shape", None)
+    return "[" + ",".join(str(d) for d in tf.TensorShape(shape).as_list()) + "]"
+
+
 class HorovodExtended(_tf.MirroredExtended):
     """`MirroredExtended` whose replicas span every Horovod process.
 
@@ -134,6 +147,7 @@ class HorovodExtended(_tf.MirroredExtended):
 
     # --- variables: rank 0's initial values everywhere -------------------------------
     def _create_variable(self, next_creator, **kwargs):
+        initial = kwargs.get("initial_value")
         if self._hvd_size > 1:
             initial_value = kwargs["initial_value"]
             if isinstance(initial_value, _tf.CheckpointInitialValue):
@@ -145,7 +159,21 @@ class HorovodExtended(_tf.MirroredExtended):
                     return comm.broadcast(value, root_rank=0)
 
             kwargs["initial_value"] = broadcast_initial_value
-        return super()._create_variable(next_creator, **kwargs)
+        try:
+            return super()._create_variable(next_creator, **kwargs)
+        except tf.errors.OpError as error:
+            shapes = re.search(r"Mismatched BROADCAST tensor shapes: One rank sent a tensor of "
+                               r"shape (\[[^\]]*\]), but another rank sent a tensor of shape "
+                               r"(\[[^\]]*\])", error.message or "")
+            if shapes is None:
+                raise
+            mine, other = (shape.replace(" ", "") for shape in shapes.groups())
+            if mine != _shape_of(kwargs.get("shape"), initial):
+                mine, other = other, mine
+            me = getattr(self._container_strategy(), "task_name", f"worker-{self._hvd_rank}")
+            raise models_differ(kwargs.get("name"),
+                                f": its shape is {mine} on {me} and {other} on another worker",
+                                error.message) from None
 
     # --- reductions -----------------------------------------------------------------
     def _get_cross_device_ops(self, value):

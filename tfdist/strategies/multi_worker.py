@@ -38,6 +38,7 @@ from tfdist.checks import check_seconds
 from tfdist.cluster import TRAINING_TASK_TYPES, ClusterSpec, resolve_cluster
 from tfdist.comm.engines import select_engine
 from tfdist.comm.options import merge_options
+from tfdist.strategies._fit import models_differ
 from tfdist.strategies._sync import SyncGradientsMixin
 
 DEFAULT_STARTUP_TIMEOUT = 60.0
@@ -76,11 +77,7 @@ class MultiWorkerExtended(_hooks.collective_all_reduce_extended_class()):
                                r"shape (\[[^\]]*\])", error.message)
             seen = (f": its shape is {shapes.group(3)} on {shapes.group(1)}-{shapes.group(2)} "
                     f"and {shapes.group(4)} on another worker") if shapes else ""
-            raise ValueError(
-                f"the workers built different models: variable {kwargs.get('name')!r} "
-                f"does not match between workers{seen}. Every worker must create the same "
-                "variables, with the same shapes, in the same order, in strategy.scope(). "
-                f"TensorFlow said: {error.message.strip().splitlines()[0]}") from None
+            raise models_differ(kwargs.get("name"), seen, error.message) from None
 
 
 class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerMirroredStrategy):
