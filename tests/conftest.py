@@ -10,9 +10,37 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 
+def pytest_configure(config):
+    """Every process that runs tests splits its CPU in two before any test: which files
+    one `pytest -n 2` worker gets, and in what order, is not fixed, and TF's devices can
+    only be set before TF's first op (the xdist controller runs no tests)."""
+    if config.pluginmanager.hasplugin("dsession") and not hasattr(config, "workerinput"):
+        return
+    import tfdist
+
+    tfdist.devices.use_logical_cpus(2)
+
+
 @pytest.fixture(scope="session")
 def logical_cpus():
     """Two logical CPU devices for in-process replica tests."""
     import tfdist
 
     return tfdist.devices.use_logical_cpus(2)
+
+
+# The longest files first, so that with `pytest -n 2 --dist loadfile` (make test) no long
+# file starts last while the other worker sits idle. Order within a file is kept.
+LONGEST_FIRST = ("test_notebooks.py", "test_faults.py", "test_parameter_server.py",
+                 "test_bench.py", "test_ray.py", "test_multi_worker.py", "test_multi_node.py",
+                 "test_horovod.py", "test_train_resume.py", "test_spark.py", "test_engines.py",
+                 "test_ps_save.py", "test_ps_sharded.py", "test_stock_compat.py",
+                 "test_model_average.py", "test_slurm.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    def rank(item):
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: each file keeps its own order

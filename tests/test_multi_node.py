@@ -212,6 +212,10 @@ def test_tf_config_has_both_veth_addresses_and_a_killed_worker_stops_both_nodes(
         assert "worker-1 exited with code -9 (signal SIGKILL) on node 1" in output, output
     assert stopped_after < 60, f"the launchers took {stopped_after:.0f}s to stop"
     for rank in (0, 1):
+        # The launcher's guard process may take a moment to see its pipe close and exit.
+        deadline = time.monotonic() + 10
+        while hosts.pids(rank) and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert hosts.pids(rank) == [], f"processes left on node {rank}"
 
 
