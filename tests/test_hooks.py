@@ -364,8 +364,9 @@ def test_shard_aware_gradients_join_shard_gradients():
 
 
 def test_keras_gradient_reduce_and_update_step_exist():
-    """tfdist's compression/counting wraps _all_reduce_sum_gradients; its accumulation
-    applies reduced gradients with _distributed_tf_update_step."""
+    """tfdist replaces _all_reduce_sum_gradients (gradients go through the strategy's
+    communicator); its accumulation applies reduced gradients with
+    _distributed_tf_update_step."""
     from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
     for name in ("_all_reduce_sum_gradients", "_distributed_tf_update_step",

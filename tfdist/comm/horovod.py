@@ -351,16 +351,6 @@ def allgather(tensor, name: str | None = None):
     return restore(hvd().allgather(wire, name=_op_name(name, "allgather")))
 
 
-def wire_bytes(tensors, compression=None) -> int:
-    """Bytes one rank contributes to an all-reduce of ``tensors`` (static shapes).
-
-    This is the quantity `tfdist.comm.accounting.ByteCounter` counts: the payload after
-    compression, once per reduction.
-    """
-    policy = get_compression(compression)
-    return sum(policy.wire_bytes(t) for t in tensors)
-
-
 def barrier() -> None:
     """Blocks until every rank reaches it (a tiny all-reduce)."""
     import tensorflow as tf
