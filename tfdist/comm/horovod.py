@@ -349,10 +349,3 @@ def allgather(tensor, name: str | None = None):
     """Concatenates ``tensor`` from every rank along axis 0 (dims > 0 must agree)."""
     wire, restore = _to_wire(tensor, get_compression(None))
     return restore(hvd().allgather(wire, name=_op_name(name, "allgather")))
-
-
-def barrier() -> None:
-    """Blocks until every rank reaches it (a tiny all-reduce)."""
-    import tensorflow as tf
-
-    allreduce([tf.zeros([1])], op="sum", name="tfdist_barrier")
