@@ -621,3 +621,65 @@ def test_sharded_optimizer_state_shards_slots_and_updates_shard_by_shard():
                                        atol=1e-6, rtol=0, err_msg=got.path)
     assert _hooks.updates_shard_by_shard(keras.optimizers.AdamW())
     assert not _hooks.updates_shard_by_shard(keras.optimizers.Lamb())  # layer-wise norms
+
+
+def test_sharded_embedding_lookup_gathers_shard_by_shard():
+    """Keras' Embedding.call is still ops.take on the whole table (what the hook replaces
+    for sharded tables); the shard-by-shard lookup and its gradient equal Keras' own."""
+    import inspect
+
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    from keras.src.layers.core.embedding import Embedding
+
+    from tfdist import _hooks
+
+    _hooks.install_sharded_embedding_lookup()
+    _hooks.install_shard_aware_gradients()
+    original = Embedding.call._tfdist_original
+    assert "ops.take(self.embeddings, inputs, axis=0)" in inspect.getsource(original), (
+        "Keras' Embedding.call changed: review tfdist._hooks.install_sharded_embedding_lookup")
+    table = np.arange(40, dtype="float32").reshape(10, 4) / 7
+    ids = np.array([[0, 9, 3], [4, 4, 7]], dtype="int64")
+    for sizes, shard_by_shard in (([4, 3, 3], True), ([2, 8], False)):
+        layer = Embedding(10, 4)
+        layer.build((None, 3))
+        parts = np.split(table, np.cumsum(sizes)[:-1])
+        layer._embeddings._value = tf.__internal__.distribute.ShardedVariable(
+            [tf.Variable(p) for p in parts])
+        assert _hooks.div_partitioned(_hooks.sharded_parts(layer._embeddings)) == shard_by_shard
+        with tf.GradientTape() as tape:
+            out = layer(ids)
+            loss = tf.reduce_sum(out * out)
+        grad = tape.gradient(loss, layer._embeddings)
+        np.testing.assert_array_equal(out.numpy(), table[ids])
+        expected = np.zeros_like(table)
+        np.add.at(expected, ids.ravel(), 2 * table[ids].reshape(-1, 4))
+        np.testing.assert_allclose(tf.convert_to_tensor(grad).numpy(), expected, rtol=1e-6)
+        np.testing.assert_array_equal(tf.function(layer)(ids).numpy(), table[ids])
+    plain = Embedding(10, 4)
+    plain.build((None, 3))
+    plain._embeddings.assign(table)
+    np.testing.assert_array_equal(plain(ids).numpy(), table[ids])
+    assert isinstance(keras.layers.Embedding(2, 2), Embedding)
+
+
+def test_keras_variable_initialization_is_what_the_shaped_version_replays():
+    """tfdist passes shape= to the tf.Variable Keras creates (under a partitioner):
+    Keras' own creation must still be these calls."""
+    import inspect
+
+    from keras.src.backend.tensorflow.core import Variable
+
+    from tfdist import _hooks
+
+    _hooks.install_shard_sized_initialization()
+    original = Variable._initialize_with_initializer._tfdist_original
+    assert "self._initialize(lambda: initializer(self._shape, dtype=self._dtype))" in (
+        inspect.getsource(original)), "review tfdist._hooks.install_shard_sized_initialization"
+    source = inspect.getsource(Variable._initialize)
+    for piece in ("tf.Variable(", "dtype=self._dtype", "trainable=self.trainable",
+                  "name=self.name", "aggregation=self._map_aggregation(self.aggregation)",
+                  "synchronization=self._map_synchronization(self.synchronization)"):
+        assert piece in source, f"Keras' Variable._initialize no longer has {piece}"

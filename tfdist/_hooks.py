@@ -688,7 +688,81 @@ def install_shard_aware_gradients() -> None:
         tf.GradientTape.gradient = _shard_aware_gradient(tf.GradientTape.gradient)
 
 
-# Keras optimizers whose update_step is element-wise: one shard's update needs only that
+def div_partitioned(parts) -> bool:
+    """Whether shards split axis 0 as ``tf.nn.embedding_lookup`` expects ("div": the
+    first ``rows % n`` shards hold one row more), as TF's partitioners do."""
+    rows = sum(int(p.shape[0]) for p in parts)
+    base, extra = divmod(rows, len(parts))
+    return [int(p.shape[0]) for p in parts] == [base + (i < extra) for i in range(len(parts))]
+
+
+def install_sharded_embedding_lookup() -> None:
+    """Keras' ``Embedding`` looks ids up shard by shard when its table is sharded.
+    Idempotent.
+
+    Why: its ``call`` is ``ops.take(self.embeddings, ids)``, which reads a
+    `ShardedVariable` whole: every step each worker copies every shard and joins them
+    (3.6x the table per worker, benchmarks/sharded_embedding.md). TF's partitioned
+    ``tf.nn.embedding_lookup`` gathers each id on the ps that holds its row. Tables that
+    are not sharded, LoRA and quantized tables run Keras' own ``call``.
+    """
+    import tensorflow as tf
+    from keras.src.layers.core.embedding import Embedding
+
+    if getattr(Embedding.call, "_tfdist_shard_lookup", False):
+        return
+    original = Embedding.call
+
+    def call(self, inputs):
+        parts = None
+        if not self.lora_enabled and not getattr(self, "quantization_mode", None):
+            parts = sharded_parts(self._embeddings)
+        if not parts or not div_partitioned(parts):
+            return original(self, inputs)
+        ids = tf.convert_to_tensor(inputs)
+        if ids.dtype not in (tf.int32, tf.int64):
+            ids = tf.cast(ids, tf.int32)
+        return tf.cast(tf.nn.embedding_lookup(parts, ids), self.compute_dtype)
+
+    call._tfdist_shard_lookup = True
+    call._tfdist_original = original
+    Embedding.call = call
+
+
+def install_shard_sized_initialization() -> None:
+    """Under a strategy with a variable partitioner, Keras variables tell TF their shape.
+    Idempotent.
+
+    Why: Keras 3 creates ``tf.Variable(lambda: initializer(shape))`` without ``shape=``,
+    so TF's parameter-server strategy computes the whole initial value on the chief,
+    then ships a slice to each ps (5x the table on the chief for a 2-shard table,
+    benchmarks/sharded_embedding.md). Given the shape, TF runs the initializer inside
+    each shard's creation on its ps and keeps that shard's rows. Keras' random
+    initializers draw from a fixed seed, so the values equal the unsharded ones.
+    """
+    import tensorflow as tf
+    from keras.src.backend.tensorflow.core import Variable
+
+    if getattr(Variable._initialize_with_initializer, "_tfdist_shaped", False):
+        return
+    original = Variable._initialize_with_initializer
+
+    def _initialize_with_initializer(self, initializer):
+        strategy = tf.distribute.get_strategy()
+        if getattr(strategy.extended, "_variable_partitioner", None) is None:
+            return original(self, initializer)
+        self._value = tf.Variable(
+            lambda: initializer(self._shape, dtype=self._dtype), shape=self._shape,
+            dtype=self._dtype, trainable=self.trainable, name=self.name,
+            aggregation=self._map_aggregation(self.aggregation),
+            synchronization=self._map_synchronization(self.synchronization))
+
+    _initialize_with_initializer._tfdist_shaped = True
+    _initialize_with_initializer._tfdist_original = original
+    Variable._initialize_with_initializer = _initialize_with_initializer
+
+
+
 # shard of the variable, gradient and slots. Others (Lamb's norms, Muon, Adafactor's
 # factored moments) update a sharded variable as a whole.
 ELEMENTWISE_OPTIMIZERS = ("SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad",

@@ -417,6 +417,8 @@ class ParameterServerStrategy(_hooks.KerasHandoff, tf.distribute.ParameterServer
         # tape.gradient and optimizer slots for sharded variables, in fit and custom loops
         _hooks.install_shard_aware_gradients()
         _hooks.install_sharded_optimizer_state()
+        _hooks.install_sharded_embedding_lookup()
+        _hooks.install_shard_sized_initialization()
         self._coordinator = tf.distribute.coordinator.ClusterCoordinator(self)
         self._step_timeout = step_timeout
         self._exactly_once = exactly_once
