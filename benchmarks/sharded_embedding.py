@@ -49,7 +49,7 @@ def settings(quick: bool) -> dict:
                 "steps": 4, "baseline": False, "lookup_variant": False,
                 "memory_limit": False}
     return {"rows": 2_000_000, "dim": 64, "workers": 2, "batch": 256, "warmup": 3,
-            "steps": 20, "baseline": True, "lookup_variant": True, "memory_limit": True}
+            "steps": 20, "baseline": True, "lookup_variant": False, "memory_limit": True}
 
 
 # ---- inside every task --------------------------------------------------------------------
@@ -443,17 +443,19 @@ def notes(data: dict) -> list[str]:
         p = run["processes"][task]
         return (p[key] - p["baseline"]) / table
 
+    worker = max(p["net_over_table"] for n, p in two["processes"].items()
+                 if n.startswith("worker"))
     out = [
-        f"- **Creating the table** makes the chief's peak: {net(two, 'chief-0', 'after_table'):.2f}"
-        f" x table with 2 ps ({net(one, 'chief-0', 'after_table'):.2f} x with 1 ps), before "
-        "any step, and it never grows after. Keras 3 creates a variable as "
-        "`tf.Variable(lambda: initializer(shape))` without `shape=`, so TF's "
-        "`ParameterServerStrategy` calls the initializer once for the whole table and slices "
-        "the result per shard (TF's own warning: \"Large variable ... is partitioned but not "
-        "initialized in a memory-efficient way\"); with 2 ps that call runs on the chief "
-        "(a uniform draw, a scale and a shift of 2M x 64), and each slice is then sent to "
-        "its ps. With 1 ps (one unpartitioned variable) the initializer runs on ps-0 (see "
-        "the out-of-memory error below); why the chief still grows then was not traced.",
+        f"- **Creating the table**: the chief's net peak is "
+        f"{net(two, 'chief-0', 'after_table'):.2f} x table with 2 ps "
+        f"({net(one, 'chief-0', 'after_table'):.2f} x with 1 ps). Under a partitioner tfdist "
+        "passes `shape=` to the `tf.Variable` Keras creates, so TF runs the initializer "
+        "inside each shard's creation, on its ps, and keeps that shard's rows (Keras' "
+        "initializers draw from a fixed seed: the values equal an unsharded table's). The "
+        "price is on the ps: each computes the whole initial value once (a uniform draw, a "
+        f"scale and a shift of {data['settings']['rows']:,} x {data['settings']['dim']}): "
+        f"ps-0 is at {net(two, 'ps-0', 'after_table'):.2f} x table after creation with 2 ps. "
+        "A per-shard draw would avoid that but give other values than one device.",
         "- **Adam's slots** add nothing to any peak (the *slots built* column equals *table "
         "built*): they fit in memory freed after the table was created. They are sharded "
         "like the table (the shards table above).",
@@ -465,12 +467,14 @@ def notes(data: dict) -> list[str]:
         "dense (every row's moments decay every step): `m += (g - m)(1 - beta_1)`, "
         "`v += (g^2 - v)(1 - beta_2)`, `w -= alpha m / (sqrt(v) + eps)` each make "
         "shard-sized temporaries on the ps that owns the shard (`g - m` densifies the "
-        "sparse gradient), and with Keras' `Embedding` the ps also sends every worker a full copy "
-        "of its shard each step. The allocator keeps that memory (*RSS at end* equals the "
-        "peak).",
-        f"- **The workers** hold {two['processes']['worker-0']['net_over_table']:.2f} x table "
-        f"(2 ps) because Keras' `Embedding` gathers from the whole table: every step each "
-        "shard's value is copied to the worker and concatenated before the gather.",
+        "sparse gradient). The allocator keeps that memory (*RSS at end* equals the peak). "
+        "Meeting 0.55 x needs an update that does not densify (a lazy Adam, which is "
+        "another algorithm) or in-place kernels.",
+        f"- **The workers** hold at most {worker:.2f} x table (2 ps): with a sharded table "
+        "tfdist's `Embedding` looks ids up shard by shard (TF's partitioned "
+        "`embedding_lookup`), so only the batch's rows leave the ps. With 1 ps the table is "
+        "one variable and Keras' `Embedding` still reads it whole on each worker every step "
+        f"({max(p['net_over_table'] for n, p in one['processes'].items() if n.startswith('worker')):.2f} x table).",
     ]
     if look:
         worker = max(p["net_over_table"] for n, p in look["processes"].items()

@@ -696,15 +696,21 @@ def div_partitioned(parts) -> bool:
     return [int(p.shape[0]) for p in parts] == [base + (i < extra) for i in range(len(parts))]
 
 
+def _on_a_ps(variable):
+    """``[the TF variable]`` when it lives on a parameter server, else None."""
+    value = getattr(variable, "value", variable)
+    return [value] if "/job:ps/" in (getattr(value, "device", "") or "") else None
+
+
 def install_sharded_embedding_lookup() -> None:
-    """Keras' ``Embedding`` looks ids up shard by shard when its table is sharded.
-    Idempotent.
+    """Keras' ``Embedding`` looks ids up on the parameter servers when its table is
+    sharded or on a ps. Idempotent.
 
     Why: its ``call`` is ``ops.take(self.embeddings, ids)``, which reads a
     `ShardedVariable` whole: every step each worker copies every shard and joins them
-    (3.6x the table per worker, benchmarks/sharded_embedding.md). TF's partitioned
-    ``tf.nn.embedding_lookup`` gathers each id on the ps that holds its row. Tables that
-    are not sharded, LoRA and quantized tables run Keras' own ``call``.
+    (3.6x the table per worker, benchmarks/sharded_embedding.md); a table on one ps is
+    read whole too. TF's partitioned ``tf.nn.embedding_lookup`` gathers each id on the ps
+    that holds its row. Other tables, LoRA and quantized tables run Keras' own ``call``.
     """
     import tensorflow as tf
     from keras.src.layers.core.embedding import Embedding
@@ -716,7 +722,7 @@ def install_sharded_embedding_lookup() -> None:
     def call(self, inputs):
         parts = None
         if not self.lora_enabled and not getattr(self, "quantization_mode", None):
-            parts = sharded_parts(self._embeddings)
+            parts = sharded_parts(self._embeddings) or _on_a_ps(self._embeddings)
         if not parts or not div_partitioned(parts):
             return original(self, inputs)
         ids = tf.convert_to_tensor(inputs)
