@@ -93,6 +93,8 @@ def goal_rows(results: dict) -> tuple[list[list[str]], list[str]]:
     _overhead(goals["overhead"], analysis, data, results, rows, notes)
     _allreduce(goals["allreduce"], analysis, data, results, rows, notes)
     _slow_link(goals["slow_link"], analysis, data, results, rows, notes)
+    _engines(goals["engines-fit"], goals["engines-allreduce"], analysis, data, results, rows,
+             notes)
     _sharded_embedding(goals["sharded-embedding-ps"], goals["sharded-embedding-copy"],
                        analysis, data, results, rows, notes)
     return rows, notes
@@ -178,6 +180,28 @@ def _allreduce(goal_, analysis, data, results, rows, notes):
     if hvd_ratio is not None and not goal_.is_met(hvd_ratio):
         note += " " + analysis["allreduce-gloo"]
     notes.append(note)
+
+
+def _engines(fit_goal, allreduce_goal, analysis, data, results, rows, notes):
+    summary = (data.get("engines") or {}).get("summary") or {}
+    ratios = summary.get("ratios") or {}
+    fit = ratios.get('engine="horovod" / engine="tf"')
+    if fit is None:
+        rows.append(['engines: engine="horovod" step / engine="tf" step in fit',
+                     fit_goal.target, "not measured", _why_missing(results, "engines")])
+    else:
+        rows.append(['engines: engine="horovod" step / engine="tf" step in fit',
+                     fit_goal.target, f"{fit:.2f}", fit_goal.status(fit)])
+        if not fit_goal.is_met(fit):
+            notes.append(f"- Engines in fit {fit:.2f}. " + analysis["engines-fit"])
+    for label, value in (summary.get("allreduce_vs_two_streams") or {}).items():
+        if not label.startswith("engine="):
+            continue
+        rows.append([f"engines: 64 MB all-reduce, {label} / two streams",
+                     allreduce_goal.target, f"{value:.2f}x", allreduce_goal.status(value)])
+        if not allreduce_goal.is_met(value):
+            notes.append(f"- All-reduce 64 MB, {label}: {value:.2f}x the two-stream bound. "
+                         + analysis["engines-allreduce"])
 
 
 def _slow_link(goal_, analysis, data, results, rows, notes):
