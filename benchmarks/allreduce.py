@@ -88,22 +88,29 @@ def tf_ring_task(sizes, quick):
     options = tf.distribute.experimental.CommunicationOptions(
         implementation=tf.distribute.experimental.CommunicationImplementation.RING)
     strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
-    out = {}
-    for nbytes in sizes:
-        with tf.device("/cpu:0"):
-            tensor = tf.ones([nbytes // 4], tf.float32)
+    return {nbytes: strategy_allreduce_seconds(strategy, nbytes, quick) for nbytes in sizes}
 
-        @tf.function
-        def allreduce():
-            return strategy.run(
-                lambda: tf.distribute.get_replica_context().all_reduce("SUM", tensor))
 
-        def step():
-            return strategy.experimental_local_results(allreduce())[0][0].numpy()
+def strategy_allreduce_seconds(strategy, nbytes: int, quick: bool) -> float:
+    """Median seconds of a float32 SUM all-reduce of ``nbytes`` through ``strategy``'s
+    replica context, the way ``fit`` reduces gradients; checks the sum first."""
+    import tensorflow as tf
 
-        assert step() == strategy.num_replicas_in_sync
-        out[nbytes] = _median_times(step, repetitions(nbytes, quick))
-    return out
+    with tf.device("/cpu:0"):
+        tensor = tf.ones([nbytes // 4], tf.float32)
+
+    @tf.function
+    def reduce_sum():
+        return strategy.run(
+            lambda: tf.distribute.get_replica_context().all_reduce("SUM", tensor))
+
+    def step():
+        return strategy.experimental_local_results(reduce_sum())[0][0].numpy()
+
+    if step() != strategy.num_replicas_in_sync:
+        raise AssertionError(f"all-reduce gave {step()}, expected "
+                             f"{strategy.num_replicas_in_sync}")
+    return _median_times(step, repetitions(nbytes, quick))
 
 
 def _tcp_receiver(port: int, sizes, reps_list):

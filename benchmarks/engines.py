@@ -155,35 +155,12 @@ def fit_task(variant: str, width: int, warmup_steps: int, steps: int,
     if counted is not None:  # what the strategy all-reduced per step (gradients, metrics)
         result["bytes_per_step"] = (strategy.bytes_communicated - counted) / (steps + 1)
     if allreduce_bytes and strategy is not None:
-        result["allreduce_seconds"] = strategy_allreduce_seconds(strategy, allreduce_bytes,
-                                                                 quick)
+        result["allreduce_seconds"] = allreduce.strategy_allreduce_seconds(
+            strategy, allreduce_bytes, quick)
         if variant in HOROVOD_VARIANTS:  # Horovod's own op, no strategy in between
             times = allreduce.horovod_task([allreduce_bytes], quick)
             result["hvd_allreduce_seconds"] = times[allreduce_bytes]
     return result
-
-
-def strategy_allreduce_seconds(strategy, nbytes: int, quick: bool) -> float:
-    """Median seconds of a float32 SUM all-reduce of ``nbytes`` through ``strategy``'s
-    replica context: the engine as ``fit`` uses it (``allreduce.tf_ring_task``'s
-    measurement, with the strategy under test instead of a stock one)."""
-    import tensorflow as tf
-
-    with tf.device("/cpu:0"):
-        tensor = tf.ones([nbytes // 4], tf.float32)
-
-    @tf.function
-    def reduce_sum():
-        return strategy.run(
-            lambda: tf.distribute.get_replica_context().all_reduce("SUM", tensor))
-
-    def step():
-        return strategy.experimental_local_results(reduce_sum())[0][0].numpy()
-
-    if step() != strategy.num_replicas_in_sync:
-        raise AssertionError(f"all-reduce gave {step()}, expected "
-                             f"{strategy.num_replicas_in_sync}")
-    return allreduce._median_times(step, allreduce.repetitions(nbytes, quick))
 
 
 def run_variant(variant: str, cfg: dict, quick: bool, timeout: float) -> dict:
