@@ -6,7 +6,8 @@
   only is skipped by all of them (stock Keras decides per worker and hangs).
 - Keras' own ``BackupAndRestore``, ``ModelCheckpoint``, ``CSVLogger`` and ``TensorBoard``
   on several workers: the chief writes the real paths, the others temporary ones.
-- A global batch that does not split over the replicas fails before the first step.
+- A global batch that does not split over the replicas fails before the first step
+  (fit's training and validation data, evaluate).
 """
 
 import logging
@@ -166,8 +167,13 @@ def test_model_average_loss_scale_equals_its_inner_optimizer(logical_cpus):
 # ---- 4: a global batch that does not split -------------------------------------------------
 
 
-@pytest.mark.parametrize("source", ["arrays", "dataset", "validation"])
+UNEVEN_SOURCES = ("arrays", "dataset", "validation", "validation_dataset", "evaluate",
+                  "evaluate_dataset")
+
+
+@pytest.mark.parametrize("source", UNEVEN_SOURCES)
 def test_uneven_global_batch_fails_before_the_first_step(logical_cpus, source):
+    import keras
     import tensorflow as tf
 
     import tfdist
@@ -176,22 +182,37 @@ def test_uneven_global_batch_fails_before_the_first_step(logical_cpus, source):
     x, y = classification_data(n=64)
     with strategy.scope():
         model = _compile(mlp())
-    kwargs = {"epochs": 1, "verbose": 0}
-    if source == "arrays":
-        kwargs.update(x=x, y=y, batch_size=15)
-    elif source == "dataset":
-        kwargs.update(x=tf.data.Dataset.from_tensor_slices((x, y)).batch(15))
-    else:
-        kwargs.update(x=x, y=y, batch_size=16, validation_data=(x, y),
-                      validation_batch_size=7)
-    name = "validation_batch_size=7" if source == "validation" else "batch_size=15"
+    steps = []
+
+    class Steps(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            steps.append(("train", batch))
+
+        def on_test_batch_begin(self, batch, logs=None):
+            steps.append(("test", batch))
+
+    kwargs = {"verbose": 0, "callbacks": [Steps()]}
+    by_15 = tf.data.Dataset.from_tensor_slices((x, y)).batch(15)
+    calls = {
+        "arrays": lambda: model.fit(x, y, batch_size=15, **kwargs),
+        "dataset": lambda: model.fit(by_15, **kwargs),
+        "validation": lambda: model.fit(x, y, batch_size=16, validation_data=(x, y),
+                                        validation_batch_size=7, **kwargs),
+        "validation_dataset": lambda: model.fit(x, y, batch_size=16, validation_data=by_15,
+                                                **kwargs),
+        "evaluate": lambda: model.evaluate(x, y, batch_size=15, **kwargs),
+        "evaluate_dataset": lambda: model.evaluate(by_15, **kwargs)}
+    name = {"validation": "validation_batch_size=7",
+            "validation_dataset": "validation_batch_size=15"}.get(source, "batch_size=15")
     with pytest.raises(ValueError, match=f"Received: {name} for 2 replicas"):
-        model.fit(**kwargs)
+        calls[source]()
+    assert steps == []  # not one training or evaluation step ran
     assert int(model.optimizer.iterations.numpy()) == 0
     # A partial last batch is fine (as in TF): 70 = 4 x 16 + 6.
     x, y = classification_data(n=70)
-    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    model.fit(x, y, batch_size=16, validation_data=(x, y), verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 5
+    model.evaluate(tf.data.Dataset.from_tensor_slices((x, y)).batch(16), verbose=0)
 
 
 def test_batch_size_of_a_dataset():

@@ -115,6 +115,13 @@ class KerasHandoff:
         """Keras' gradient all-reduce in replica context; ``reduce`` is Keras' own."""
         return reduce(grads_and_vars)
 
+    def keras_check_call(self, model, method, arguments):
+        """Raises to refuse ``fit``/``evaluate``/``predict`` before anything runs.
+
+        ``arguments``: the call's bound arguments. Not called for a `keras_fit_driver`.
+        """
+        del model, method, arguments
+
     def keras_fit_context(self, model, arguments):
         """The context manager ``fit`` runs in (``arguments``: fit's bound arguments)."""
         del model, arguments
@@ -211,9 +218,12 @@ def _model_method(name, when, original):
         if handoff.keras_fit_driver and name in FIT_DRIVER_METHODS:
             driver = importlib.import_module(handoff.keras_fit_driver)
             return getattr(driver, name)(self, *args, **kwargs)
-        context = (handoff.keras_fit_context(self, _bound_arguments(original, (self, *args),
-                                                                    kwargs))
-                   if name == "fit" else contextlib.nullcontext())
+        arguments = None
+        if name in FIT_DRIVER_METHODS:
+            arguments = _bound_arguments(original, (self, *args), kwargs)
+            handoff.keras_check_call(self, name, arguments)
+        context = (handoff.keras_fit_context(self, arguments) if name == "fit"
+                   else contextlib.nullcontext())
         with context:
             handoff.keras_model_event(self, name, "before")
             if name in SAVE_METHODS and handoff.keras_safe_saves:
