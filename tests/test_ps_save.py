@@ -6,7 +6,8 @@ restarts it and the chief resumes from its BackupAndRestore backup. The restarte
 also trains the same model uninterrupted (with Keras' own BackupAndRestore and
 ModelCheckpoint), and saves the resumed model every way Keras and TF can. Then a plain
 process (no strategy, no TF_CONFIG) loads those files, and a job with one ps restores
-the 2-ps backups and checkpoint (resharding), side by side.
+the 2-ps backups and checkpoint (resharding), side by side. Last, the chief checks that
+its saves are atomic and refuse NaN (a save failing midway, a NaN in one shard).
 """
 
 import os
@@ -139,6 +140,48 @@ def _two_ps_task(work_dir):
     _zero(model)
     checkpoint.read(paths["ckpt"]).assert_consumed()
     out["checkpoint"] = _state(model)
+    out["safety"] = _save_safely(model, os.path.join(work_dir, "safety"))
+    return out
+
+
+def _save_safely(model, directory):
+    """Saves that fail midway, then saves of NaN weights; the first files must stay."""
+    import keras
+
+    os.makedirs(directory)
+    paths = [os.path.join(directory, name) for name in ("m.keras", "m.weights.h5")]
+    saves = (model.save, model.save_weights)
+    for save, path in zip(saves, paths):
+        save(path)
+    out = {"pid": os.getpid(), "good": [np.asarray(w) for w in model.get_weights()],
+           "mid_save": [], "failed": [], "refused": []}
+    for v in model.weights:  # written in place, a save failing midway would keep these
+        v.assign(np.asarray(v) + 1.0)
+
+    def fail(layer, store):  # the Embedding is written before the Dense layer
+        out["mid_save"].append(sorted(os.listdir(directory)))
+        raise OSError("disk full")
+
+    original = keras.layers.Dense.save_own_variables
+    keras.layers.Dense.save_own_variables = fail
+    try:
+        for save, path in zip(saves, paths):
+            try:
+                save(path)
+            except OSError as error:
+                out["failed"].append(str(error))
+    finally:
+        keras.layers.Dense.save_own_variables = original
+    embeddings = model.layers[0].embeddings
+    broken = np.asarray(embeddings)
+    broken[-1, 0] = np.nan  # the last row: in the last shard
+    embeddings.assign(broken)
+    for save, path in zip(saves, paths):
+        try:
+            save(path)
+        except FloatingPointError as error:
+            out["refused"].append(str(error))
+    out["listing"] = sorted(os.listdir(directory))
     return out
 
 
@@ -196,6 +239,12 @@ def _plain_task(work_dir):
     model = _model(seed=7)
     model.load_weights(os.path.join(paths["checkpoints"], f"w-{EPOCHS}.weights.h5"))
     out["w-4.weights.h5"] = _state(model)
+    safety = os.path.join(work_dir, "safety")
+    out["safety/m.keras"] = keras.models.load_model(
+        os.path.join(safety, "m.keras")).get_weights()
+    model = _model(seed=7)
+    model.load_weights(os.path.join(safety, "m.weights.h5"))
+    out["safety/m.weights.h5"] = model.get_weights()
     with open(os.path.join(work_dir, "plain.pkl"), "wb") as f:
         pickle.dump(out, f)
 
@@ -257,3 +306,17 @@ def test_sharded_model_saves_resumes_after_a_ps_kill_loads_plain_and_reshards(tm
         _assert_same(one[name], expected, f"{name} restored with 1 ps")
     _assert_same(one["checkpoint"], resumed, "tf.train.Checkpoint restored with 1 ps")
 
+    # Saves under the ps strategy are atomic and never hold NaN: a save failing midway
+    # wrote a temporary sibling, and neither it nor a refused NaN save (NaN in the
+    # second shard) touched the first files.
+    safety = two["safety"]
+    assert safety["failed"] == ["disk full"] * 2
+    assert safety["mid_save"] == [[f".tmp-{safety['pid']}-{name}", "m.keras", "m.weights.h5"]
+                                  for name in ("m.keras", "m.weights.h5")]
+    assert len(safety["refused"]) == 2, safety["refused"]
+    for message in safety["refused"]:
+        assert "hold NaN or infinity" in message and "embeddings" in message, message
+        assert "The previous file is kept" in message
+    assert safety["listing"] == ["m.keras", "m.weights.h5"]
+    for name in ("safety/m.keras", "safety/m.weights.h5"):
+        assert_weights_close(loaded[name], safety["good"], atol=0)

@@ -283,12 +283,25 @@ SAVE_METHODS = ("save", "save_weights")
 
 
 def non_finite_weights(model) -> list[str]:
-    """Paths of the model's floating weights holding NaN or infinity."""
-    import numpy as np
-    from keras import ops
+    """Paths of the model's floating weights holding NaN or infinity.
 
+    Each variable, and each shard of a sharded one, is checked where it lives (on its
+    ps): only one boolean per variable or shard comes to this process, not the values.
+    """
     return [v.path for v in model.weights
-            if "float" in str(v.dtype) and not np.isfinite(ops.convert_to_numpy(v)).all()]
+            if "float" in str(v.dtype) and not _is_finite(v)]
+
+
+def _is_finite(variable) -> bool:
+    """Whether a Keras variable (sharded or not) holds only finite values."""
+    import tensorflow as tf
+
+    for part in sharded_parts(variable) or [getattr(variable, "value", variable)]:
+        with tf.device(getattr(part, "device", None) or ""):
+            finite = tf.reduce_all(tf.math.is_finite(part))
+        if not bool(finite):
+            return False
+    return True
 
 
 def _save_safely(original, model, args, kwargs):
@@ -297,7 +310,9 @@ def _save_safely(original, model, args, kwargs):
     A task killed mid-save leaves the previous file whole (Keras writes in place), and
     weights with NaN or infinity are refused before anything is written, so no
     checkpoint or backup holds a state that cannot train on. Calls Keras as it is for
-    file objects, ``overwrite=False`` and sharded weights.
+    file objects, ``overwrite=False`` and weight files split by ``max_shard_size``.
+    Variables sharded by a partitioner (parameter servers) save like any other: Keras
+    reads each whole (`tfdist._sharded_io`), and `non_finite_weights` checks each shard.
     """
     import os
 

@@ -343,7 +343,9 @@ class ParameterServerStrategy(_hooks.KerasHandoff, tf.distribute.ParameterServer
         variable_partitioner: A `tf.distribute.experimental.partitioners.Partitioner`
             to shard large variables across the ps tasks, or None. Sharded models
             save and restore like others (Keras files hold full tables; a
-            `tf.train.Checkpoint` restores into any number of shards).
+            `tf.train.Checkpoint` restores into any number of shards). As under every
+            tfdist strategy, ``model.save``/``save_weights`` (so Keras' checkpoint
+            callbacks too) write atomically and refuse weights with NaN or infinity.
         steps_per_dispatch: Steps scheduled between two fetches of the logs (callbacks
             see one ``on_train_batch_end`` per dispatch). Default: the model's
             ``steps_per_execution`` if above 1, else ``4 * workers`` in async mode and 1
@@ -375,6 +377,7 @@ class ParameterServerStrategy(_hooks.KerasHandoff, tf.distribute.ParameterServer
     # The Keras hand-off (tfdist._hooks.KerasHandoff).
     keras_fit_driver = FIT_DRIVER
     keras_atomic_updates = True  # asynchronous steps update ps variables at once
+    keras_safe_saves = True  # atomic saves that refuse NaN/inf weights, sharded or not
 
     def __init__(self, cluster_resolver=None, mode="async", variable_partitioner=None, *,
                  steps_per_dispatch=None, chief_poll_seconds=1.0, startup_timeout=60.0,
