@@ -9,6 +9,7 @@ slots must come back from the backup too (with SGD the weights alone would do).
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -51,7 +52,7 @@ name = "none"
 }
 
 
-def _train(config, out, kill=None):
+def _train(config, out, kill=None, sets=()):
     env = dict(os.environ)
     env.pop("TFDIST_TEST_KILL_AFTER_EPOCH", None)
     if kill:
@@ -59,6 +60,8 @@ def _train(config, out, kill=None):
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     command = [sys.executable, "-m", "tfdist.cli", "train", str(config),
                "--set", f'train.output_dir="{out}"']
+    for item in sets:
+        command += ["--set", item]
     return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env=env)
 
@@ -103,7 +106,7 @@ def test_launched_job_killed_after_epoch_2_resumes_to_the_same_weights(tmp_path,
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(400)
 def test_in_process_run_killed_resumes_when_run_again(tmp_path):
     config = tmp_path / "none.toml"
     config.write_text(CONFIGS["none"])
@@ -111,6 +114,16 @@ def test_in_process_run_killed_resumes_when_run_again(tmp_path):
     killed = _train(config, out, kill="2")
     assert killed.returncode == -9, (killed.stdout + killed.stderr)[-3000:]
     assert (out / "backup").is_dir() and not (out / "report.json").exists()
+    # A copy of that output_dir, run for 2 epochs: its backup already holds them all.
+    done = tmp_path / "done"
+    shutil.copytree(out, done)
+    complete = _train(config, done, sets=["train.epochs=2"])
+    assert complete.returncode == 0, (complete.stdout + complete.stderr)[-3000:]
+    assert (f"tfdist train: the backup in {done / 'backup'} already holds all 2 epochs; "
+            "nothing to train") in complete.stdout, complete.stdout[-3000:]
+    assert "Epoch " not in complete.stdout  # fit ran no epoch
+    report = json.loads((done / "report.json").read_text())
+    assert report["resumed_from_epoch"] == 2 and report["epochs"] == 2
     again = _train(config, out)
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     assert f"resuming at epoch 3 from the backup in {out / 'backup'}" in again.stdout
