@@ -181,3 +181,39 @@ def test_manifests_pass_the_kubernetes_schemas():
             checked.append(document["kind"])
     assert {"ConfigMap", "PersistentVolumeClaim", "NetworkPolicy",
             "TFJob Worker pod"} <= set(checked), checked
+
+
+# A timed collective leaves a sleeping thread behind: with collective_timeout = 120 a
+# worker started about 175 threads a second (7,900 after 45 s; issue 14). Shipped configs
+# must be safe for long runs, so none of them times its collectives.
+TIMED_COLLECTIVES = ("collective_timeout", "timeout_seconds")
+
+
+def _timed_collectives(path):
+    """The timed-collective keys a config file sets: in its text with comments removed
+    (a TOML key, a ``--set`` in a command, a ConfigMap's copy), and in the config it
+    loads to when it is TOML."""
+    code = "\n".join(line.split("#", 1)[0] for line in path.read_text().splitlines())
+    found = {key for key in TIMED_COLLECTIVES if key in code}
+    if path.suffix == ".toml":
+        options = load_config(path)["strategy"]["options"]
+        found |= {key for key in TIMED_COLLECTIVES if options.get(key) is not None}
+    return found
+
+
+def test_no_shipped_config_times_its_collectives(tmp_path):
+    shipped = sorted(p for p in (ROOT / "configs").rglob("*") if p.is_file())
+    assert {"multi_worker.toml", "tfjob.yaml", "multi_worker.sbatch"} <= \
+        {p.name for p in shipped}
+    for path in shipped:
+        assert not _timed_collectives(path), f"{path.relative_to(ROOT)} sets " \
+            f"{sorted(_timed_collectives(path))}: a long run's threads grow without bound"
+    # The check finds the key where a config would set it (not in a comment).
+    bad = tmp_path / "bad.toml"
+    bad.write_text('# collective_timeout in a comment is fine\n[strategy]\n'
+                   'name = "multi_worker"\noptions = { collective_timeout = 120 }\n')
+    assert _timed_collectives(bad) == {"collective_timeout"}
+    command = tmp_path / "job.yaml"
+    command.write_text('command: ["tfdist", "train", "c.toml", "--set", '
+                       '"strategy.options.collective_timeout=120"]  # no\n')
+    assert _timed_collectives(command) == {"collective_timeout"}
