@@ -98,14 +98,17 @@ def test_slurm_script_is_valid_and_its_environment_resolves():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(330)
 def test_compare_writes_one_table_and_one_plot(tmp_path):
+    """The two configs as shipped (5 epochs of the digits each): mirrored.toml's CNN
+    beats default.toml's MLP, so a newcomer comparing them does not conclude that
+    mirrored training is broken (measured 0.9805 against 0.9582)."""
     command = [sys.executable, "-m", "tfdist.cli", "compare", "configs/default.toml",
                "configs/mirrored.toml", "--output", str(tmp_path)]
-    for item in ["train.epochs=1", "data.limit=256", "train.global_batch_size=32"]:
-        command += ["--set", item]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     summary = json.loads((tmp_path / "compare.json").read_text())
     assert [s["name"] for s in summary] == ["default", "mirrored"]
+    default, mirrored = (s["final"]["val_accuracy"] for s in summary)
+    assert mirrored > default, (mirrored, default)
     table = (tmp_path / "compare.md").read_text()
     assert "val_accuracy" in table and "bytes communicated" in table
     assert (tmp_path / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
