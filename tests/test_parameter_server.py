@@ -19,6 +19,8 @@ import pytest
 from helpers import (assert_weights_close, regression_data, run_cluster,
                      serve_ps_from_a_child)
 
+from benchmarks.ps_exactly_once import crash_task  # noqa: E402  (helpers puts it on the path)
+
 pytestmark = pytest.mark.timeout(200)
 
 
@@ -524,106 +526,8 @@ def test_ps_killed_gives_clear_error_and_restart_resumes(tmp_path):
 
 # ---- workers that die under `tfdist launch`: restarted alone, every step applied once -----
 
-ONCE_PERIOD = 10  # worker-1 crashes after every 10th step it applied
+ONCE_PERIOD = 10  # worker-1 crashes after every 10th step it ran
 ONCE_CRASHES = 2
-ONCE_STEPS = 40   # steps per fit call
-
-
-def _write(work_dir, name, text):
-    path = os.path.join(work_dir, name)
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
-
-
-def _counting_model(seen, by_worker):
-    """y = x @ w + b trained on loss = mean(y): with x = 1 and SGD(1.0) every applied
-    update lowers each weight by exactly 1, so ``-b`` counts the updates applied.
-
-    The label is the id of the worker whose input the batch came from. After applying a
-    step, worker-1 calls ``Abort`` (SIGABRT of its own process) every `ONCE_PERIOD`
-    steps, `ONCE_CRASHES` times: its step is applied, but its result never reaches the
-    chief, which runs the step again.
-    """
-    import keras
-    import tensorflow as tf
-
-    class Counting(keras.Model):
-        def train_step(self, data):
-            logs = super().train_step(data)
-            tag = tf.cast(data[1][0, 0], tf.int64)
-            by_worker.scatter_add(tf.IndexedSlices(tf.ones([1], tf.int64), tf.reshape(tag, [1])))
-            n = seen.assign_add(tf.cast(tf.equal(tag, 1), tf.int64))
-            crash = tf.equal(tag, 1) & tf.equal(n % ONCE_PERIOD, 0) & \
-                (n <= ONCE_PERIOD * ONCE_CRASHES)
-
-            def abort():
-                message = "test: worker-1 crashes after applying a step"
-                with tf.control_dependencies([tf.raw_ops.Abort(error_msg=message)]):
-                    return tf.constant(0, tf.int64)
-
-            # Control dependencies, or tf.function prunes the cond (Abort is not stateful).
-            done = tf.cond(crash, abort, lambda: tf.constant(0, tf.int64))
-            with tf.control_dependencies([done]):
-                seen.assign_add(0)
-            return logs
-
-    keras.utils.set_random_seed(1)
-    inputs = keras.Input((2,))
-    outputs = keras.layers.Dense(1, kernel_initializer="zeros")(inputs)
-    model = Counting(inputs, outputs)
-    model.compile(keras.optimizers.SGD(1.0), loss=lambda y, p: tf.reduce_mean(p))
-    return model
-
-
-def _exactly_once_task(work_dir, mode):
-    import time
-
-    import keras
-    import tensorflow as tf
-
-    import tfdist
-
-    me = os.environ["TFDIST_TASK"]
-    _write(work_dir, f"{me}.pid", str(os.getpid()))
-    strategy = tfdist.ParameterServerStrategy(mode=mode, startup_timeout=60)
-    with strategy.scope():
-        seen = tf.Variable(0, dtype=tf.int64)  # steps worker-1 applied
-        by_worker = tf.Variable(tf.zeros([2], tf.int64))  # steps per input's worker
-        model = _counting_model(seen, by_worker)
-
-    def dataset_fn(context):
-        tag = float(context.input_pipeline_id)
-        return tf.data.Dataset.from_tensors(
-            (tf.ones([4, 2]), tf.fill([4, 1], tag))).repeat()
-
-    class KillWorker0(keras.callbacks.Callback):
-        """SIGKILLs worker-0's own process in the middle of a fit."""
-        killed_after = None
-
-        def on_train_batch_end(self, batch, logs=None):
-            if KillWorker0.killed_after is None:
-                KillWorker0.killed_after = int(by_worker[0].numpy())
-                with open(os.path.join(work_dir, "worker-0.pid")) as f:
-                    os.kill(int(f.read()), signal.SIGKILL)
-
-    requested, fits = 0, 0
-    deadline = time.monotonic() + 150
-    while time.monotonic() < deadline:
-        callbacks = [KillWorker0()] if fits == 1 else []
-        model.fit(dataset_fn, epochs=1, steps_per_epoch=ONCE_STEPS, verbose=0,
-                  callbacks=callbacks)
-        requested, fits = requested + ONCE_STEPS, fits + 1
-        back0 = KillWorker0.killed_after is not None and \
-            by_worker[0].numpy() > KillWorker0.killed_after + ONCE_STEPS
-        back1 = seen.numpy() > ONCE_PERIOD * ONCE_CRASHES  # after its last restart
-        if back0 and back1:
-            break
-    return {"requested": requested, "fits": fits,
-            "iterations": int(model.optimizer.iterations.numpy()),
-            "applied": -float(model.layers[-1].bias.numpy()[0]),
-            "kernel": model.layers[-1].kernel.numpy().ravel().tolist(),
-            "seen": int(seen.numpy()), "by_worker": by_worker.numpy().tolist()}
 
 
 @pytest.mark.multiprocess
@@ -631,8 +535,10 @@ def _exactly_once_task(work_dir, mode):
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_killed_and_crashed_workers_restart_alone_and_every_step_applies_once(
         tmp_path, capfd, mode):
-    chief = run_cluster(_exactly_once_task, str(tmp_path), mode, workers=2, chief=True, ps=1,
-                        max_restarts=ONCE_CRASHES + 1, timeout=280, stream=None)[0]
+    # The counting job of benchmarks.ps_exactly_once (its docstring says how it counts).
+    chief = run_cluster(crash_task, str(tmp_path), mode, ONCE_PERIOD, ONCE_CRASHES,
+                        workers=2, chief=True, ps=1, max_restarts=ONCE_CRASHES + 1,
+                        timeout=280, stream=None)[0]
     log = capfd.readouterr().err
     # The launcher restarted each worker alone, at its address; the job went on.
     assert log.count("worker-1 exited with code -6; restarting worker-1 alone") == \
@@ -640,11 +546,11 @@ def test_killed_and_crashed_workers_restart_alone_and_every_step_applies_once(
     assert "worker-0 exited with code -9; restarting worker-0 alone" in log, log
     assert "restart 3/3" in log and "restart 4/" not in log, log
     # TF's coordinator took both back: each ran steps after its (last) restart.
-    assert chief["seen"] > ONCE_PERIOD * ONCE_CRASHES, chief
+    assert chief["seen"] > ONCE_PERIOD * ONCE_CRASHES, str(chief)  # str: shown whole
     # Exactly once: every requested step updated the weights once, and only once.
-    assert chief["iterations"] == chief["requested"], chief
-    assert chief["applied"] == chief["requested"], chief
-    assert chief["kernel"] == [-chief["requested"]] * 2, chief
+    assert chief["iterations"] == chief["requested"], str(chief)
+    assert chief["applied"] == chief["requested"], str(chief)
+    assert chief["kernel"] == [-chief["requested"]] * 2, str(chief)
     # Data is not exactly once: a step run again reads another batch.
     batches_per_step = 1 if mode == "async" else 2
     assert sum(chief["by_worker"]) >= batches_per_step * chief["requested"] + ONCE_CRASHES

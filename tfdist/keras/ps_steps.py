@@ -65,6 +65,8 @@ class _Ledger:
             self.ids = tf.Variable(tf.zeros([LEDGER_SIZE], tf.int64), trainable=False,
                                    name="tfdist_applied_steps")
         self.device = self.ids.device
+        # With one ps every update is on the ledger's ps (see `_once`).
+        self.alone = len(strategy.cluster.ps) == 1
 
 
 def _once(ledger, step_id, tensors, apply):
@@ -72,34 +74,49 @@ def _once(ledger, step_id, tensors, apply):
     (just ``apply(tensors)`` if ``ledger`` is None: ``exactly_once=False``).
 
     While tracing a step. All of ``tensors`` (the gradients) are first moved to the
-    ledger's ps together (one ``IdentityN``), then the check, ``apply`` and the ledger
-    write run there, in that order, with nothing left to come from the worker: a worker
-    that dies before every gradient has arrived applies nothing, one that dies after
-    cannot stop the update. The rerun of a step then applies it only if it was not.
+    ledger's ps together (one ``IdentityN``). Then one function call checks the ledger,
+    runs ``apply`` and writes the ledger, in that order. A worker that dies before every
+    gradient has arrived applies nothing.
+
+    The call is not inlined: inlined, the update's ops are scheduled one by one by the
+    step's own executor on the ps, which stops scheduling when another of its ops fails,
+    such as one waiting for the dead worker (seen: ``iterations`` and the kernel updated,
+    the bias not, then all three again by the rerun). A call runs its whole body once it
+    has started. With one ps the call runs there, out of the worker's reach. With
+    several, a ps cannot see the others' devices, so the worker makes the call: each
+    ps's part of the update is then whole, but a worker that dies in the middle may
+    leave it done on some ps and not yet on others (docs/parameter_server.md).
     """
     if ledger is None:
         return apply(tensors)
     flat = tf.nest.flatten(tensors, expand_composites=True)
     present = [i for i, t in enumerate(flat) if t is not None]
-    with tf.device(ledger.device):
-        moved = tf.identity_n([flat[i] for i in present]) if present else []
-        for i, t in zip(present, moved):
-            flat[i] = t
-        tensors = tf.nest.pack_sequence_as(tensors, flat, expand_composites=True)
-        slot = step_id % LEDGER_SIZE
-        with tf.control_dependencies(moved):
+
+    # Not inlined: see above (the attribute is tf.function's own, `_noinline`).
+    @tf.function(autograph=False, experimental_attributes={"_noinline": True})
+    def check_apply_record(step_id, *moved):
+        with tf.device(ledger.device):  # arguments have no device: Keras' reduce needs one
+            for i, t in zip(present, tf.identity_n(list(moved)) if moved else []):
+                flat[i] = t
+            slot = step_id % LEDGER_SIZE
             todo = tf.not_equal(tf.gather(ledger.ids, slot), step_id)
 
-        def run():
-            graph = tf.compat.v1.get_default_graph()
-            first = len(graph.get_operations())
-            apply(tensors)
-            with tf.control_dependencies(graph.get_operations()[first:]):
-                ledger.ids.scatter_update(tf.IndexedSlices(
-                    tf.reshape(step_id, [1]), tf.reshape(slot, [1])))
-                return tf.constant(True)
+            def run():
+                graph = tf.compat.v1.get_default_graph()
+                first = len(graph.get_operations())
+                apply(tf.nest.pack_sequence_as(tensors, flat, expand_composites=True))
+                with tf.control_dependencies(graph.get_operations()[first:]):
+                    ledger.ids.scatter_update(tf.IndexedSlices(
+                        tf.reshape(step_id, [1]), tf.reshape(slot, [1])))
+                    return tf.constant(True)
 
-        return tf.cond(todo, run, lambda: tf.constant(False))
+            return tf.cond(todo, run, lambda: tf.constant(False))
+
+    with tf.device(ledger.device):
+        moved = tf.identity_n([flat[i] for i in present]) if present else []
+        step_id = tf.identity(step_id)
+    with tf.device(ledger.device) if ledger.alone else contextlib.nullcontext():
+        return check_apply_record(step_id, *moved)
 
 
 @contextlib.contextmanager
