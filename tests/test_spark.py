@@ -2,8 +2,8 @@
 
 One SparkSession serves the module. Each check runs 2 workers and compares them with
 the same references as ``tfdist launch``: tfdist.MultiWorkerMirroredStrategy with the
-single-process run (twice in the same session), and ModelAverageStrategy(period=4) with
-local SGD in numpy. A task that raises, is SIGKILLed, or whose Python worker is
+single-process run (twice in the same session, and once with ``engine="horovod"``), and
+ModelAverageStrategy(period=4) with local SGD in numpy. A task that raises, is SIGKILLed, or whose Python worker is
 SIGKILLed fails the run naming it, and leaves no process behind.
 """
 
@@ -70,6 +70,20 @@ def test_model_average_period_4_matches_numpy(spark):
     import tfdist
 
     check_model_average(tfdist.spark.run(_worker_fit, 4, "linear", workers=2, timeout=240))
+
+
+@pytest.mark.horovod
+@pytest.mark.timeout(400)
+def test_horovod_engine(spark):
+    """MultiWorkerMirroredStrategy(engine="horovod") brings Gloo up from the TF_CONFIG of
+    a barrier stage: equal to one process, and ModelAverageStrategy to numpy."""
+    import tfdist
+    from helpers import require_horovod
+
+    require_horovod()
+    from test_engines import _check, engine_task
+
+    _check(tfdist.spark.run(engine_task, 0, False, workers=2, timeout=280), full=False)
 
 
 @pytest.mark.timeout(300)
