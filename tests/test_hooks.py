@@ -6,6 +6,8 @@ would otherwise fall back to a different behaviour silently.
 
 import inspect
 
+import pytest
+
 
 def test_mirrored_reads_collective_key_base():
     from tensorflow.python.distribute import mirrored_strategy
@@ -569,13 +571,19 @@ def test_sharded_optimizer_state_keras_internals():
         assert callable(getattr(keras.optimizers, name).update_step), name
 
 
-def test_sharded_optimizer_state_shards_slots_and_updates_shard_by_shard():
+@pytest.mark.parametrize("block_rows", [None, 2])
+def test_sharded_optimizer_state_shards_slots_and_updates_shard_by_shard(
+        monkeypatch, block_rows):
+    """Slots sharded like their variable, one update per shard (or per block of rows of
+    a shard, as for a large shard: ``block_rows``), equal to the unsharded update."""
     import keras
     import numpy as np
     import tensorflow as tf
 
     from tfdist import _hooks
 
+    if block_rows:
+        monkeypatch.setattr(_hooks, "UPDATE_BLOCK_BYTES", block_rows * 3 * 4)  # 3 float32
     _hooks.install_shard_aware_gradients()
     _hooks.install_sharded_optimizer_state()
     table = np.random.default_rng(0).normal(size=(7, 3)).astype("float32")
@@ -613,7 +621,9 @@ def test_sharded_optimizer_state_shards_slots_and_updates_shard_by_shard():
                 loss = tf.reduce_sum(tf.gather(tf.convert_to_tensor(plain), ids) ** 2)
                 loss += float(step) * tf.reduce_sum(tf.convert_to_tensor(plain))
             plain_opt.apply(tape.gradient(loss, [plain]), [plain])
-        assert seen == [(4, 3), (3, 3)], seen  # traced once, one update per shard
+        # Traced once: one update per shard, or per block of rows of each shard.
+        assert seen == ([(2, 3), (2, 3), (2, 3), (1, 3)] if block_rows else
+                        [(4, 3), (3, 3)]), seen
         np.testing.assert_allclose(tf.convert_to_tensor(sharded.value), plain.numpy(),
                                    atol=1e-6, rtol=0)
         for got, want in zip(sharded_opt.variables, plain_opt.variables):
@@ -663,6 +673,39 @@ def test_sharded_embedding_lookup_gathers_shard_by_shard():
     plain._embeddings.assign(table)
     np.testing.assert_array_equal(plain(ids).numpy(), table[ids])
     assert isinstance(keras.layers.Embedding(2, 2), Embedding)
+
+
+def test_initial_rows_of_a_shard_are_the_whole_draws_rows():
+    """A shard's initial value drawn alone equals the same rows of the whole draw, bit
+    for bit (TF's Philox counter, 4 float32 per step); other initializers say None."""
+    import inspect
+
+    import keras
+    import numpy as np
+    from tensorflow.python.distribute import parameter_server_strategy_v2 as ps_v2
+
+    from tfdist import _hooks
+
+    assert "partition_shape=partition_shape, partition_offset=partition_offset" in \
+        inspect.getsource(ps_v2.ParameterServerStrategyV2Extended._create_variable), \
+        "TF no longer passes each shard's rows to the initial value: review initial_rows"
+    shape = (1001, 6)
+    init = keras.initializers
+    for initializer in (init.RandomUniform(-0.05, 0.05), init.get("uniform"),
+                        init.GlorotUniform(), init.HeUniform(seed=3), init.RandomNormal(0.1, 2.),
+                        init.VarianceScaling(2.0, "fan_avg", "untruncated_normal"),
+                        init.Zeros(), init.Constant(3.0)):
+        whole = np.asarray(initializer(shape, dtype="float32"))
+        for start, rows in ((0, 334), (334, 334), (668, 333), (2, 5)):
+            part = _hooks.initial_rows(initializer, shape, "float32", (rows, 6), (start, 0))
+            np.testing.assert_array_equal(np.asarray(part), whole[start:start + rows],
+                                          err_msg=type(initializer).__name__)
+    for initializer in (init.TruncatedNormal(), init.Orthogonal(), init.GlorotNormal(),
+                        init.RandomUniform(seed=keras.random.SeedGenerator(1))):
+        assert _hooks.initial_rows(initializer, shape, "float32", (5, 6), (4, 0)) is None
+    assert _hooks.initial_rows(init.RandomUniform(), (9, 1), "float32", (4, 1), (5, 0)) \
+        is None  # row 5 starts inside a counter step
+    assert _hooks.initial_rows(init.RandomUniform(), shape, "float64", (5, 6), (4, 0)) is None
 
 
 def test_keras_variable_initialization_is_what_the_shaped_version_replays():

@@ -191,12 +191,16 @@ def _sharded_task():
 
 def _sync_fit_task(steps, batch):
     """Sync mode: each step sums one gradient per worker in sharded sums on the ps tasks,
-    then applies them once, shard by shard; equals one device on the summed batch."""
+    then applies them once, shard by shard, in blocks of 16 rows (as a large table's
+    shards are); equals one device on the summed batch."""
     import keras
     import tensorflow as tf
 
     import tfdist
+    from tfdist import _hooks
     from tfdist.keras import ps_steps
+
+    _hooks.UPDATE_BLOCK_BYTES = 16 * DIM * 4  # the chief traces the update
 
     partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
         min_shard_bytes=256, max_shards=2)

@@ -768,8 +768,10 @@ def install_shard_sized_initialization() -> None:
     so TF's parameter-server strategy computes the whole initial value on the chief,
     then ships a slice to each ps (5x the table on the chief for a 2-shard table,
     benchmarks/sharded_embedding.md). Given the shape, TF runs the initializer inside
-    each shard's creation on its ps and keeps that shard's rows. Keras' random
-    initializers draw from a fixed seed, so the values equal the unsharded ones.
+    each shard's creation on its ps, passing the shard's ``partition_shape`` and
+    ``partition_offset``; `initial_rows` then draws that shard's rows only, and other
+    initializers compute the whole value, of which TF keeps the shard's rows. Either
+    way the values equal the unsharded ones.
     """
     import tensorflow as tf
     from keras.src.backend.tensorflow.core import Variable
@@ -782,10 +784,20 @@ def install_shard_sized_initialization() -> None:
         strategy = tf.distribute.get_strategy()
         if getattr(strategy.extended, "_variable_partitioner", None) is None:
             return original(self, initializer)
+        shape, dtype = self._shape, self._dtype
+
+        def initial_value(partition_shape=None, partition_offset=None):
+            # TF's protocol: called once per shard with these; a full value is sliced.
+            if partition_shape is not None:
+                rows = initial_rows(initializer, shape, dtype, partition_shape,
+                                    partition_offset)
+                if rows is not None:
+                    return rows
+            return initializer(shape, dtype=dtype)
+
         self._value = tf.Variable(
-            lambda: initializer(self._shape, dtype=self._dtype), shape=self._shape,
-            dtype=self._dtype, trainable=self.trainable, name=self.name,
-            aggregation=self._map_aggregation(self.aggregation),
+            initial_value, shape=shape, dtype=dtype, trainable=self.trainable,
+            name=self.name, aggregation=self._map_aggregation(self.aggregation),
             synchronization=self._map_synchronization(self.synchronization))
 
     _initialize_with_initializer._tfdist_shaped = True
@@ -793,7 +805,84 @@ def install_shard_sized_initialization() -> None:
     Variable._initialize_with_initializer = _initialize_with_initializer
 
 
+# float32 values of a Philox uniform or normal draw per counter step (TF's CPU kernels).
+_FLOAT32_PER_PHILOX_STEP = 4
 
+
+def _draws_elementwise(initializer) -> bool:
+    """Whether ``initializer`` is one stateless uniform or normal draw of its shape,
+    scaled and shifted (Keras' RandomUniform, RandomNormal, and VarianceScaling with a
+    uniform or untruncated normal draw: Glorot/He/LeCun uniform), with an int seed."""
+    import keras
+
+    init = keras.initializers
+    kind = type(initializer)
+    if not isinstance(getattr(initializer, "seed", None), int):
+        return False  # a SeedGenerator draws anew on each call
+    if kind in (init.RandomUniform, init.RandomNormal):
+        return True
+    return isinstance(initializer, init.VarianceScaling) and \
+        kind.__call__ is init.VarianceScaling.__call__ and \
+        initializer.distribution in ("uniform", "untruncated_normal")
+
+
+def initial_rows(initializer, shape, dtype, partition_shape, partition_offset):
+    """The rows of ``initializer(shape, dtype)`` that one shard holds, computed alone;
+    None where that is not known to be possible (the caller computes the whole value).
+
+    Keras' constant initializers are called at the shard's shape. A random draw of
+    Keras (`_draws_elementwise`) calls ``tf.random.stateless_uniform``/``_normal`` on
+    the whole shape: while it runs those draw the shard's rows only, from TF's own
+    key and counter advanced past the rows before (Philox makes 4 float32 values per
+    counter step), then scale and shift them as TF does. The values are the whole
+    draw's rows, bit for bit (tests/test_hooks.py checks it against the whole draw).
+    """
+    import numpy as np
+    import keras
+    import tensorflow as tf
+
+    init = keras.initializers
+    rows_shape = [int(d) for d in partition_shape]
+    if type(initializer) in (init.Zeros, init.Ones, init.Constant):
+        return initializer(tuple(rows_shape), dtype=dtype)
+    whole = tuple(int(d) for d in shape)
+    skip, rest = divmod(int(partition_offset[0]) * int(np.prod(whole[1:])),
+                        _FLOAT32_PER_PHILOX_STEP)
+    if rest or tf.as_dtype(dtype) != tf.float32 or not _draws_elementwise(initializer):
+        return None
+
+    def rows_of(raw_op, scale_and_shift):
+        def draw(shape, seed, *args, **kwargs):
+            if tuple(int(d) for d in shape) != whole:
+                raise ValueError(f"a draw of shape {shape}, not the variable's {whole}")
+            key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
+            low = counter[0] + tf.constant(skip, tf.uint64)  # a 128-bit counter: carry
+            counter = tf.stack([low, counter[1] + tf.cast(low < counter[0], tf.uint64)])
+            values = raw_op(shape=rows_shape, key=key, counter=counter, alg=1,  # Philox
+                            dtype=tf.float32)
+            return scale_and_shift(values, *args, **kwargs)
+        return draw
+
+    def uniform(values, minval=0, maxval=None, dtype=None, name=None, alg=None):
+        low = tf.convert_to_tensor(minval, tf.float32)
+        high = tf.convert_to_tensor(1 if maxval is None else maxval, tf.float32)
+        return tf.add(values * (high - low), low)
+
+    def normal(values, mean=0.0, stddev=1.0, dtype=None, name=None, alg=None):
+        return tf.add(values * tf.convert_to_tensor(stddev, tf.float32),
+                      tf.convert_to_tensor(mean, tf.float32))
+
+    saved = tf.random.stateless_uniform, tf.random.stateless_normal
+    tf.random.stateless_uniform = rows_of(tf.raw_ops.StatelessRandomUniformV2, uniform)
+    tf.random.stateless_normal = rows_of(tf.raw_ops.StatelessRandomNormalV2, normal)
+    try:
+        value = initializer(whole, dtype=dtype)
+    finally:
+        tf.random.stateless_uniform, tf.random.stateless_normal = saved
+    return value if list(value.shape) == rows_shape else None
+
+
+# Elementwise Keras optimizers: one update_step per shard of a sharded variable, on that
 # shard of the variable, gradient and slots. Others (Lamb's norms, Muon, Adafactor's
 # factored moments) update a sharded variable as a whole.
 ELEMENTWISE_OPTIMIZERS = ("SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad",
@@ -827,6 +916,88 @@ def _shard_gradient(grad, offset, part):
     return tf.IndexedSlices(tf.boolean_mask(grad.values, mine),
                             tf.boolean_mask(indices, mine) - offset,
                             tf.constant(part.shape.as_list(), tf.int64))
+
+
+# A shard's update runs on blocks of at most this many bytes of rows, one block after
+# the other: Keras' dense updates (Adam's moments decay on every row) would otherwise
+# make several shard-sized temporaries on the ps.
+UPDATE_BLOCK_BYTES = 8 << 20
+_row_block_ids = itertools.count()
+
+
+class _RowBlock:
+    """Rows ``start:start + rows`` of a variable, as a Keras optimizer uses a variable:
+    read with a gather and written with scatters, so no op touches the other rows."""
+
+    def __init__(self, source, start, rows):
+        import tensorflow as tf
+
+        self.source, self.start, self.rows = source, start, rows
+        self.shape = tf.TensorShape([rows]).concatenate(source.shape[1:])
+        self.dtype, self.device = source.dtype, source.device
+        self.name = f"{source.name}/rows_{start}"
+        self._unique_id = f"tfdist_rows_{next(_row_block_ids)}"  # Keras' _var_key
+
+    def _indices(self):
+        import tensorflow as tf
+
+        return tf.range(self.start, self.start + self.rows, dtype=tf.int64)
+
+    def __tf_tensor__(self, dtype=None, name=None):
+        import tensorflow as tf
+
+        value = self.source.sparse_read(self._indices())
+        return value if dtype is None else tf.cast(value, dtype)
+
+    def _slices(self, value):
+        import tensorflow as tf
+
+        if isinstance(value, tf.IndexedSlices):
+            return tf.IndexedSlices(value.values,
+                                    tf.cast(value.indices, tf.int64) + self.start)
+        return tf.IndexedSlices(tf.convert_to_tensor(value, self.dtype), self._indices())
+
+    def assign(self, value):
+        return self.source.scatter_update(self._slices(value))
+
+    def assign_add(self, value):
+        return self.source.scatter_add(self._slices(value))
+
+    def assign_sub(self, value):
+        return self.source.scatter_sub(self._slices(value))
+
+    scatter_update, scatter_add, scatter_sub = assign, assign_add, assign_sub
+
+
+def _update_in_row_blocks(optimizer, variable, shard, grad, learning_rate):
+    """``optimizer.update_step(grad, shard)`` (inside `_shard_view`), on blocks of
+    `UPDATE_BLOCK_BYTES` of rows when the shard is larger.
+
+    Elementwise, so each row's result is the one the whole shard's update gives, bit
+    for bit. Each block reads and writes the same variables, so TF runs the blocks in
+    order and one block's temporaries are freed before the next.
+    """
+    import numpy as np
+
+    row_bytes = shard.dtype.size * int(np.prod(shard.shape[1:]))
+    per_block = max(1, UPDATE_BLOCK_BYTES // max(1, row_bytes))
+    rows = int(shard.shape[0])
+    if rows <= per_block:
+        return optimizer.update_step(grad, shard, learning_rate)
+    slots = sharded_slots(optimizer, variable)
+    shard_slots = [slot._value for slot in slots]
+    indices = optimizer._trainable_variables_indices
+    for start in range(0, rows, per_block):
+        block = _RowBlock(shard, start, min(per_block, rows - start))
+        indices[block._unique_id] = optimizer._get_variable_index(variable)
+        for slot, value in zip(slots, shard_slots):
+            slot._value = _RowBlock(value, start, block.rows)
+        try:
+            optimizer.update_step(_shard_gradient(grad, start, block), block, learning_rate)
+        finally:
+            for slot, value in zip(slots, shard_slots):
+                slot._value = value
+            del indices[block._unique_id]
 
 
 @_contextlib.contextmanager
@@ -924,7 +1095,7 @@ def install_sharded_optimizer_state() -> None:
             for index, part in enumerate(sharded_parts(var)):
                 def update_shard(shard, grad, learning_rate, var=var, index=index):
                     with _shard_view(self, var, index, shard):
-                        return self.update_step(grad, shard, learning_rate)
+                        _update_in_row_blocks(self, var, shard, grad, learning_rate)
 
                 distribution.extended.update(
                     part, update_shard, args=(_shard_gradient(grad, offset, part),
