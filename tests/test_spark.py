@@ -2,8 +2,8 @@
 
 One SparkSession serves the module. Each check runs 2 workers and compares them with
 the same references as ``tfdist launch``: tfdist.MultiWorkerMirroredStrategy with the
-single-process run (twice in the same session, and once with ``engine="horovod"``), and
-ModelAverageStrategy(period=4) with local SGD in numpy. A task that raises, is SIGKILLed, or whose Python worker is
+single-process run (twice in the same session: engine "auto", then TF's own), and
+``engine="horovod"``, and ModelAverageStrategy(period=4) with local SGD in numpy. A task that raises, is SIGKILLed, or whose Python worker is
 SIGKILLed fails the run naming it, and leaves no process behind.
 """
 
@@ -59,7 +59,10 @@ def test_multi_worker_mirrored_equals_reference_twice_in_one_session(spark, refe
 
     first = tfdist.spark.run(mwms_job, workers=2, timeout=240)
     check_mwms(first, reference)
-    second = tfdist.spark.run(mwms_job, workers=2, spark=spark, timeout=240)
+    # engine="auto" picks Horovod where it is installed (make test): the second run
+    # takes TF's own collectives, so both engines run inside a barrier stage.
+    second = tfdist.spark.run(mwms_job, workers=2, spark=spark, timeout=240,
+                              env={"TFDIST_ENGINE": "tf"})
     check_mwms(second, reference)
     # each run's function ran in fresh processes
     assert not {r["pid"] for r in first} & {r["pid"] for r in second}
