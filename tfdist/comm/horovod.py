@@ -28,6 +28,8 @@ _WIRE_FOR = {"uint32": "int64", "uint16": "int32", "int16": "int32", "bfloat16":
 
 _hvd = None
 _op_count = itertools.count()
+# Task name -> TF_CONFIG address of every other task of a job `init_from_cluster` started.
+_peers: dict[str, str] = {}
 
 
 def _op_name(name: str | None, kind: str) -> str:
@@ -75,6 +77,10 @@ def init_from_cluster(cluster, timeout_seconds: float = 60.0,
     then all call ``hvd.init()``. Does nothing when Horovod's variables are already set
     (``horovodrun``) or Horovod is initialized.
 
+    While the process runs, every task answers liveness probes at its TF_CONFIG
+    address (rank 0 with the rendezvous, the others with `_serve_liveness`): see
+    `peer_addresses`.
+
     Gloo's timeout (``HOROVOD_GLOO_TIMEOUT_SECONDS``, unless set) is ``peer_timeout``:
     Horovod's background thread negotiates with every rank all the time, so a frozen
     or dead rank stops the others after that long, like TF's heartbeat.
@@ -111,8 +117,12 @@ def init_from_cluster(cluster, timeout_seconds: float = 60.0,
         server = _serve_rendezvous(leader_host, leader_port, plan)
         _wait_for_hellos(server, names, timeout_seconds)
     else:
+        _serve_liveness(*_split(getattr(cluster, cluster.task.type)[cluster.task.index]))
         _wait_for_port(leader_host, leader_port, timeout_seconds, training[0].name)
         _say_hello(leader_host, leader_port, slot.rank)
+    _peers.clear()
+    _peers.update({t.name: getattr(cluster, t.type)[t.index] for t in training
+                   if t != cluster.task})
     os.environ.update({
         "HOROVOD_RANK": str(slot.rank), "HOROVOD_SIZE": str(slot.size),
         "HOROVOD_LOCAL_RANK": str(slot.local_rank), "HOROVOD_LOCAL_SIZE": str(slot.local_size),
@@ -122,8 +132,16 @@ def init_from_cluster(cluster, timeout_seconds: float = 60.0,
         "HOROVOD_GLOO_RENDEZVOUS_ADDR": leader_host,
         "HOROVOD_GLOO_RENDEZVOUS_PORT": str(leader_port)})
     gloo_timeout = timeout_seconds if peer_timeout is None else peer_timeout
-    os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(int(max(gloo_timeout, 1))))
+    os.environ.setdefault(GLOO_TIMEOUT_ENV, gloo_timeout_value(gloo_timeout))
     hvd()
+
+
+GLOO_TIMEOUT_ENV = "HOROVOD_GLOO_TIMEOUT_SECONDS"
+
+
+def gloo_timeout_value(seconds: float) -> str:
+    """``GLOO_TIMEOUT_ENV``'s value that `init_from_cluster` sets for ``seconds``."""
+    return str(int(max(seconds, 1)))
 
 
 def _task_of(slot, hosts: list[str]) -> int:
@@ -173,7 +191,7 @@ def _split(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-_rendezvous_servers = []  # kept alive for the life of the process
+_rendezvous_servers = []  # rendezvous and liveness servers, kept for the life of the process
 
 
 def _serve_rendezvous(host: str, port: int, plan) -> None:
@@ -188,6 +206,56 @@ def _serve_rendezvous(host: str, port: int, plan) -> None:
                      daemon=True).start()
     _rendezvous_servers.append(server)
     return server
+
+
+def _serve_liveness(host: str, port: int):
+    """Answers every HTTP request at ``host:port`` (this task's own TF_CONFIG address,
+    unused under this engine), from a thread, so that peers can tell a live task from a
+    frozen or dead one (`peer_addresses`).
+
+    Returns:
+        The server, or None (with a warning logged) if the port is taken.
+    """
+    import http.server
+    import logging
+    import threading
+
+    class Alive(http.server.BaseHTTPRequestHandler):
+        timeout = 10  # seconds a client may take to send its request
+
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, format, *args):  # noqa: A002 - http.server's signature
+            pass
+
+    try:
+        server = http.server.ThreadingHTTPServer((host, port), Alive)
+    except OSError as error:
+        logging.getLogger("tfdist").warning(
+            "engine='horovod': cannot answer liveness probes at %s:%d (%s); if this task "
+            "freezes, its peers cannot name it.", host, port, error)
+        return None
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="tfdist-horovod-liveness",
+                     daemon=True).start()
+    _rendezvous_servers.append(server)
+    return server
+
+
+def peer_addresses() -> dict[str, str]:
+    """Where each other task of this job answers liveness probes: ``{name: "host:port"}``.
+
+    Each task answers any HTTP request (an HTTP/2 preface too: an HTTP/1 error comes
+    back) at its TF_CONFIG address while its process runs: rank 0 with Gloo's
+    rendezvous server, every other rank with `_serve_liveness`. Both are threads of the
+    task's process, so a frozen (SIGSTOPped) task stays silent, although its kernel
+    still accepts the connection, and a dead task refuses it. Empty unless
+    `init_from_cluster` started Horovod (under ``horovodrun`` nothing answers).
+    """
+    return dict(_peers)
 
 
 def _wait_for_port(host: str, port: int, timeout_seconds: float, owner: str) -> None:
