@@ -72,14 +72,30 @@ def engine_task(logical_cpus=0, full=True):
         accumulate = tfdist.MultiWorkerMirroredStrategy(engine="horovod", accumulate_steps=2)
         out["accumulate"] = _fit_mlp(accumulate, batch=GLOBAL_BATCH // 2)
         out["average1"] = _fit_mlp(tfdist.ModelAverageStrategy(period=1, engine="horovod"))
+    out["peers_answer"] = _peers_answer()
     if strategy.is_chief:
         out["reference"] = _fit_mlp(None)
     return out
 
 
+def _peers_answer():
+    """{peer: whether it answers the liveness probe} (rank 0: Gloo's rendezvous; others:
+    their liveness server), as a frozen peer's survivor probes them. Ends with a
+    barrier, so that no task exits while another probes it."""
+    from tfdist.comm import horovod as comm
+    from tfdist.strategies.parameter_server import is_responsive
+
+    answers = {name: is_responsive(address, 30) for name, address in
+               comm.peer_addresses().items()}
+    comm.allreduce([1.0], name="tfdist.test.probed")
+    return answers
+
+
 def _check(results, full=True, replicas=2):
     chief, other = results
     assert chief["chief"] and not other["chief"]
+    assert chief["peers_answer"] == {"worker-1": True}, chief["peers_answer"]
+    assert other["peers_answer"] == {"worker-0": True}, other["peers_answer"]
     assert chief["engine"] == "horovod" and chief["replicas"] == replicas
     reference = chief["reference"]
     assert_weights_close(chief["sync"], other["sync"], atol=0)
@@ -184,7 +200,8 @@ def test_auto_picks_the_measured_engine(monkeypatch, caplog):
 
 
 def peer_fault_task(result_dir, fault):
-    """worker-1 freezes (SIGSTOP) or dies (SIGKILL) after 3 steps of fit (engine="auto")."""
+    """worker-0 (rank 0, the rendezvous host) freezes (SIGSTOP), or worker-1 dies
+    (SIGKILL), after 3 steps of fit (engine="auto")."""
     import signal
 
     import keras
@@ -192,14 +209,18 @@ def peer_fault_task(result_dir, fault):
     import tfdist
 
     me = os.environ["TFDIST_TASK"]
+    victim = "worker-0" if fault == "stop" else "worker-1"
     with open(os.path.join(result_dir, f"{me}.pid"), "w") as f:
         f.write(str(os.getpid()))
+    if fault == "kill" and me != victim:
+        # The launcher SIGTERMs the survivor when the victim dies: let it write its error.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     strategy = tfdist.MultiWorkerMirroredStrategy(heartbeat_timeout=5)
     assert strategy.engine == "horovod", strategy.engine
 
     class Fault(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            if me == "worker-1" and batch == 2:
+            if me == victim and batch == 2:
                 os.kill(os.getpid(), signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
 
     x, y = classification_data(n=64)
@@ -221,22 +242,87 @@ def peer_fault_task(result_dir, fault):
 def test_horovod_engine_frozen_or_killed_peer_ends_the_job(horovod_installed, tmp_path,
                                                            fault):
     """The default engine on CPU: a frozen peer stops the survivor after heartbeat_timeout
-    (Gloo's timeout); a killed one at once. Either way the launcher fails the job."""
+    (Gloo's timeout), a killed one at once; the survivor's error names it, and the
+    launcher fails the job. The frozen one is worker-0 (issue 14: "a frozen worker-0
+    should be named"), whose rendezvous server is what the survivor probes."""
     import tfdist
     from helpers import RESULT_DIR_MARK, assert_no_leftover_processes
 
     try:
         with pytest.raises(tfdist.LaunchError) as info:
+            # kill: the survivor ignores SIGTERM and exits by itself once it has failed.
             run_cluster(peer_fault_task, str(tmp_path), fault, timeout=120, stream=None,
-                        grace_period=1, env={RESULT_DIR_MARK: str(tmp_path)})
+                        grace_period=1 if fault == "stop" else 60,
+                        env={RESULT_DIR_MARK: str(tmp_path)})
     finally:
         assert_no_leftover_processes(tmp_path)
     if fault == "kill":
         assert info.value.task == "worker-1" and info.value.returncode == -9, info.value
-    else:
-        assert info.value.task == "worker-0", info.value
         error = (tmp_path / "worker-0.error").read_text()
-        assert "Horovod has been shut down" in error, error
+        assert error.startswith(
+            "UnknownError: worker-0: worker-1 is not running (nothing listens at "
+            "127.0.0.1:"), error
+        assert "): killed or exited. Horovod said: Horovod has been shut down." in error, error
+    else:
+        assert info.value.task == "worker-1", info.value
+        error = (tmp_path / "worker-1.error").read_text()
+        assert error.startswith(
+            "UnknownError: worker-1: worker-0 did not answer Horovod within "
+            "heartbeat_timeout=5s, nor a liveness probe within 2s: it is frozen (e.g. "
+            "SIGSTOP), overloaded or unreachable. Horovod said: Horovod has been shut "
+            "down."), error
+
+
+def test_horovod_peer_error_names_silent_and_dead_peers(monkeypatch):
+    """In one process: of three peers, the one whose port accepts but never answers is
+    named as frozen, the one whose port is closed as not running, the live one not at
+    all; an error that is not Horovod's, or with every peer answering, is unchanged."""
+    import socket
+
+    import tensorflow as tf
+
+    import tfdist
+    from tfdist.comm import horovod as comm
+    from tfdist.launch import find_free_ports
+    from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
+
+    alive = comm._serve_liveness("127.0.0.1", find_free_ports(1)[0])
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()  # the kernel accepts connections; nobody answers (as under SIGSTOP)
+    closed = find_free_ports(1)[0]
+    peers = {"worker-1": f"127.0.0.1:{alive.server_address[1]}",
+             "worker-2": f"127.0.0.1:{silent.getsockname()[1]}",
+             "worker-3": f"127.0.0.1:{closed}"}
+    strategy = object.__new__(MultiWorkerMirroredStrategy)
+    strategy.engine, strategy.heartbeat_timeout, strategy.collective_timeout = (
+        "horovod", 5.0, 3.0)
+    strategy.cluster = tfdist.ClusterSpec.from_dict(
+        {"cluster": {"worker": ["127.0.0.1:1"] + list(peers.values())},
+         "task": {"type": "worker", "index": 0}})
+    monkeypatch.delenv(comm.GLOO_TIMEOUT_ENV, raising=False)
+    shut_down = tf.errors.UnknownError(None, None, (
+        "Graph execution error:\n\n  File \"x.py\", line 1, in f\n\nHorovod has been "
+        "shut down. This was caused by an exception on one of the ranks.\n\t [[{{node "
+        "tfdist.allreduce.14_0}}]] [Op:__inference_step_580]"))
+    try:
+        monkeypatch.setattr(comm, "_peers", peers)
+        error = strategy._peer_error(shut_down)
+        assert type(error) is tf.errors.UnknownError
+        assert error.message == (
+            "worker-0: worker-2 did not answer Horovod within collective_timeout=3s, nor a "
+            "liveness probe within 2s: it is frozen (e.g. SIGSTOP), overloaded or "
+            f"unreachable; worker-3 is not running (nothing listens at 127.0.0.1:{closed}): "
+            "killed or exited. Horovod said: Horovod has been shut down. This was caused "
+            "by an exception on one of the ranks."), error.message
+        other = tf.errors.UnknownError(None, None, "something else")
+        assert strategy._peer_error(other) is other
+        monkeypatch.setattr(comm, "_peers", {"worker-1": peers["worker-1"]})
+        assert strategy._peer_error(shut_down) is shut_down
+    finally:
+        alive.shutdown()
+        alive.server_close()
+        silent.close()
 
 
 def missing_peer_task(result_dir):

@@ -50,6 +50,11 @@ DEFAULT_COLLECTIVE_TIMEOUT = None
 # Seconds without a heartbeat before the coordination service declares a task dead.
 DEFAULT_HEARTBEAT_TIMEOUT = 10.0
 
+# Seconds a peer has to answer a liveness probe after Horovod stopped (engine="horovod").
+PROBE_TIMEOUT = 2.0
+# In Horovod's errors when a peer froze or died; the line with the first one is quoted.
+_HOROVOD_FAILURES = ("Horovod has been shut down", "Gloo", "gloo")
+
 # What tf.compat.v1.random.get_seed(op_seed) reports as the global seed when none was set.
 _DEFAULT_GRAPH_SEED = 87654321
 
@@ -106,7 +111,9 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
         heartbeat_timeout: Seconds without a heartbeat before the coordination
             service declares a task dead and fails the others. With
             ``engine="horovod"``: Gloo's timeout (or ``collective_timeout`` when
-            smaller), after which a frozen or dead peer stops the others.
+            smaller), after which a frozen or dead peer stops the others; in ``fit``
+            their error names the task(s) that then miss a liveness probe
+            (`PROBE_TIMEOUT`) or are not running.
         compression: Shortcut for ``communication_options.compression``.
         accumulate_steps: Shortcut for ``communication_options.accumulate_steps``.
         engine: ``"tf"`` (TF collectives: the gRPC ring on CPU, NCCL on GPU),
@@ -309,7 +316,7 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
 
     @contextlib.contextmanager
     def keras_fit_context(self, model, arguments):
-        """Keras ``fit`` runs in this: an unanswered heartbeat names the frozen leader."""
+        """Keras ``fit`` runs in this: a peer that stopped answering is named."""
         with super().keras_fit_context(model, arguments):
             try:
                 yield
@@ -317,12 +324,15 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
                 raise self._peer_error(error) from error
 
     def _peer_error(self, error):
-        """``error``, or the same error type naming the leader if its heartbeats stopped.
+        """``error``, or the same error type naming the peer(s) that stopped answering.
 
-        Every task sends heartbeats to the coordination service on the leader (the
-        chief, else worker-0). When the leader is frozen, the others only see
-        "Deadline Exceeded, RPC: .../CoordinationService/Heartbeat".
+        ``engine="tf"``: every task sends heartbeats to the coordination service on the
+        leader (the chief, else worker-0). When the leader is frozen, the others only
+        see "Deadline Exceeded, RPC: .../CoordinationService/Heartbeat".
+        ``engine="horovod"``: see `_horovod_peer_error`.
         """
+        if getattr(self, "engine", "tf") == "horovod":
+            return self._horovod_peer_error(error)
         leader = _coordination_leader(self.cluster)
         if leader is None or leader == self.task_name or (
                 "CoordinationService/Heartbeat" not in (error.message or "")):
@@ -333,6 +343,52 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
             f"heartbeats within heartbeat_timeout={self.heartbeat_timeout:g}s: it is frozen "
             f"(e.g. SIGSTOP), overloaded or unreachable. TensorFlow said: "
             f"{_summary(error.message)}")
+
+    def _horovod_peer_error(self, error):
+        """``error``, or the same error type naming the tasks that stopped answering.
+
+        When a peer freezes or dies, Horovod says only "Horovod has been shut down"
+        (after Gloo's timeout, or at once). Then every other task is probed where it
+        answers while it runs (`tfdist.comm.horovod.peer_addresses`), all at once, for
+        at most `PROBE_TIMEOUT` seconds each (connect, then answer): silent ones are
+        named as frozen, refused ones as not running. Unchanged if all answer.
+        """
+        from tfdist.comm import horovod as comm
+
+        message = error.message or ""
+        peers = comm.peer_addresses()
+        if not peers or not any(m in message for m in _HOROVOD_FAILURES):
+            return error
+        timeout_text, seconds = self._horovod_timeout()
+        probe_timeout = min(PROBE_TIMEOUT, seconds)
+        silent, gone = _probe(peers, probe_timeout)
+        if not silent and not gone:
+            return error
+        what = []
+        if silent:
+            what.append(f"{_tasks(silent)} did not answer Horovod within {timeout_text}, nor "
+                        f"a liveness probe within {probe_timeout:g}s: "
+                        f"{'it is' if len(silent) == 1 else 'they are'} frozen (e.g. "
+                        "SIGSTOP), overloaded or unreachable")
+        if gone:
+            addresses = ", ".join(peers[name] for name in gone)
+            what.append(f"{_tasks(gone)} {'is' if len(gone) == 1 else 'are'} not running "
+                        f"(nothing listens at {addresses}): killed or exited")
+        said = next((line.strip() for line in message.splitlines()
+                     if _HOROVOD_FAILURES[0] in line), _summary(message))
+        return type(error)(error.node_def, error.op,
+                           f"{self.task_name}: {'; '.join(what)}. Horovod said: {said}")
+
+    def _horovod_timeout(self) -> tuple[str, float]:
+        """Gloo's timeout as set, e.g. ``("heartbeat_timeout=5s", 5.0)``."""
+        from tfdist.comm import horovod as comm
+
+        ours = min(self.heartbeat_timeout, self.collective_timeout or math.inf)
+        name = "heartbeat_timeout" if ours == self.heartbeat_timeout else "collective_timeout"
+        seconds = os.environ.get(comm.GLOO_TIMEOUT_ENV)
+        if seconds is not None and seconds != comm.gloo_timeout_value(ours):
+            return f"{comm.GLOO_TIMEOUT_ENV}={seconds}", float(seconds)
+        return f"{name}={ours:g}s", ours
 
     # ---- conveniences --------------------------------------------------------------------
 
@@ -370,6 +426,27 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
         from tfdist.comm import horovod as comm
 
         return comm.size()
+
+
+def _tasks(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else "task(s) " + ", ".join(names)
+
+
+def _probe(peers: dict[str, str], timeout: float) -> tuple[list[str], list[str]]:
+    """``(silent, not running)`` task names of ``peers`` (``{name: address}``), probed at
+    once with the parameter-server strategy's probe (an HTTP/2 preface: any server
+    that runs answers, and the servers of `tfdist.comm.horovod` do)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tfdist.strategies.parameter_server import is_responsive
+
+    with ThreadPoolExecutor(max_workers=min(len(peers), 64),
+                            thread_name_prefix="tfdist-probe") as pool:
+        answers = list(pool.map(lambda address: is_responsive(address, timeout),
+                                peers.values()))
+    silent = [name for name, answer in zip(peers, answers) if answer is False]
+    gone = [name for name, answer in zip(peers, answers) if answer is None]
+    return silent, gone
 
 
 def _rank(value):
