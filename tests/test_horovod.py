@@ -214,6 +214,22 @@ def test_missing_horovod_error_says_how_to_install(monkeypatch):
     assert not comm.is_available()
 
 
+def test_horovod_strategy_in_a_tf_config_job_is_refused(monkeypatch):
+    """Without horovodrun, each task of a TF_CONFIG job would train alone (as inside
+    tfdist.spark.run or tfdist.ray.run): refused, naming the engine to use instead."""
+    import json
+
+    import tfdist
+
+    monkeypatch.delenv("HOROVOD_RANK", raising=False)
+    monkeypatch.setenv("TF_CONFIG", json.dumps({
+        "cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
+        "task": {"type": "worker", "index": 1}}))
+    with pytest.raises(ValueError, match=r"TF_CONFIG names 2 training tasks: each would "
+                                         r"train alone.*engine='horovod'"):
+        tfdist.HorovodStrategy()
+
+
 def test_allreduce_rejects_unknown_op():
     with pytest.raises(ValueError, match="Received: op='max'"):
         comm.allreduce([], op="max")

@@ -22,6 +22,7 @@ import re
 import tensorflow as tf
 
 from tfdist import _hooks
+from tfdist.cluster import ClusterSpec
 from tfdist.comm import horovod as comm
 from tfdist.comm.options import merge_options
 from tfdist.strategies._fit import models_differ
@@ -253,6 +254,20 @@ def rank_devices(devices=None) -> list[str]:
     return [gpus[comm.local_rank() % len(gpus)].name] if gpus else default_devices()
 
 
+def _refuse_a_tf_config_job(environ) -> None:
+    """Raises if TF_CONFIG names several training tasks: without horovodrun each would
+    train alone, silently (e.g. under `tfdist.spark.run` or `tfdist.ray.run`)."""
+    if not environ.get("TF_CONFIG"):
+        return
+    spec = ClusterSpec.from_env(environ)
+    if spec.num_workers > 1:
+        raise ValueError(
+            f"HorovodStrategy runs under horovodrun (HOROVOD_RANK is not set), but "
+            f"TF_CONFIG names {spec.num_workers} training tasks: each would train alone. "
+            "Use tfdist.MultiWorkerMirroredStrategy(engine='horovod') for a TF_CONFIG job "
+            "(Horovod/Gloo without horovodrun), or start the job with horovodrun.")
+
+
 class HorovodStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerMirroredStrategy):
     """Synchronous data parallelism with Horovod's collective ops as the engine.
 
@@ -293,10 +308,11 @@ class HorovodStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerMirroredStrat
                  accumulate_steps=None):
         options = merge_options(communication_options, compression=compression,
                                 accumulate_steps=accumulate_steps)
-        comm.init()
         if "HOROVOD_RANK" not in os.environ:
+            _refuse_a_tf_config_job(os.environ)
             logger.info("HorovodStrategy: not started by horovodrun (HOROVOD_RANK is not "
                         "set), so this process is the only rank (replicas: its devices).")
+        comm.init()
         devices = rank_devices(devices)
         ops = HorovodCrossDeviceOps(devices[0])
         # The communicator reduces with `ops`; extended's batch_reduce_to goes through it.
