@@ -170,7 +170,7 @@ def _markdown(report):
 
 def main(argv=None):
     parser = section_parser("benchmarks.ps_exactly_once", __doc__)
-    parser.add_argument("--crashes", type=int, default=12)
+    parser.add_argument("--crashes", type=int, default=8)
     parser.add_argument("--period", type=int, default=4)
     args = parse_section_args(parser, argv)
     if args.quick:

@@ -450,12 +450,11 @@ def notes(data: dict) -> list[str]:
         f"{net(two, 'chief-0', 'after_table'):.2f} x table with 2 ps "
         f"({net(one, 'chief-0', 'after_table'):.2f} x with 1 ps). Under a partitioner tfdist "
         "passes `shape=` to the `tf.Variable` Keras creates, so TF runs the initializer "
-        "inside each shard's creation, on its ps, and keeps that shard's rows (Keras' "
-        "initializers draw from a fixed seed: the values equal an unsharded table's). The "
-        "price is on the ps: each computes the whole initial value once (a uniform draw, a "
-        f"scale and a shift of {data['settings']['rows']:,} x {data['settings']['dim']}): "
-        f"ps-0 is at {net(two, 'ps-0', 'after_table'):.2f} x table after creation with 2 ps. "
-        "A per-shard draw would avoid that but give other values than one device.",
+        "inside each shard's creation, on its ps, and each ps draws only its own rows "
+        "(`tfdist._hooks.initial_rows`: TF's Philox counter advanced to the shard's first "
+        "row, so the values are the unsharded table's, bit for bit). ps-0 is at "
+        f"{net(two, 'ps-0', 'after_table'):.2f} x table after creation with 2 ps (the "
+        "shard, and its draw, scale and shift made one after the other in eager mode).",
         "- **Adam's slots** add nothing to any peak (the *slots built* column equals *table "
         "built*): they fit in memory freed after the table was created. They are sharded "
         "like the table (the shards table above).",
@@ -465,14 +464,19 @@ def notes(data: dict) -> list[str]:
         f"from {net(two, 'ps-0', 'after_slots') * table / state:.2f} to "
         f"{two['processes']['ps-0']['net_over_state']:.2f} with 2 ps. Keras' Adam update is "
         "dense (every row's moments decay every step): `m += (g - m)(1 - beta_1)`, "
-        "`v += (g^2 - v)(1 - beta_2)`, `w -= alpha m / (sqrt(v) + eps)` each make "
-        "shard-sized temporaries on the ps that owns the shard (`g - m` densifies the "
-        "sparse gradient). The allocator keeps that memory (*RSS at end* equals the peak). "
-        "Meeting 0.55 x needs an update that does not densify (a lazy Adam, which is "
-        "another algorithm) or in-place kernels.",
-        f"- **The workers** hold at most {worker:.2f} x table (2 ps): with a sharded table "
-        "tfdist's `Embedding` looks ids up shard by shard (TF's partitioned "
-        "`embedding_lookup`), so only the batch's rows leave the ps. With 1 ps the table is "
+        "`v += (g^2 - v)(1 - beta_2)`, `w -= alpha m / (sqrt(v) + eps)`. On a whole "
+        "variable that makes several variable-sized temporaries: that is the 1-ps run, "
+        "whose table is one variable. A shard of a sharded variable is updated in blocks "
+        "of 16 MiB of rows, one after the other (`tfdist._hooks.UPDATE_BLOCK_BYTES`: "
+        "gather, Keras' own `update_step`, scatter; each row's result is the whole "
+        "shard's, bit for bit), so its temporaries are a block's. What is left above "
+        "half of table + slots is those blocks and the update's graph on the ps. The "
+        "allocator keeps the memory it used (*RSS at end* equals the peak).",
+        f"- **The workers** hold at most {worker:.2f} x table (2 ps), and no copy of it: "
+        "with a sharded table tfdist's `Embedding` looks ids up shard by shard (TF's "
+        "partitioned `embedding_lookup`), so only the batch's rows leave the ps. What they "
+        "hold is the step's function, which carries the blocked update of each shard (a "
+        "worker prepares the ps' parts of the function it runs). With 1 ps the table is "
         "one variable and Keras' `Embedding` still reads it whole on each worker every step "
         f"({max(p['net_over_table'] for n, p in one['processes'].items() if n.startswith('worker')):.2f} x table).",
     ]

@@ -921,7 +921,7 @@ def _shard_gradient(grad, offset, part):
 # A shard's update runs on blocks of at most this many bytes of rows, one block after
 # the other: Keras' dense updates (Adam's moments decay on every row) would otherwise
 # make several shard-sized temporaries on the ps.
-UPDATE_BLOCK_BYTES = 8 << 20
+UPDATE_BLOCK_BYTES = 16 << 20
 _row_block_ids = itertools.count()
 
 
@@ -936,6 +936,7 @@ class _RowBlock:
         self.shape = tf.TensorShape([rows]).concatenate(source.shape[1:])
         self.dtype, self.device = source.dtype, source.device
         self.name = f"{source.name}/rows_{start}"
+        self.writes = []  # the scatter ops that updated these rows
         self._unique_id = f"tfdist_rows_{next(_row_block_ids)}"  # Keras' _var_key
 
     def _indices(self):
@@ -953,18 +954,29 @@ class _RowBlock:
         import tensorflow as tf
 
         if isinstance(value, tf.IndexedSlices):
-            return tf.IndexedSlices(value.values,
-                                    tf.cast(value.indices, tf.int64) + self.start)
-        return tf.IndexedSlices(tf.convert_to_tensor(value, self.dtype), self._indices())
+            return tf.cast(value.indices, tf.int64) + self.start, value.values
+        return self._indices(), tf.convert_to_tensor(value, self.dtype)
+
+    def _scatter(self, op, value):
+        indices, updates = self._slices(value)
+        write = op(resource=self.source.handle, indices=indices, updates=updates)
+        self.writes.append(write)
+        return write
 
     def assign(self, value):
-        return self.source.scatter_update(self._slices(value))
+        import tensorflow as tf
+
+        return self._scatter(tf.raw_ops.ResourceScatterUpdate, value)
 
     def assign_add(self, value):
-        return self.source.scatter_add(self._slices(value))
+        import tensorflow as tf
+
+        return self._scatter(tf.raw_ops.ResourceScatterAdd, value)
 
     def assign_sub(self, value):
-        return self.source.scatter_sub(self._slices(value))
+        import tensorflow as tf
+
+        return self._scatter(tf.raw_ops.ResourceScatterSub, value)
 
     scatter_update, scatter_add, scatter_sub = assign, assign_add, assign_sub
 
@@ -974,8 +986,9 @@ def _update_in_row_blocks(optimizer, variable, shard, grad, learning_rate):
     `UPDATE_BLOCK_BYTES` of rows when the shard is larger.
 
     Elementwise, so each row's result is the one the whole shard's update gives, bit
-    for bit. Each block reads and writes the same variables, so TF runs the blocks in
-    order and one block's temporaries are freed before the next.
+    for bit. Each block starts after the one before has finished (control
+    dependencies: without them TF runs them all at once, and their temporaries add up
+    to the shard's), so one block's temporaries are freed before the next.
     """
     import numpy as np
 
@@ -984,20 +997,27 @@ def _update_in_row_blocks(optimizer, variable, shard, grad, learning_rate):
     rows = int(shard.shape[0])
     if rows <= per_block:
         return optimizer.update_step(grad, shard, learning_rate)
+    import tensorflow as tf
+
     slots = sharded_slots(optimizer, variable)
     shard_slots = [slot._value for slot in slots]
     indices = optimizer._trainable_variables_indices
+    previous = []  # the writes of the block before: the next one starts after them
     for start in range(0, rows, per_block):
         block = _RowBlock(shard, start, min(per_block, rows - start))
+        views = [block] + [_RowBlock(value, start, block.rows) for value in shard_slots]
         indices[block._unique_id] = optimizer._get_variable_index(variable)
-        for slot, value in zip(slots, shard_slots):
-            slot._value = _RowBlock(value, start, block.rows)
+        for slot, view in zip(slots, views[1:]):
+            slot._value = view
         try:
-            optimizer.update_step(_shard_gradient(grad, start, block), block, learning_rate)
+            with tf.control_dependencies(previous):
+                optimizer.update_step(_shard_gradient(grad, start, block), block,
+                                      learning_rate)
         finally:
             for slot, value in zip(slots, shard_slots):
                 slot._value = value
             del indices[block._unique_id]
+        previous = [write for view in views for write in view.writes]
 
 
 @_contextlib.contextmanager
