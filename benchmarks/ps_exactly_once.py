@@ -21,12 +21,12 @@ Run from the repository root:
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import signal
 import time
 
-from benchmarks.common import machine_info, parse_section_args, section_parser, task_env
+from benchmarks.common import (machine_info, parse_section_args, section_parser, task_env,
+                               write_section)
 
 STEPS_PER_FIT = 40
 
@@ -189,10 +189,8 @@ def main(argv=None):
         "machine": machine_info(), "period": args.period, "crashes": args.crashes,
         "results": results,
     }
-    out = args.output
-    (out / "ps_exactly_once.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "ps_exactly_once.md").write_text(_markdown(report))
-    print(f"wrote {out / 'ps_exactly_once.json'} and {out / 'ps_exactly_once.md'}")
+    write_section(args.output, "ps_exactly_once", _markdown(report), report)
+    print(f"wrote {args.output / 'ps_exactly_once'}.{{md,json}}")
     return 0
 
 
