@@ -469,6 +469,10 @@ def test_step_timeout_is_validated():
     with pytest.raises(ValueError, match=r"exactly_once must be True or False\. "
                                          r"Received: exactly_once=1"):
         tfdist.ParameterServerStrategy(spec, exactly_once=1)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match=r"update_block_bytes must be an integer >= 1\. "
+                                             rf"Received: update_block_bytes={bad!r}"):
+            tfdist.ParameterServerStrategy(spec, update_block_bytes=bad)
 
 
 # ---- a ps killed in the middle of fit: clear error, then resume from the checkpoint -------

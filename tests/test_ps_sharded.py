@@ -197,14 +197,12 @@ def _sync_fit_task(steps, batch):
     import tensorflow as tf
 
     import tfdist
-    from tfdist import _hooks
     from tfdist.keras import ps_steps
-
-    _hooks.UPDATE_BLOCK_BYTES = 16 * DIM * 4  # the chief traces the update
 
     partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
         min_shard_bytes=256, max_shards=2)
-    strategy = tfdist.ParameterServerStrategy(variable_partitioner=partitioner, mode="sync")
+    strategy = tfdist.ParameterServerStrategy(variable_partitioner=partitioner, mode="sync",
+                                              update_block_bytes=16 * DIM * 4)
     # The one-device step applies one sparse gradient per batch of 2 * batch, the sync step
     # a dense sum: they agree when no id repeats within a batch (see _data).
     ids, y = _data(64, 6, distinct_per=2 * batch)

@@ -983,7 +983,8 @@ class _RowBlock:
 
 def _update_in_row_blocks(optimizer, variable, shard, grad, learning_rate):
     """``optimizer.update_step(grad, shard)`` (inside `_shard_view`), on blocks of
-    `UPDATE_BLOCK_BYTES` of rows when the shard is larger.
+    rows when the shard is larger than the strategy's ``update_block_bytes`` (default
+    `UPDATE_BLOCK_BYTES`; None: never).
 
     Elementwise, so each row's result is the one the whole shard's update gives, bit
     for bit. Each block starts after the one before has finished (control
@@ -991,13 +992,15 @@ def _update_in_row_blocks(optimizer, variable, shard, grad, learning_rate):
     to the shard's), so one block's temporaries are freed before the next.
     """
     import numpy as np
+    import tensorflow as tf
 
+    block_bytes = getattr(tf.distribute.get_strategy(), "update_block_bytes",
+                          UPDATE_BLOCK_BYTES)
     row_bytes = shard.dtype.size * int(np.prod(shard.shape[1:]))
-    per_block = max(1, UPDATE_BLOCK_BYTES // max(1, row_bytes))
     rows = int(shard.shape[0])
+    per_block = rows if block_bytes is None else max(1, block_bytes // max(1, row_bytes))
     if rows <= per_block:
         return optimizer.update_step(grad, shard, learning_rate)
-    import tensorflow as tf
 
     slots = sharded_slots(optimizer, variable)
     shard_slots = [slot._value for slot in slots]

@@ -27,6 +27,7 @@ import time
 import tensorflow as tf
 
 from tfdist import _hooks, _sharded_io
+from tfdist.checks import check_int
 from tfdist.cluster import ClusterSpec, resolve_cluster
 
 MODES = ("async", "sync")
@@ -358,6 +359,12 @@ class ParameterServerStrategy(_hooks.KerasHandoff, tf.distribute.ParameterServer
             dies and TF's coordinator runs it again (a ledger of applied step ids on a
             ps; see docs/parameter_server.md). False: TF's own at-least-once, about
             10% faster in async mode (measured, a 400K-parameter MLP).
+        update_block_bytes: A shard of a sharded variable larger than this is updated
+            by the optimizer in blocks of rows of at most this many bytes, one after the
+            other (the same values): Keras' dense updates (Adam's moments decay on every
+            row) otherwise make several shard-sized temporaries on its ps. None: one
+            update per shard, about 2x faster, with those temporaries (measured on a
+            1M x 64 shard with Adam: 144 ms and +784 MiB against 295 ms and +118 MiB).
         step_timeout: Seconds a step (one closure: a training step, a sync apply, an
             evaluate or predict batch) may run on a worker, or None for no limit. TF's
             coordinator has none: a frozen worker hangs ``fit``. Past it, the chief names
@@ -381,7 +388,8 @@ class ParameterServerStrategy(_hooks.KerasHandoff, tf.distribute.ParameterServer
 
     def __init__(self, cluster_resolver=None, mode="async", variable_partitioner=None, *,
                  steps_per_dispatch=None, chief_poll_seconds=1.0, startup_timeout=60.0,
-                 step_timeout=DEFAULT_STEP_TIMEOUT, exactly_once=True):
+                 step_timeout=DEFAULT_STEP_TIMEOUT, exactly_once=True,
+                 update_block_bytes=_hooks.UPDATE_BLOCK_BYTES):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {list(MODES)}. Received: mode={mode!r}")
         if steps_per_dispatch is not None and (
@@ -404,6 +412,8 @@ class ParameterServerStrategy(_hooks.KerasHandoff, tf.distribute.ParameterServer
         if not isinstance(exactly_once, bool):
             raise ValueError("exactly_once must be True or False. "
                              f"Received: exactly_once={exactly_once!r}")
+        if update_block_bytes is not None:
+            check_int("update_block_bytes", update_block_bytes, 1)
         if step_timeout is not None and (isinstance(step_timeout, bool) or not isinstance(
                 step_timeout, (int, float)) or not step_timeout > 0):
             raise ValueError("step_timeout must be None or a number > 0. "
@@ -425,6 +435,7 @@ class ParameterServerStrategy(_hooks.KerasHandoff, tf.distribute.ParameterServer
         self._coordinator = tf.distribute.coordinator.ClusterCoordinator(self)
         self._step_timeout = step_timeout
         self._exactly_once = exactly_once
+        self.update_block_bytes = update_block_bytes
         self._watchdog = None if step_timeout is None else _StepWatchdog(
             self._coordinator, spec.worker, step_timeout, startup_timeout,
             os.environ.get(CONTROL_DIR_ENV) or None)
