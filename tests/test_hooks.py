@@ -675,6 +675,24 @@ def test_sharded_embedding_lookup_gathers_shard_by_shard():
     assert isinstance(keras.layers.Embedding(2, 2), Embedding)
 
 
+def test_exactly_once_call_is_kept_out_of_line():
+    """tfdist.keras.ps_steps._once relies on tf.function's private ``_noinline``
+    attribute (a step's update must run as one call, not inlined into the step)."""
+    import tensorflow as tf
+    from tensorflow.python.eager.polymorphic_function import attributes
+
+    assert attributes.NO_INLINE == "_noinline", "review tfdist.keras.ps_steps._once"
+    inner = tf.function(lambda x: x + 1, autograph=False,
+                        experimental_attributes={"_noinline": True})
+    outer = tf.function(lambda x: inner(x) * 2, autograph=False)
+    graph = outer.get_concrete_function(tf.TensorSpec([], tf.float32)).graph
+    library = {f.signature.name: f for f in graph.as_graph_def().library.function}
+    calls = [op for op in graph.get_operations() if "PartitionedCall" in op.type]
+    assert len(calls) == 1, [op.type for op in graph.get_operations()]
+    callee = library[calls[0].get_attr("f").name]
+    assert callee.attr["_noinline"].b, "TF dropped _noinline: review ps_steps._once"
+
+
 def test_initial_rows_of_a_shard_are_the_whole_draws_rows():
     """A shard's initial value drawn alone equals the same rows of the whole draw, bit
     for bit (TF's Philox counter, 4 float32 per step); other initializers say None."""

@@ -92,7 +92,8 @@ def _once(ledger, step_id, tensors, apply):
     flat = tf.nest.flatten(tensors, expand_composites=True)
     present = [i for i, t in enumerate(flat) if t is not None]
 
-    # Not inlined: see above (the attribute is tf.function's own, `_noinline`).
+    # Not inlined: see above. `_noinline` is a private attribute TF allows in
+    # experimental_attributes (tests/test_hooks.py fails if that changes).
     @tf.function(autograph=False, experimental_attributes={"_noinline": True})
     def check_apply_record(step_id, *moved):
         with tf.device(ledger.device):  # arguments have no device: Keras' reduce needs one
