@@ -397,7 +397,7 @@ def run_task(config: dict[str, Any], name: str | None = None) -> dict[str, Any] 
     strategy = build_strategy(config)  # first: multi-worker TF must start before any op
     import keras
 
-    from tfdist import _hooks
+    from tfdist._hooks.keras_trainer import keras_initial_epoch
     from tfdist.data import DataError, make_train_dataset, split_data
     from tfdist.keras.callbacks import BackupAndRestore
     from tfdist.keras.guards import StopOnNaN
@@ -421,7 +421,7 @@ def run_task(config: dict[str, Any], name: str | None = None) -> dict[str, Any] 
     backup.set_model(model)
     with strategy.scope():  # as in fit, which restores again
         backup.on_train_begin()  # restores the last backup, if any
-    start_epoch = _hooks.keras_initial_epoch(model, 0)
+    start_epoch = keras_initial_epoch(model, 0)
     if start_epoch >= epochs and chief:
         print(f"tfdist train: the backup in {backup.backup_dir} already holds all {epochs} "
               "epochs; nothing to train", flush=True)

@@ -162,9 +162,9 @@ class Accounted(Communicator):
                                            self.compression) for v in values))
         if self.compression.wire_dtype is None:  # nothing to cast
             return self.inner.all_reduce(distribution, values, destinations, op)
-        from tfdist import _hooks
+        from tfdist._hooks import tf as tf_hooks
 
-        regroup = _hooks.tf_distribute_internals().regroup
+        regroup = tf_hooks.tf_distribute_internals().regroup
         wire, dtypes = [], []
         for value in values:
             parts = distribution.experimental_local_results(value)
@@ -186,14 +186,14 @@ class Accounted(Communicator):
         import tensorflow as tf
 
         if isinstance(value, tf.distribute.DistributedValues):
-            from tfdist import _hooks
+            from tfdist._hooks import tf as tf_hooks
 
             parts = []
             for part in distribution.experimental_local_results(value):
                 with tf.device(part.device):
                     parts.append(self.compression.decompress(part, dtype))
             # Same wrapper as the engine's result (Mirrored from cross-device ops).
-            return _hooks.tf_distribute_internals().regroup(parts, wrap_class=type(value))
+            return tf_hooks.tf_distribute_internals().regroup(parts, wrap_class=type(value))
         return self.compression.decompress(value, dtype)
 
 

@@ -2,11 +2,28 @@
 
 ``tfdist.keras.callbacks`` holds `ModelCheckpoint`, `BackupAndRestore` and
 `MetricsLogger`; `SidecarEvaluator` evaluates the chief's checkpoints in an evaluator
-task. Importing this package imports Keras (and TensorFlow); ``import tfdist`` alone
-does not, and loads ``tfdist.keras`` on first attribute access.
+task; ``tfdist.keras.handoff`` is the contract between strategies and Keras
+(`KerasHandoff`). Importing this package imports nothing: ``callbacks`` and
+`SidecarEvaluator` (which import Keras and TensorFlow) load on first attribute access,
+so strategies can import the hand-off without an import circle.
 """
 
-from tfdist.keras import callbacks
-from tfdist.keras.evaluator import SidecarEvaluator
+import importlib
+
+# Public name -> module that defines it (the module itself for "callbacks").
+_LAZY = {"callbacks": "tfdist.keras.callbacks", "SidecarEvaluator": "tfdist.keras.evaluator"}
 
 __all__ = ["SidecarEvaluator", "callbacks"]
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'tfdist.keras' has no attribute {name!r}")
+    module = importlib.import_module(_LAZY[name])
+    value = module if name == "callbacks" else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

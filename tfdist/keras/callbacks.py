@@ -23,7 +23,7 @@ import shutil
 
 import keras
 
-from tfdist import _hooks
+from tfdist._hooks.keras_trainer import set_initial_epoch
 from tfdist.cluster import ClusterSpec
 from tfdist.files import commit, private_temp_dir, temp_path_for, write_text_atomic
 from tfdist.keras.guards import StopOnNaN  # noqa: F401  (re-exported)
@@ -230,7 +230,7 @@ class BackupAndRestore(_ChiefAware, keras.callbacks.BackupAndRestore):
             logger.warning("BackupAndRestore: the backup in %s is already complete: it "
                            "holds epoch %d of %d, so fit has nothing left to train.",
                            self.backup_dir, state["epoch"], epochs)
-        _hooks.set_initial_epoch(self.model, state["epoch"])
+        set_initial_epoch(self.model, state["epoch"])
         self._saves = int(state.get("saves", 0))
 
     def _save_model(self):

@@ -25,7 +25,7 @@ class StopOnNaN(keras.callbacks.Callback):
         self._epoch = epoch
 
     def on_epoch_end(self, epoch, logs=None):
-        from tfdist._hooks import non_finite_weights
+        from tfdist._hooks.saves import non_finite_weights
 
         bad = non_finite_weights(self.model)
         if bad:

@@ -2,7 +2,7 @@
 
 Keras 3 dropped parameter-server support (keras-team/keras#18624). For a model built
 under a `tfdist.ParameterServerStrategy`, ``model.fit`` and friends are routed here (see
-`tfdist._hooks.KerasHandoff.keras_fit_driver`) and run on the chief.
+`tfdist.keras.handoff.KerasHandoff.keras_fit_driver`) and run on the chief.
 
 The loops of ``fit``/``evaluate``/``predict`` live here; what the workers read is
 `tfdist.keras.ps_input`, and the remote step functions and their dispatch are
@@ -23,7 +23,8 @@ import re
 import numpy as np
 import tensorflow as tf
 
-from tfdist import _hooks
+from tfdist._hooks import keras_trainer
+from tfdist._hooks.coordinator import create_per_worker_iterators
 from tfdist.keras.ps_input import TrainInput, _cardinality, _chief_dataset, _is_dataset, \
     _is_dataset_fn
 from tfdist.keras.ps_steps import _driver, _fetch, _is_worker_lost, _join, _to_python
@@ -91,10 +92,10 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
     callbacks = _callback_list(model, callbacks, verbose, epochs, steps, history=True)
 
     with _clear_ps_errors(strategy):
-        iterator = _hooks.create_per_worker_iterators(driver.coordinator, data.dataset_fns)
+        iterator = create_per_worker_iterators(driver.coordinator, data.dataset_fns)
         model.stop_training = False
         callbacks.on_train_begin()
-        initial_epoch = _hooks.keras_initial_epoch(model, initial_epoch)
+        initial_epoch = keras_trainer.keras_initial_epoch(model, initial_epoch)
         logs, training_logs = {}, None
         for epoch in range(initial_epoch, epochs):
             model.reset_metrics()
@@ -120,7 +121,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
                 logs = driver.finish_train_steps(pending[1])
                 callbacks.on_train_batch_end(pending[0], logs)
             _join(strategy)
-            epoch_logs = _to_python(_hooks.keras_metrics_or_logs(model, logs))
+            epoch_logs = _to_python(keras_trainer.keras_metrics_or_logs(model, logs))
             if validation_data is not None and _should_eval(epoch, validation_freq):
                 val_x, val_y, val_sw = _unpack(validation_data)
                 val_logs = evaluate(model, val_x, val_y, sample_weight=val_sw,
@@ -188,11 +189,11 @@ def evaluate(model, x=None, y=None, batch_size=None, verbose="auto", sample_weig
             logs = _to_python(_fetch(strategy, pending[-1])) or logs
             callbacks.on_test_batch_end(step, logs)
         _join(strategy)
-        logs = _to_python(_hooks.keras_metrics_or_logs(model, logs))
+        logs = _to_python(keras_trainer.keras_metrics_or_logs(model, logs))
     callbacks.on_test_end(logs)
     if return_dict:
         return logs
-    return _hooks.keras_flatten_metrics(model, logs)
+    return keras_trainer.keras_flatten_metrics(model, logs)
 
 
 def predict(model, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
@@ -202,7 +203,7 @@ def predict(model, x, batch_size=None, verbose="auto", steps=None, callbacks=Non
     driver = _driver(model)
     if not model.built:
         with strategy.scope():
-            _hooks.build_keras_state(model, dataset.element_spec)
+            keras_trainer.build_keras_state(model, dataset.element_spec)
     num_batches = _cardinality(dataset)
     callbacks = _callback_list(model, callbacks, verbose, 1,
                                num_batches if num_batches > 0 else None, history=False)

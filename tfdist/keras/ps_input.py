@@ -15,7 +15,7 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from tfdist import _hooks
+from tfdist._hooks.coordinator import dataset_copier
 
 DEFAULT_BATCH_SIZE = 32
 
@@ -64,7 +64,7 @@ class TrainInput:
                                      f"{name}={type(value).__name__}")
         if _is_dataset(x):
             batches = _cardinality(x)
-            copy_fn = _hooks.dataset_copier(x)
+            copy_fn = dataset_copier(x)
             shard = 0 < batches and batches >= k
 
             def make(i):

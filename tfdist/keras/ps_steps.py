@@ -22,7 +22,12 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-from tfdist import _hooks
+from tfdist._hooks.coordinator import (schedule_on_worker, wait_for_closures,
+                                       wait_for_remote_value)
+from tfdist._hooks.keras_optimizer import apply_replaced
+from tfdist._hooks.keras_trainer import build_keras_state, compiled_loss
+from tfdist._hooks.sharded.parts import sharded_parts
+from tfdist._hooks.tf import function_not_inlined
 from tfdist.strategies._optimizer import inner_optimizer
 
 # Step ids the exactly-once ledger remembers (a ring): far more than steps in flight.
@@ -92,9 +97,7 @@ def _once(ledger, step_id, tensors, apply):
     flat = tf.nest.flatten(tensors, expand_composites=True)
     present = [i for i, t in enumerate(flat) if t is not None]
 
-    # Not inlined: see above. `_noinline` is a private attribute TF allows in
-    # experimental_attributes (tests/test_hooks.py fails if that changes).
-    @tf.function(autograph=False, experimental_attributes={"_noinline": True})
+    @function_not_inlined  # see above
     def check_apply_record(step_id, *moved):
         with tf.device(ledger.device):  # arguments have no device: Keras' reduce needs one
             for i, t in zip(present, tf.identity_n(list(moved)) if moved else []):
@@ -131,11 +134,8 @@ def _record_instead_of_apply(optimizer, records):
         records.setdefault(threading.get_ident(), []).append((list(grads), variables))
         return optimizer.iterations
 
-    optimizer.__dict__["apply"] = record
-    try:
+    with apply_replaced(optimizer, record):
         yield
-    finally:
-        optimizer.__dict__.pop("apply", None)
 
 
 def _train_step_applied_once(model, strategy, ledger, data, step_id):
@@ -237,7 +237,7 @@ class _Driver:
         self.strategy = strategy
         self.coordinator = strategy.coordinator
         self.optimizer = model.optimizer
-        self.compile_loss = getattr(model, "_compile_loss", None)
+        self.compile_loss = compiled_loss(model)
         self.built_for = None
         self.accumulators = None
         self.ledger = None
@@ -245,14 +245,14 @@ class _Driver:
     def ensure_built(self, element_spec):
         model, strategy = self.model, self.strategy
         with strategy.scope():
-            _hooks.build_keras_state(model, element_spec)
+            build_keras_state(model, element_spec)
             if self.ledger is None and strategy.exactly_once:
                 self.ledger = _Ledger(strategy, model.optimizer.iterations.value)
             if strategy.mode == "sync" and self.accumulators is None:
                 self.accumulators = {}
                 for var in model.trainable_variables:
                     name = f"tfdist_grad_sum/{var.path.replace('/', '_')}"
-                    parts = _hooks.sharded_parts(var)
+                    parts = sharded_parts(var)
                     if parts is None:
                         with strategy.extended.colocate_vars_with(var.value):
                             self.accumulators[id(var)] = _zeros_variable(var, name)
@@ -356,7 +356,7 @@ class _Driver:
                 for v in model.trainable_variables:
                     accumulator = accumulators[id(v)]
                     # Read where the sum lives: Keras' (identity) all-reduce needs a device.
-                    parts = _hooks.sharded_parts(accumulator)
+                    parts = sharded_parts(accumulator)
                     with tf.device((parts[0] if parts else accumulator).device):
                         grads.append(tf.identity(tf.convert_to_tensor(accumulator)))
                 return grads
@@ -408,8 +408,8 @@ class _Driver:
         else:
             apply_fn = self.apply_function()
             for _ in range(count):
-                values = [_hooks.schedule_on_worker(self.coordinator, i, train_fn,
-                                                    (iterator, _new_step_id()))
+                values = [schedule_on_worker(self.coordinator, i, train_fn,
+                                             (iterator, _new_step_id()))
                           for i in range(strategy.num_workers)]
                 _join(strategy)
                 # Keras' optimizer needs a replica context: apply on a worker, then wait.
@@ -417,7 +417,7 @@ class _Driver:
                 _join(strategy)
             last = values[-1]
             pushed = count * strategy.num_workers
-        strategy._bytes.add(pushed * self.gradient_bytes)
+        strategy.push_counter.add(pushed * self.gradient_bytes)
         return last
 
     def finish_train_steps(self, last):
@@ -436,7 +436,7 @@ def _new_step_id():
 
 def _join(strategy):
     """``coordinator.join()``, or the strategy's `StepTimeoutError` (see ``step_timeout``)."""
-    while not _hooks.wait_for_closures(strategy.coordinator, 1.0):
+    while not wait_for_closures(strategy.coordinator, 1.0):
         strategy.raise_if_steps_timed_out()
 
 
@@ -455,7 +455,7 @@ def _fetch(strategy, remote_value, retry=None):
     takes the result with it (the step itself is done). Then ``retry()`` schedules the
     step again and its result is fetched; without ``retry`` this returns None.
     """
-    while not _hooks.wait_for_remote_value(remote_value, 1.0):
+    while not wait_for_remote_value(remote_value, 1.0):
         strategy.raise_if_steps_timed_out()
     try:
         return remote_value.fetch()
@@ -472,7 +472,7 @@ def _driver(model) -> _Driver:
     strategy = model.distribute_strategy
     driver = _drivers.get(model)
     if driver is None or driver.optimizer is not model.optimizer or \
-            driver.compile_loss is not getattr(model, "_compile_loss", None):
+            driver.compile_loss is not compiled_loss(model):
         driver = _Driver(model, strategy)
         _drivers[model] = driver
     return driver

@@ -6,9 +6,9 @@
   first training or evaluation step with "AddN must have the same size"). The error
   comes before any step and names both numbers. ``predict`` splits any batch.
 - On a worker that is not the chief, Keras' own file callbacks write to a temporary
-  directory (see `tfdist._hooks.keras_callbacks_write_elsewhere`).
+  directory (see `tfdist._hooks.saves.keras_callbacks_write_elsewhere`).
 - Saves (``model.save``/``save_weights``, so every checkpoint callback) are atomic and
-  refuse weights with NaN or infinity (see `tfdist._hooks._save_safely`).
+  refuse weights with NaN or infinity (see `tfdist._hooks.saves.save_safely`).
 - A ``LossScaleOptimizer`` applies or skips a step on every replica together.
 """
 
@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import contextlib
 
-from tfdist import _hooks
+from tfdist._hooks.saves import keras_callbacks_write_elsewhere
+from tfdist._hooks.tf import dataset_batch_size
+from tfdist.keras.handoff import KerasHandoff
 
 # Keras fit's batch size for arrays when none is given.
 KERAS_DEFAULT_BATCH_SIZE = 32
@@ -33,7 +35,7 @@ def global_batch_size(x, batch_size: int | None = None) -> int | None:
     import tensorflow as tf
 
     if isinstance(x, tf.data.Dataset):
-        return _hooks.dataset_batch_size(x)
+        return dataset_batch_size(x)
     if hasattr(x, "shape") or isinstance(x, (list, tuple, dict)):  # arrays, batched by Keras
         return batch_size or KERAS_DEFAULT_BATCH_SIZE
     return None  # a generator, a PyDataset or another source that batches itself
@@ -87,7 +89,7 @@ def models_differ(variable: str | None, where: str, said: str) -> ValueError:
         f"{said.strip().splitlines()[0]}")
 
 
-class KerasFitMixin(_hooks.KerasHandoff):
+class KerasFitMixin(KerasHandoff):
     """Mixed into a strategy class: its Keras hand-off around ``fit`` and saves."""
 
     keras_safe_saves = True
@@ -102,5 +104,5 @@ class KerasFitMixin(_hooks.KerasHandoff):
         del model
         if self.extended.should_checkpoint:
             return contextlib.nullcontext()
-        return _hooks.keras_callbacks_write_elsewhere(
+        return keras_callbacks_write_elsewhere(
             arguments.get("callbacks"), getattr(self, "task_name", "worker"))

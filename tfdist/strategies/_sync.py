@@ -22,7 +22,8 @@ import functools
 
 import tensorflow as tf
 
-from tfdist import _hooks
+from tfdist._hooks import keras_optimizer
+from tfdist.keras import handoff
 from tfdist.comm.accounting import ByteCounter
 from tfdist.comm.communicator import make_communicator
 from tfdist.comm.options import CommunicationOptions
@@ -66,7 +67,7 @@ class SyncGradientsMixin(KerasFitMixin):
         self._accumulators = {}
         # Micro-batches seen, a host counter (created outside any scope).
         self._micro_steps = ByteCounter("tfdist_micro_steps")
-        _hooks.install_keras_hooks()
+        handoff.install_keras_hooks()
 
     @property
     def bytes_communicated(self) -> int:
@@ -128,13 +129,13 @@ class SyncGradientsMixin(KerasFitMixin):
                                                    op="sum")
             grads = [tf.cast(distribution.experimental_local_results(r)[0], v.dtype) / steps
                      for r, v in zip(reduced, variables)]
-            grads = optimizer._clip_gradients(grads)
-            _hooks.keras_distributed_update(optimizer, distribution, grads, variables)
+            grads = keras_optimizer.clip_gradients(optimizer, grads)
+            keras_optimizer.keras_distributed_update(optimizer, distribution, grads, variables)
             return tf.constant(True)
 
         def skip():
             # Keras' apply() adds 1 to iterations after this: net zero until an update.
-            optimizer._iterations.assign_sub(1)
+            keras_optimizer.undo_step_count(optimizer)
             return tf.constant(False)
 
         return tf.cond(is_update, update, skip)

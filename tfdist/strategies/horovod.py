@@ -21,7 +21,7 @@ import re
 
 import tensorflow as tf
 
-from tfdist import _hooks
+from tfdist._hooks import tf as tf_hooks
 from tfdist.cluster import ClusterSpec
 from tfdist.comm import horovod as comm
 from tfdist.comm.options import merge_options
@@ -29,7 +29,7 @@ from tfdist.strategies._fit import models_differ
 from tfdist.strategies._sync import SyncGradientsMixin
 from tfdist.devices import default_devices, validate_devices
 
-_tf = _hooks.tf_distribute_internals()
+_tf = tf_hooks.tf_distribute_internals()
 logger = logging.getLogger("tfdist")
 
 
@@ -131,7 +131,7 @@ class HorovodExtended(_tf.MirroredExtended):
 
     def _in_multi_worker_mode(self):
         # Keras 3 then averages metrics with `strategy.reduce` and gathers `predict`
-        # outputs across processes (see _hooks.keras_uses_multi_worker_path).
+        # outputs across processes (see _hooks.keras_trainer.keras_uses_multi_worker_path).
         return True
 
     def _use_merge_call(self):
@@ -317,7 +317,7 @@ class HorovodStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerMirroredStrat
         ops = HorovodCrossDeviceOps(devices[0])
         # The communicator reduces with `ops`; extended's batch_reduce_to goes through it.
         self._init_sync_gradients(options, cross_device_ops=ops)
-        _hooks.assign_collective_key_base(self)
+        tf_hooks.assign_collective_key_base(self)
         extended = HorovodExtended(self, devices, cross_device_ops=ops,
                                    communicator=self.communicator)
         # Skip MultiWorkerMirroredStrategy.__init__ (TF_CONFIG, gRPC): Strategy's own.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfdist import _hooks
+from tfdist._hooks import tf as tf_hooks
 from tfdist.comm.options import merge_options
 from tfdist.devices import default_devices, validate_devices
 from tfdist.strategies._sync import SyncGradientsMixin
@@ -58,6 +58,6 @@ class MirroredStrategy(SyncGradientsMixin, tf.distribute.MirroredStrategy):
         elif not isinstance(cross_device_ops, tf.distribute.CrossDeviceOps):
             raise ValueError("cross_device_ops must be a tf.distribute.CrossDeviceOps, "
                              f"'collective' or None. Received: {cross_device_ops!r}")
-        _hooks.assign_collective_key_base(self)
+        tf_hooks.assign_collective_key_base(self)
         self._init_sync_gradients(options)
         super().__init__(devices=devices, cross_device_ops=cross_device_ops)

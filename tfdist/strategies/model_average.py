@@ -33,7 +33,8 @@ import warnings
 
 import tensorflow as tf
 
-from tfdist import _hooks
+from tfdist._hooks import keras_optimizer
+from tfdist.keras import handoff
 from tfdist.checks import check_int
 from tfdist.comm.averaging import ENGINES as BACKENDS
 from tfdist.comm.averaging import PeriodicAverager
@@ -91,7 +92,7 @@ def _check_outer(optimizer):
     if getattr(optimizer, "use_ema", False) or getattr(optimizer, "loss_scale_factor", None):
         raise ValueError("outer_optimizer does not support use_ema or loss_scale_factor. "
                          f"Received: {optimizer!r}")
-    if _hooks.overrides_backend_update_step(optimizer):
+    if keras_optimizer.overrides_backend_update_step(optimizer):
         raise ValueError("outer_optimizer must do all its work in update_step; "
                          f"{type(optimizer).__name__} does not. Received: {optimizer!r}")
 
@@ -224,7 +225,7 @@ class ModelAverageStrategy(tf.distribute.Strategy, metaclass=_PicksItsBase):
                              f"Received: devices={devices!r}")
         self._states = {}
         self._fit_start = {}
-        _hooks.install_keras_hooks()
+        handoff.install_keras_hooks()
 
     def _init_base(self, devices, cluster_resolver, base_kwargs):  # pragma: no cover
         raise NotImplementedError
@@ -283,7 +284,7 @@ class ModelAverageStrategy(tf.distribute.Strategy, metaclass=_PicksItsBase):
         slots = [] if self.average_optimizer_state else self._optimizer_slots(optimizer)
         return bool(slots) or any(_is_replicated_float(v) for v in model.non_trainable_weights)
 
-    # ---- the Keras hand-off (tfdist._hooks.KerasHandoff) ----------------------------------
+    # ---- the Keras hand-off (tfdist.keras.handoff.KerasHandoff) ---------------------------
 
     def keras_local_update(self):
         """Every optimizer step is local (see the module docstring)."""
@@ -357,7 +358,7 @@ class ModelAverageStrategy(tf.distribute.Strategy, metaclass=_PicksItsBase):
 
     def _optimizer_slots(self, optimizer):
         skip = {id(optimizer.iterations)}
-        learning_rate = getattr(optimizer, "_learning_rate", None)
+        learning_rate = keras_optimizer.learning_rate_variable(optimizer)
         if learning_rate is not None:
             skip.add(id(learning_rate))
         return [v for v in optimizer.variables if id(v) not in skip and _is_replicated_float(v)]

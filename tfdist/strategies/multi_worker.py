@@ -33,7 +33,7 @@ import secrets
 
 import tensorflow as tf
 
-from tfdist import _hooks
+from tfdist._hooks import tf as tf_hooks
 from tfdist.checks import check_seconds
 from tfdist.cluster import TRAINING_TASK_TYPES, ClusterSpec, resolve_cluster
 from tfdist.comm.engines import select_engine
@@ -61,7 +61,7 @@ _DEFAULT_GRAPH_SEED = 87654321
 logger = logging.getLogger("tfdist")
 
 
-class MultiWorkerExtended(_hooks.collective_all_reduce_extended_class()):
+class MultiWorkerExtended(tf_hooks.collective_all_reduce_extended_class()):
     """TF's ``CollectiveAllReduceExtended`` that names a model mismatch between workers.
 
     Every variable's initial value is broadcast from the chief when it is created. If the
@@ -225,7 +225,7 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
         Without the barrier, a worker that never starts makes the constructor block
         forever; with it, every task fails after ``startup_timeout``.
         """
-        _hooks.configure_coordination_service(
+        tf_hooks.configure_coordination_service(
             self.cluster.jobs(),
             register_timeout_seconds=self.startup_timeout,
             heartbeat_timeout_seconds=self.heartbeat_timeout)
@@ -463,7 +463,7 @@ def _rank(value):
 
 
 def _coordination_leader(cluster: ClusterSpec | None) -> str | None:
-    """The task that hosts the coordination service (see `_hooks.configure_coordination_service`)."""
+    """The task that hosts the coordination service (see `_hooks.tf.configure_coordination_service`)."""
     if cluster is None or cluster.num_workers < 2:
         return None
     return "chief-0" if cluster.chief else "worker-0"

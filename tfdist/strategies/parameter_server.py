@@ -26,9 +26,13 @@ import time
 
 import tensorflow as tf
 
-from tfdist import _hooks, _sharded_io
+from tfdist._hooks import coordinator as coordinator_hooks
+from tfdist._hooks.sharded import (embedding, gradients, initialization, optimizer_state,
+                                   row_blocks, saving)
 from tfdist.checks import check_int
 from tfdist.cluster import ClusterSpec, resolve_cluster
+from tfdist.comm.accounting import ByteCounter
+from tfdist.keras import handoff
 
 MODES = ("async", "sync")
 DEFAULT_STEP_TIMEOUT = 600.0
@@ -106,7 +110,7 @@ class _StepWatchdog:
                  control_dir=None):
         self.error = None
         self._raised = self._stopped = False
-        self._running = _hooks.track_running_closures(coordinator)
+        self._running = coordinator_hooks.track_running_closures(coordinator)
         self._step_timeout = step_timeout
         self._probe_timeout = min(step_timeout / 2, 30.0)
         self._interval = min(step_timeout / 4, 2.0)
@@ -330,7 +334,7 @@ def _wait_for_servers(spec: ClusterSpec, timeout: float) -> None:
             time.sleep(0.2)
 
 
-class ParameterServerStrategy(_hooks.KerasHandoff, tf.distribute.ParameterServerStrategy):
+class ParameterServerStrategy(handoff.KerasHandoff, tf.distribute.ParameterServerStrategy):
     """`tf.distribute.ParameterServerStrategy` that works with Keras 3 ``model.fit``.
 
     Create it at the top of the script, before any other TensorFlow work, on every task.
@@ -381,7 +385,7 @@ class ParameterServerStrategy(_hooks.KerasHandoff, tf.distribute.ParameterServer
             names the task).
     """
 
-    # The Keras hand-off (tfdist._hooks.KerasHandoff).
+    # The Keras hand-off (tfdist.keras.handoff.KerasHandoff).
     keras_fit_driver = FIT_DRIVER
     keras_atomic_updates = True  # asynchronous steps update ps variables at once
     keras_safe_saves = True  # atomic saves that refuse NaN/inf weights, sharded or not
@@ -389,7 +393,7 @@ class ParameterServerStrategy(_hooks.KerasHandoff, tf.distribute.ParameterServer
     def __init__(self, cluster_resolver=None, mode="async", variable_partitioner=None, *,
                  steps_per_dispatch=None, chief_poll_seconds=1.0, startup_timeout=60.0,
                  step_timeout=DEFAULT_STEP_TIMEOUT, exactly_once=True,
-                 update_block_bytes=_hooks.UPDATE_BLOCK_BYTES):
+                 update_block_bytes=row_blocks.UPDATE_BLOCK_BYTES):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {list(MODES)}. Received: mode={mode!r}")
         if steps_per_dispatch is not None and (
@@ -426,12 +430,12 @@ class ParameterServerStrategy(_hooks.KerasHandoff, tf.distribute.ParameterServer
         self._steps_per_dispatch = steps_per_dispatch
         super().__init__(_without_evaluator(spec).to_cluster_resolver(),
                          variable_partitioner=variable_partitioner)
-        _hooks.allow_sharded_updates(self.extended)
+        optimizer_state.allow_sharded_updates(self.extended)
         # tape.gradient and optimizer slots for sharded variables, in fit and custom loops
-        _hooks.install_shard_aware_gradients()
-        _hooks.install_sharded_optimizer_state()
-        _hooks.install_sharded_embedding_lookup()
-        _hooks.install_shard_sized_initialization()
+        gradients.install_shard_aware_gradients()
+        optimizer_state.install_sharded_optimizer_state()
+        embedding.install_sharded_embedding_lookup()
+        initialization.install_shard_sized_initialization()
         self._coordinator = tf.distribute.coordinator.ClusterCoordinator(self)
         self._step_timeout = step_timeout
         self._exactly_once = exactly_once
@@ -439,11 +443,9 @@ class ParameterServerStrategy(_hooks.KerasHandoff, tf.distribute.ParameterServer
         self._watchdog = None if step_timeout is None else _StepWatchdog(
             self._coordinator, spec.worker, step_timeout, startup_timeout,
             os.environ.get(CONTROL_DIR_ENV) or None)
-        from tfdist.comm.accounting import ByteCounter
-
-        self._bytes = ByteCounter("tfdist_ps_bytes_pushed")
-        _hooks.install_keras_hooks()
-        _sharded_io.install()  # save/restore models with sharded variables
+        self.push_counter = ByteCounter("tfdist_ps_bytes_pushed")  # the step driver adds
+        handoff.install_keras_hooks()
+        saving.install_sharded_saving()  # save/restore models with sharded variables
 
     @property
     def mode(self) -> str:
@@ -494,4 +496,4 @@ class ParameterServerStrategy(_hooks.KerasHandoff, tf.distribute.ParameterServer
     def bytes_communicated(self) -> int:
         """Gradient bytes the workers pushed to the ps tasks (dense size, once per step
         and worker gradient)."""
-        return self._bytes.total
+        return self.push_counter.total

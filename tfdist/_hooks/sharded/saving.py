@@ -1,4 +1,4 @@
-"""Saving and restoring Keras variables that a partitioner split into shards.
+"""Hook: saving and restoring Keras variables that a partitioner split into shards.
 
 Under ``tfdist.ParameterServerStrategy(variable_partitioner=...)`` the value of a Keras
 variable (a weight, or an optimizer variable) is a TF ``ShardedVariable``: one
@@ -14,7 +14,7 @@ checkpointing does not expect it inside a Keras variable:
   (``_serialize_to_tensors``); Keras hands over the ``ShardedVariable`` as if it were
   one tensor, and TF's saver fails on its missing ``device``.
 
-`install` fixes both, for every ``ShardedVariable`` whichever object owns it:
+`install_sharded_saving` fixes both, for every ``ShardedVariable`` whichever object owns it:
 
 - ``ShardedVariable.__array__`` concatenates the shards (as its ``numpy()`` does), so
   Keras reads one full array and writes full arrays to its files. A saved ``.keras``
@@ -29,7 +29,7 @@ checkpointing does not expect it inside a Keras variable:
   the other way round. (The newer ``_serialize_to_tensors`` path can save slices, but
   its restore, ``TrackableSaveable.restore``, keeps only the first slice of a name.)
 
-Everything touched here is private TF/Keras behaviour; ``tests/test_hooks.py`` fails
+Everything touched here is private TF/Keras behaviour; ``tests/test_hooks_sharded.py`` fails
 loudly if an upgrade removes it.
 """
 
@@ -44,11 +44,13 @@ def sharded_value(variable):
     return value if isinstance(value, tf.__internal__.distribute.ShardedVariable) else None
 
 
-def install() -> None:
+def install_sharded_saving() -> None:
     """Makes Keras' saving and ``tf.train.Checkpoint`` handle sharded variables.
 
-    Idempotent. See the module docstring for why and how; nothing changes for
-    variables that are not sharded.
+    Why: Keras reads a variable with ``np.array`` (a ``ShardedVariable`` has no
+    ``__array__``) and TF's saver fails on one inside a Keras variable; the module
+    docstring says how each is fixed. Idempotent; nothing changes for variables that
+    are not sharded.
     """
     import numpy as np
     import tensorflow as tf

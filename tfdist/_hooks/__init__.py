@@ -1,0 +1,25 @@
+"""Every private TensorFlow / Keras access tfdist relies on, one job per module.
+
+Each hook says why it is needed ("Why:"), and a test in ``tests/test_hooks_*.py`` fails
+loudly when a TF or Keras upgrade removes what it touches. Modules elsewhere call these
+functions instead of reaching into private names themselves. Nothing is re-exported
+here: import the module you need.
+
+- ``tf``: TF distribute internals (collective key ranges, the multi-worker extended
+  class, the coordination service, the helpers of a custom ``extended``, a dataset's
+  batch size, functions kept out of line). Tests: ``test_hooks_tf.py``.
+- ``keras``: the patches that install the Keras hand-off (`tfdist.keras.handoff`):
+  the optimizer step, ``keras.Model``'s methods, the loss-scale check, atomic updates.
+  Tests: ``test_hooks_keras.py``.
+- ``keras_optimizer``: private members of Keras' optimizer step that tfdist calls.
+- ``keras_trainer``: private members of ``keras.Model``'s trainer that tfdist calls.
+- ``saves``: atomic saves refusing NaN weights; Keras' file callbacks writing elsewhere
+  on non-chief workers. Tests: ``test_hooks_saves.py``.
+- ``coordinator``: ``ClusterCoordinator`` per-worker iterators, closures pinned to a
+  worker, deadlines. Tests: ``test_hooks_coordinator.py``.
+- ``sharded``: variables a partitioner split into shards (gradients, embedding lookup,
+  shard-sized initialization, optimizer state and row blocks, saving).
+  Tests: ``test_hooks_sharded.py``.
+
+These modules import nothing above them: the Keras hand-off passes itself in.
+"""
