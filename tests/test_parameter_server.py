@@ -36,10 +36,10 @@ def _weights_on_each_worker(strategy, model):
     """Reads the model's variables from every worker (a closure pinned to each)."""
     import tensorflow as tf
 
-    from tfdist import _hooks
+    from tfdist._hooks.coordinator import schedule_on_worker
 
     read = tf.function(lambda: [tf.identity(v.value) for v in model.weights])
-    values = [_hooks.schedule_on_worker(strategy.coordinator, i, read)
+    values = [schedule_on_worker(strategy.coordinator, i, read)
               for i in range(strategy.num_workers)]
     strategy.coordinator.join()
     return [[np.asarray(w) for w in v.fetch()] for v in values]

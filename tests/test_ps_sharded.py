@@ -50,9 +50,9 @@ def _full(variable):
 
 def _layout(variable):
     """``[(device, shape), ...]`` of a variable's shards, or None if it is not sharded."""
-    from tfdist import _hooks
+    from tfdist._hooks.sharded.parts import sharded_parts
 
-    parts = _hooks.sharded_parts(variable)
+    parts = sharded_parts(variable)
     return None if parts is None else [(p.device, tuple(p.shape)) for p in parts]
 
 

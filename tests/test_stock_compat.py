@@ -218,11 +218,11 @@ def test_uneven_global_batch_fails_before_the_first_step(logical_cpus, source):
 def test_batch_size_of_a_dataset():
     import tensorflow as tf
 
-    from tfdist import _hooks
+    from tfdist._hooks.tf import dataset_batch_size
 
     data = tf.data.Dataset.range(10)
-    assert _hooks.dataset_batch_size(data.batch(4).prefetch(1)) == 4
-    assert _hooks.dataset_batch_size(data) is None
+    assert dataset_batch_size(data.batch(4).prefetch(1)) == 4
+    assert dataset_batch_size(data) is None
 
 
 # ---- 3: Keras' own callbacks on several workers ------------------------------------------
