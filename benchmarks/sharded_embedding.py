@@ -451,7 +451,7 @@ def notes(data: dict) -> list[str]:
         f"({net(one, 'chief-0', 'after_table'):.2f} x with 1 ps). Under a partitioner tfdist "
         "passes `shape=` to the `tf.Variable` Keras creates, so TF runs the initializer "
         "inside each shard's creation, on its ps, and each ps draws only its own rows "
-        "(`tfdist._hooks.initial_rows`: TF's Philox counter advanced to the shard's first "
+        "(`tfdist._hooks.sharded.initialization.initial_rows`: TF's Philox counter advanced to the shard's first "
         "row, so the values are the unsharded table's, bit for bit). ps-0 is at "
         f"{net(two, 'ps-0', 'after_table'):.2f} x table after creation with 2 ps (the "
         "shard, and its draw, scale and shift made one after the other in eager mode).",
@@ -467,7 +467,7 @@ def notes(data: dict) -> list[str]:
         "`v += (g^2 - v)(1 - beta_2)`, `w -= alpha m / (sqrt(v) + eps)`. On a whole "
         "variable that makes several variable-sized temporaries: that is the 1-ps run, "
         "whose table is one variable. A shard of a sharded variable is updated in blocks "
-        "of 16 MiB of rows, one after the other (`tfdist._hooks.UPDATE_BLOCK_BYTES`: "
+        "of 16 MiB of rows, one after the other (`tfdist._hooks.sharded.row_blocks.UPDATE_BLOCK_BYTES`: "
         "gather, Keras' own `update_step`, scatter; each row's result is the whole "
         "shard's, bit for bit), so its temporaries are a block's. What is left above "
         "half of table + slots is those blocks and the update's graph on the ps. The "
