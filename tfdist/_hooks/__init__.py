@@ -1,6 +1,6 @@
 """Every private TensorFlow / Keras access tfdist relies on, one job per module.
 
-Each hook says why it is needed ("Why:"), and a test in ``tests/test_hooks_*.py`` fails
+Each hook says why it is needed ("Why:"), and a test in ``tests/test_hooks*.py`` fails
 loudly when a TF or Keras upgrade removes what it touches. Modules elsewhere call these
 functions instead of reaching into private names themselves. Nothing is re-exported
 here: import the module you need.
@@ -10,7 +10,7 @@ here: import the module you need.
   batch size, functions kept out of line). Tests: ``test_hooks_tf.py``.
 - ``keras``: the patches that install the Keras hand-off (`tfdist.keras.handoff`):
   the optimizer step, ``keras.Model``'s methods, the loss-scale check, atomic updates.
-  Tests: ``test_hooks_keras.py``.
+  Tests: ``test_hooks.py``.
 - ``keras_optimizer``: private members of Keras' optimizer step that tfdist calls.
 - ``keras_trainer``: private members of ``keras.Model``'s trainer that tfdist calls.
 - ``saves``: atomic saves refusing NaN weights; Keras' file callbacks writing elsewhere

@@ -4,7 +4,7 @@
 loss-scale check and variable updates once; each patch asks the strategy running the code
 for its hand-off (`tfdist.keras.handoff.KerasHandoff`, the public contract, which passes
 itself in: hooks never import up). For any other strategy Keras runs as it is.
-``tests/test_hooks_keras.py`` fails loudly when a Keras upgrade removes what they touch.
+``tests/test_hooks.py`` fails loudly when a Keras upgrade removes what they touch.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def install_keras_hooks(*, handoff_of, model_events, fit_driver_methods, fit_dri
     """Patches Keras once so that strategies can declare a `KerasHandoff`. Idempotent.
 
     Why each patch (all private or internal Keras behaviour, tested in
-    tests/test_hooks_keras.py):
+    tests/test_hooks.py):
 
     - ``TFOptimizer._backend_apply_gradients`` and ``_all_reduce_sum_gradients``: Keras
       3 always SUM-all-reduces gradients before ``extended.update``, with no place to

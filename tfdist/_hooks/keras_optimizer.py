@@ -3,7 +3,7 @@
 The step applied by hand in cross-replica context (gradient accumulation, the outer step
 of model averaging), the gradients of a step taken instead of applied (parameter-server
 steps), the learning-rate variable, gradient clipping and the raw step counter.
-``tests/test_hooks_keras.py`` fails loudly when a Keras upgrade removes what they touch.
+``tests/test_hooks.py`` fails loudly when a Keras upgrade removes what they touch.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def apply_replaced(optimizer, apply):
     """While inside, ``optimizer.apply`` is ``apply`` (for this optimizer only).
 
     Why: Keras' ``train_step`` computes the gradients and hands them straight to
-    ``optimizer.apply``, with no public point in between; a parameter-server step needs
+    ``optimizer.apply`` (through ``apply_gradients``), with no public point between; a parameter-server step needs
     them without the update (it applies them once, on the ps). Set in the instance's
     ``__dict__``: Keras' attribute tracking (``__setattr__``) would track the function.
     """

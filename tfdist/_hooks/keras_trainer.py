@@ -3,7 +3,7 @@
 Building a model's state from a batch spec, the epoch ``fit`` starts from (resuming from
 a backup), the epoch logs and ``evaluate``'s result order (the parameter-server fit
 driver), the compiled loss, and whether Keras reduces a strategy's step outputs across
-processes. ``tests/test_hooks_keras.py`` fails loudly when a Keras upgrade removes what
+processes. ``tests/test_hooks.py`` fails loudly when a Keras upgrade removes what
 they touch.
 """
 

@@ -23,10 +23,10 @@ import functools
 import tensorflow as tf
 
 from tfdist._hooks import keras_optimizer
-from tfdist.keras import handoff
 from tfdist.comm.accounting import ByteCounter
 from tfdist.comm.communicator import make_communicator
 from tfdist.comm.options import CommunicationOptions
+from tfdist.keras import handoff
 from tfdist.strategies._fit import KerasFitMixin
 
 

@@ -34,12 +34,12 @@ import warnings
 import tensorflow as tf
 
 from tfdist._hooks import keras_optimizer
-from tfdist.keras import handoff
 from tfdist.checks import check_int
 from tfdist.comm.averaging import ENGINES as BACKENDS
 from tfdist.comm.averaging import PeriodicAverager
 from tfdist.comm.engines import select_engine
 from tfdist.comm.options import merge_options
+from tfdist.keras import handoff
 from tfdist.strategies._optimizer import inner_optimizer
 
 

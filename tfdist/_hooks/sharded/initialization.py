@@ -83,7 +83,7 @@ def initial_rows(initializer, shape, dtype, partition_shape, partition_offset):
     the whole shape: while it runs those draw the shard's rows only, from TF's own
     key and counter advanced past the rows before (Philox makes 4 float32 values per
     counter step), then scale and shift them as TF does. The values are the whole
-    draw's rows, bit for bit (tests/test_hooks.py checks it against the whole draw).
+    draw's rows, bit for bit (tests/test_hooks_sharded.py checks it against the whole draw).
     """
     import numpy as np
     import keras
