@@ -52,7 +52,11 @@ def keras_metrics_or_logs(model, logs):
 
 
 def keras_flatten_metrics(model, logs):
-    """``evaluate``'s list result in Keras' order (private ``_flatten_metrics_in_order``)."""
+    """``evaluate``'s list result in Keras' order.
+
+    Why: the fit driver's ``evaluate`` returns what Keras' own returns; Keras orders it
+    with the private ``Trainer._flatten_metrics_in_order``.
+    """
     return model._flatten_metrics_in_order(logs)
 
 

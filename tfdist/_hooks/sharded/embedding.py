@@ -11,7 +11,10 @@ from tfdist._hooks.sharded.parts import sharded_parts
 
 def div_partitioned(parts) -> bool:
     """Whether shards split axis 0 as ``tf.nn.embedding_lookup`` expects ("div": the
-    first ``rows % n`` shards hold one row more), as TF's partitioners do."""
+    first ``rows % n`` shards hold one row more), as TF's partitioners do.
+
+    Why: the lookup hook may use the partitioned lookup only for that layout.
+    """
     rows = sum(int(p.shape[0]) for p in parts)
     base, extra = divmod(rows, len(parts))
     return [int(p.shape[0]) for p in parts] == [base + (i < extra) for i in range(len(parts))]

@@ -78,6 +78,9 @@ def initial_rows(initializer, shape, dtype, partition_shape, partition_offset):
     """The rows of ``initializer(shape, dtype)`` that one shard holds, computed alone;
     None where that is not known to be possible (the caller computes the whole value).
 
+    Why: drawn alone, a shard's rows are computed on its ps only, not the whole table
+    on the chief (`install_shard_sized_initialization`).
+
     Keras' constant initializers are called at the shard's shape. A random draw of
     Keras (`_draws_elementwise`) calls ``tf.random.stateless_uniform``/``_normal`` on
     the whole shape: while it runs those draw the shard's rows only, from TF's own

@@ -22,7 +22,11 @@ ELEMENTWISE_OPTIMIZERS = ("SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", 
 
 
 def updates_shard_by_shard(optimizer) -> bool:
-    """Whether ``optimizer``'s update_step is one of `ELEMENTWISE_OPTIMIZERS`'."""
+    """Whether ``optimizer``'s update_step is one of `ELEMENTWISE_OPTIMIZERS`'.
+
+    Why: only an elementwise update gives each shard, updated alone, the rows the
+    whole variable's update gives.
+    """
     import keras
 
     step = type(optimizer).update_step

@@ -77,10 +77,11 @@ class _RowBlock:
 
 
 def update_in_row_blocks(optimizer, variable, shard, grad, learning_rate):
-    """``optimizer.update_step(grad, shard)`` (inside `optimizer_state._shard_view`), on blocks of
-    rows when the shard is larger than the strategy's ``update_block_bytes`` (default
-    `UPDATE_BLOCK_BYTES`; None: never).
+    """``optimizer.update_step(grad, shard)`` (inside `optimizer_state._shard_view`), on
+    blocks of rows when the shard is larger than the strategy's ``update_block_bytes``
+    (default `UPDATE_BLOCK_BYTES`; None: never).
 
+    Why: Keras' dense updates make several shard-sized temporaries on the ps.
     Elementwise, so each row's result is the one the whole shard's update gives, bit
     for bit. Each block starts after the one before has finished (control
     dependencies: without them TF runs them all at once, and their temporaries add up

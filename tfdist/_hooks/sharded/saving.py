@@ -37,7 +37,10 @@ from __future__ import annotations
 
 
 def sharded_value(variable):
-    """The ``ShardedVariable`` behind a Keras variable (or itself), else None."""
+    """The ``ShardedVariable`` behind a Keras variable (or itself), else None.
+
+    Why: a Keras variable keeps its TF value in the private ``_value``.
+    """
     import tensorflow as tf
 
     value = getattr(variable, "_value", variable)  # a Keras variable holds it in _value
