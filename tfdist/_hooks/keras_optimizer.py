@@ -38,10 +38,11 @@ def keras_distributed_update(optimizer, distribution, grads, variables) -> None:
 def apply_replaced(optimizer, apply):
     """While inside, ``optimizer.apply`` is ``apply`` (for this optimizer only).
 
-    Why: Keras' ``train_step`` computes the gradients and hands them straight to
-    ``optimizer.apply`` (through ``apply_gradients``), with no public point between; a parameter-server step needs
-    them without the update (it applies them once, on the ps). Set in the instance's
-    ``__dict__``: Keras' attribute tracking (``__setattr__``) would track the function.
+    Why: Keras' ``train_step`` hands its gradients straight to ``optimizer.apply``
+    (through ``apply_gradients``), with no public point between; a parameter-server
+    step needs them without the update (it applies them once, on the ps). Set in the
+    instance's ``__dict__``: Keras' attribute tracking (``__setattr__``) would track
+    the function.
     """
     optimizer.__dict__["apply"] = apply
     try:

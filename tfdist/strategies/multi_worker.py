@@ -463,7 +463,7 @@ def _rank(value):
 
 
 def _coordination_leader(cluster: ClusterSpec | None) -> str | None:
-    """The task that hosts the coordination service (see `_hooks.tf.configure_coordination_service`)."""
+    """The task that hosts the coordination service (`_hooks.tf.configure_coordination_service`)."""
     if cluster is None or cluster.num_workers < 2:
         return None
     return "chief-0" if cluster.chief else "worker-0"
