@@ -320,3 +320,17 @@ def test_keras_variable_initialization_is_what_the_shaped_version_replays():
                   "name=self.name", "aggregation=self._map_aggregation(self.aggregation)",
                   "synchronization=self._map_synchronization(self.synchronization)"):
         assert piece in source, f"Keras' Variable._initialize no longer has {piece}"
+
+
+def test_sharded_variable_is_read_back_as_its_shards():
+    import numpy as np
+    import tensorflow as tf
+
+    from tfdist._hooks.sharded.parts import sharded_parts, sharded_variable
+
+    shards = [tf.Variable(np.zeros((2, 3), "float32")), tf.Variable(np.ones((1, 3), "float32"))]
+    variable = sharded_variable(shards)
+    assert isinstance(variable, tf.__internal__.distribute.ShardedVariable)
+    assert [id(p) for p in sharded_parts(variable)] == [id(s) for s in shards]
+    np.testing.assert_array_equal(tf.convert_to_tensor(variable).numpy(),
+                                  [[0, 0, 0], [0, 0, 0], [1, 1, 1]])

@@ -26,7 +26,7 @@ from tfdist._hooks.coordinator import (schedule_on_worker, wait_for_closures,
                                        wait_for_remote_value)
 from tfdist._hooks.keras_optimizer import apply_replaced
 from tfdist._hooks.keras_trainer import build_keras_state, compiled_loss
-from tfdist._hooks.sharded.parts import sharded_parts
+from tfdist._hooks.sharded.parts import sharded_parts, sharded_variable
 from tfdist._hooks.tf import function_not_inlined
 from tfdist.strategies._optimizer import inner_optimizer
 
@@ -262,8 +262,7 @@ class _Driver:
                     for i, part in enumerate(parts):
                         with strategy.extended.colocate_vars_with(part):
                             shards.append(_zeros_variable(part, f"{name}/part_{i}"))
-                    self.accumulators[id(var)] = \
-                        tf.__internal__.distribute.ShardedVariable(shards)
+                    self.accumulators[id(var)] = sharded_variable(shards)
         self.gradient_bytes = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
                                   for v in model.trainable_variables)
 

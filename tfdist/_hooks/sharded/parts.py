@@ -22,6 +22,17 @@ def sharded_parts(variable):
     return None
 
 
+def sharded_variable(shards):
+    """One variable made of ``shards`` (split along axis 0), as a partitioner makes it.
+
+    Why: TF exposes ``ShardedVariable`` only under ``tf.__internal__``; the sync
+    parameter-server step sums a sharded variable's gradient in a variable sharded alike.
+    """
+    import tensorflow as tf
+
+    return tf.__internal__.distribute.ShardedVariable(shards)
+
+
 def sharded_slots(optimizer, variable) -> list:
     """The optimizer variables created (sharded) for the sharded ``variable``.
 
