@@ -161,6 +161,7 @@ def run_tasks(fn, *args, workers: int = 2, chief: bool = False, ps: int = 0,
     import cloudpickle
 
     from tfdist.launch import run
+    from tfdist.launch.api import restarts_for
 
     with tempfile.TemporaryDirectory(prefix="tfdist-bench-") as tmp:
         payload = Path(tmp, "payload.pkl")
@@ -168,7 +169,8 @@ def run_tasks(fn, *args, workers: int = 2, chief: bool = False, ps: int = 0,
         os.chmod(tmp, 0o755)  # readable from other namespaces' processes (same user)
         result = run([sys.executable, "-m", "tfdist._task_main", str(payload), tmp],
                      workers=workers, chief=chief, ps=ps, timeout=timeout,
-                     env=task_env(env), stream=stream, cluster=cluster, wrap=wrap)
+                     env=task_env(env), stream=stream, cluster=cluster, wrap=wrap,
+                     restarts=restarts_for(chief, ps))
         values = []
         for task in result.cluster.tasks():
             path = Path(tmp, f"{task.name}.result.pkl")

@@ -427,7 +427,7 @@ print("serving")
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 def test_port_in_use_is_named_or_retried(tmp_path):
-    launch = importlib.import_module("tfdist.launch")
+    launch = importlib.import_module("tfdist.launch.local")
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(_PORT_SCRIPT))
     argv = [sys.executable, str(script)]

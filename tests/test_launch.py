@@ -1,6 +1,5 @@
 """The local launcher: exit codes, stopping, timeouts, TF_CONFIG and function mode."""
 
-import importlib
 import json
 import os
 import subprocess
@@ -304,16 +303,16 @@ def test_updates_of_a_failed_task_leave_a_short_tail(tmp_path):
 
 
 def test_relay_cuts_chunks_at_line_ends_and_keeps_split_characters(tmp_path):
-    """Unit: `_relay` with chunks cut inside "\\r\\n" and inside a UTF-8 character."""
+    """Unit: `relay` with chunks cut inside "\\r\\n" and inside a UTF-8 character."""
     import io
     import threading
 
-    launch = importlib.import_module("tfdist.launch")  # tfdist.launch is the function
+    from tfdist.launch import output as launch
 
     read_end, write_end = os.pipe()
     stream = io.StringIO()
-    output = launch._TaskOutput("worker-3", stream, cpp_log_level=0)
-    relay = threading.Thread(target=launch._relay, args=(os.fdopen(read_end, "rb"),
+    output = launch.TaskOutput("worker-3", stream, cpp_log_level=0)
+    relay = threading.Thread(target=launch.relay, args=(os.fdopen(read_end, "rb"),
                                                          output.add))
     relay.start()
     for chunk in [b"a\r", b"\nbar \xe2\x94", b"\x81 1\r", b"bar \xe2\x94\x81 2\r", b"\n", b"end"]:
@@ -331,9 +330,9 @@ def test_lines_of_other_tasks_cover_an_open_update():
     """Unit: a line of another task, shorter than a bar on screen, covers all of it."""
     import io
 
-    launch = importlib.import_module("tfdist.launch")  # tfdist.launch is the function
+    from tfdist.launch import output as launch
 
-    stream, console = io.StringIO(), launch._Console()
+    stream, console = io.StringIO(), launch.Console()
     console.write(stream, "worker-0", "\x1b[1m1/9\x1b[0m =====", "\r")
     console.write(stream, "worker-1", "hi", "\n")
     console.write(stream, "worker-0", "2/9 =====", "\r")
@@ -353,9 +352,9 @@ def test_lines_of_other_tasks_cover_an_open_update():
     ("Epoch 1/3", 3, False),
 ])
 def test_cpp_log_lines_are_hidden_as_their_level_says(line, level, hidden):
-    launch = importlib.import_module("tfdist.launch")  # tfdist.launch is the function
+    from tfdist.launch import output as launch
 
-    assert launch._is_hidden(line, level) is hidden
+    assert launch.is_hidden(line, level) is hidden
 
 
 @pytest.mark.multiprocess

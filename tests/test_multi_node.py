@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import tfdist
-from tfdist import rendezvous
+from tfdist.launch import gpus, rendezvous
 from tfdist.launch import find_free_ports
 
 from helpers import TESTS_DIR, assert_weights_close
@@ -511,14 +511,14 @@ def test_bad_multi_node_arguments(kwargs, match, tmp_path, monkeypatch):
 # ---- GPU pinning -------------------------------------------------------------------------------
 
 def test_assign_gpus():
-    assert rendezvous.assign_gpus([], 2) == [None, None]
-    assert rendezvous.assign_gpus(["0", "1", "2", "3"], 2) == ["0,1", "2,3"]
-    assert rendezvous.assign_gpus(["4", "6"], 2, 1) == ["4", "6"]
-    assert rendezvous.assign_gpus(["0"], 3) == ["0", "0", "0"]
+    assert gpus.assign_gpus([], 2) == [None, None]
+    assert gpus.assign_gpus(["0", "1", "2", "3"], 2) == ["0,1", "2,3"]
+    assert gpus.assign_gpus(["4", "6"], 2, 1) == ["4", "6"]
+    assert gpus.assign_gpus(["0"], 3) == ["0", "0", "0"]
     with pytest.raises(ValueError, match="needs 4 GPUs for 2 task"):
-        rendezvous.assign_gpus(["0", "1"], 2, 2)
-    assert rendezvous.visible_gpus({"CUDA_VISIBLE_DEVICES": "-1"}) == []
-    assert rendezvous.visible_gpus({"CUDA_VISIBLE_DEVICES": "1, 3"}) == ["1", "3"]
+        gpus.assign_gpus(["0", "1"], 2, 2)
+    assert gpus.visible_gpus({"CUDA_VISIBLE_DEVICES": "-1"}) == []
+    assert gpus.visible_gpus({"CUDA_VISIBLE_DEVICES": "1, 3"}) == ["1", "3"]
 
 
 def test_each_task_gets_its_own_gpus(tmp_path):

@@ -21,8 +21,10 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from tfdist.cluster import ClusterSpec, TaskSpec
-from tfdist.launch import (DEFAULT_GRACE_SECONDS, TaskProcess, exit_cause, stop_tasks,
-                           task_env)
+from tfdist.launch.attempt import task_env
+from tfdist.launch.options import DEFAULT_GRACE_SECONDS
+from tfdist.launch.process import TaskProcess, stop_tasks
+from tfdist.launch.results import exit_cause
 
 # Ends a failure's message: the same facts as one JSON line, read back by the driver
 # from an engine's error text (Spark passes the task's exception on as text only).

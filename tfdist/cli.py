@@ -4,25 +4,25 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import signal
 import sys
 from pathlib import Path
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from tfdist.launch import LaunchError, launch
-    from tfdist.rendezvous import RendezvousError
+    from tfdist.launch import LaunchError, LaunchOptions, RendezvousError
+    from tfdist.launch.api import launch_target, restarts_for
 
+    # Every option flag's dest is its LaunchOptions field.
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(LaunchOptions)
+              if hasattr(args, f.name)}
+    options = LaunchOptions(**fields)
     # With -m, SCRIPT names a module and every positional argument is the module's.
     target, module = (None, args.script) if args.module else (args.script, None)
     try:
-        launch(target, *args.args, module=module, workers=args.workers, chief=args.chief,
-               ps=args.ps, timeout=args.timeout, max_restarts=args.max_restarts,
-               backup_dir=args.backup_dir, grace_period=args.grace_period,
-               isolate_network=args.isolate_network, gpus_per_task=args.gpus_per_task,
-               nnodes=args.nnodes, node_rank=args.node_rank, master=args.master,
-               node_addr=args.node_addr, token=args.token, join_timeout=args.join_timeout,
-               evaluator=args.evaluator, evaluator_wait=args.evaluator_wait)
+        launch_target(target, args.args, {}, options, restarts_for(options.chief, options.ps),
+                      module=module)
     except (LaunchError, RendezvousError) as error:
         print(f"tfdist launch: FAILED: {error}", file=sys.stderr, flush=True)
         return 1
@@ -67,50 +67,57 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tfdist.launch.options import DEFAULTS
+
     parser = argparse.ArgumentParser(prog="tfdist", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
     launch = commands.add_parser(
         "launch", help="run SCRIPT (or -m MODULE) once per task of a cluster on "
                        "127.0.0.1, or on several nodes with --nnodes")
-    launch.add_argument("--workers", type=int, default=1, help="number of worker tasks")
+    launch.add_argument("--workers", type=int, default=DEFAULTS.workers,
+                        help="number of worker tasks")
     launch.add_argument("--chief", action="store_true", help="add a chief task")
-    launch.add_argument("--ps", type=int, default=0, help="number of parameter servers")
+    launch.add_argument("--ps", type=int, default=DEFAULTS.ps,
+                        help="number of parameter servers")
     launch.add_argument("--evaluator", action="store_true",
                         help="add an evaluator task (side-car evaluation; does not train)")
-    launch.add_argument("--evaluator-wait", type=float, default=120.0, metavar="SECONDS",
+    launch.add_argument("--evaluator-wait", type=float, default=DEFAULTS.evaluator_wait,
+                        metavar="SECONDS",
                         help="how long the evaluator may run on after training ended")
-    launch.add_argument("--timeout", type=float, default=None,
+    launch.add_argument("--timeout", type=float, default=DEFAULTS.timeout,
                         help="seconds before every task is killed")
-    launch.add_argument("--max-restarts", type=int, default=0,
+    launch.add_argument("--max-restarts", type=int, default=DEFAULTS.max_restarts,
                         help="restart the whole job up to N times after a failure (with "
                              "--nnodes: on every node, which must all give the same N)")
-    launch.add_argument("--backup-dir", default=None,
+    launch.add_argument("--backup-dir", default=DEFAULTS.backup_dir,
                         help="exported as TFDIST_BACKUP_DIR; restarts resume from it "
                              "(with --nnodes: put it on storage every node reads)")
-    launch.add_argument("--grace-period", type=float, default=5.0,
+    launch.add_argument("--grace-period", type=float, default=DEFAULTS.grace_period,
                         help="seconds between SIGTERM and SIGKILL when stopping tasks")
     launch.add_argument("--isolate-network", action="store_true",
                         help="run the job in a private network namespace (root): TF's "
                              "servers listen on 0.0.0.0, this keeps them unreachable")
-    launch.add_argument("--gpus-per-task", type=int, default=None, metavar="G",
+    launch.add_argument("--gpus-per-task", type=int, default=DEFAULTS.gpus_per_task,
+                        metavar="G",
                         help="GPUs per task in CUDA_VISIBLE_DEVICES (default: this node's "
                              "GPUs divided by its tasks; nothing without GPUs)")
     nodes = launch.add_argument_group(
         "multi-node", "run the same command on every node; --workers/--ps count this "
                       "node's tasks")
-    nodes.add_argument("--nnodes", type=int, default=1, help="number of nodes (hosts)")
-    nodes.add_argument("--node-rank", type=int, default=0,
+    nodes.add_argument("--nnodes", type=int, default=DEFAULTS.nnodes,
+                       help="number of nodes (hosts)")
+    nodes.add_argument("--node-rank", type=int, default=DEFAULTS.node_rank,
                        help="this node's rank; node 0 hosts the rendezvous")
-    nodes.add_argument("--master", default=None, metavar="HOST:PORT",
+    nodes.add_argument("--master", default=DEFAULTS.master, metavar="HOST:PORT",
                        help="node 0's rendezvous address, reachable from every node")
-    nodes.add_argument("--node-addr", default=None,
+    nodes.add_argument("--node-addr", default=DEFAULTS.node_addr,
                        help="address the other nodes reach this node at (default: as "
                             "node 0 sees it)")
-    nodes.add_argument("--token", default=None,
+    nodes.add_argument("--token", default=DEFAULTS.token,
                        help="shared rendezvous secret (default: $TFDIST_TOKEN; node 0 "
                             "prints a new one if neither is set)")
-    nodes.add_argument("--join-timeout", type=float, default=120.0,
+    nodes.add_argument("--join-timeout", type=float, default=DEFAULTS.join_timeout,
                        help="seconds for every node to join (default 120)")
     launch.add_argument("-m", "--module", action="store_true",
                         help="SCRIPT is a module name: every task runs `python -m SCRIPT "

@@ -20,7 +20,8 @@ from typing import Any, Callable, Mapping, Sequence
 from tfdist._remote_task import (check_run_options, load_results, make_payload,
                                  read_failure, reserve_port, run_task)
 from tfdist.cluster import ClusterSpec
-from tfdist.launch import TAIL_LINES, LaunchError
+from tfdist.launch import LaunchError
+from tfdist.launch.output import TAIL_LINES
 
 # "...barrier task ResultTask(3, 1) finished unsuccessfully" / "Lost task 1.0 in stage 3.0"
 _SPARK_TASK = re.compile(r"barrier task ResultTask\(\d+, (\d+)\)|Lost task (\d+)\.\d+ in stage")

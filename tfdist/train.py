@@ -156,7 +156,7 @@ def check_job(config: dict[str, Any], source: str = "<config>") -> None:
     if is_multi_process(config) and cluster["mode"] == "env":
         _check_environment(config, source)
     if cluster["mode"] == "nodes" and cluster["node_rank"] != 0:
-        from tfdist.rendezvous import TOKEN_ENV
+        from tfdist.launch.rendezvous import TOKEN_ENV
 
         if not os.environ.get(TOKEN_ENV):
             raise ConfigError(
@@ -543,10 +543,10 @@ def launch_job(config: dict[str, Any], config_path: Path) -> int:
     """Starts one local process per task, each running `run_task` on the same config.
 
     With ``cluster.mode = "nodes"`` these are this host's tasks of a multi-node job:
-    the launcher meets the other hosts at ``cluster.master`` (`tfdist.rendezvous`).
+    the launcher meets the other hosts at ``cluster.master`` (`tfdist.launch.rendezvous`).
     """
-    from tfdist.launch import LaunchError, run
-    from tfdist.rendezvous import RendezvousError
+    from tfdist.launch import LaunchError, RendezvousError, run
+    from tfdist.launch.api import restarts_for
 
     cluster = config["cluster"]
     if cluster["mode"] in ("spark", "ray"):
@@ -562,7 +562,8 @@ def launch_job(config: dict[str, Any], config_path: Path) -> int:
         run(argv, workers=cluster["workers"], chief=cluster["chief"],
             ps=cluster["ps"], timeout=cluster["timeout"],
             max_restarts=cluster["max_restarts"],
-            backup_dir=str(Path(config["train"]["output_dir"]) / "backup"), **nodes)
+            backup_dir=str(Path(config["train"]["output_dir"]) / "backup"),
+            restarts=restarts_for(cluster["chief"], cluster["ps"]), **nodes)
     except (LaunchError, RendezvousError) as error:
         print(f"tfdist train: FAILED: {error}", file=sys.stderr, flush=True)
         return 1

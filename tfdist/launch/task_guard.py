@@ -1,6 +1,6 @@
 """Kills a launcher's tasks when the launcher dies, however it dies.
 
-Started by `tfdist.launch` as ``python -I -S _task_guard.py`` (by path, so it imports
+Started by `tfdist.launch.process` as ``python -I -S task_guard.py`` (by path, so it imports
 nothing of tfdist), in a session of its own. It reads one process-group ID per line
 from stdin, a pipe whose write end only the launcher holds. EOF on stdin means the
 launcher has ended (a clean exit, or SIGKILL: the kernel closes the pipe either way),

@@ -1,0 +1,127 @@
+"""One attempt of a job: start its tasks, poll them until it ends, stop them.
+
+An attempt ends when the chief and workers have exited 0 (and the evaluator had its
+time), when a task fails (unless the restart policy replaces it), when the deadline
+passes, or, on a node of a multi-node job, when node 0 says so.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Callable, Sequence
+
+from tfdist.cluster import TRAINING_TASK_TYPES, ClusterSpec, TaskSpec
+from tfdist.launch.options import LaunchOptions
+from tfdist.launch.process import TaskProcess, command_env, stop_tasks
+from tfdist.launch.restarts import JobRestarts
+from tfdist.launch.results import exit_cause
+
+
+def task_env(cluster: ClusterSpec, spec: TaskSpec, env: dict[str, str] | None,
+             attempt: int, backup_dir: str | None) -> dict[str, str]:
+    """The environment of task ``spec``: ``env`` plus its TF_CONFIG and tfdist's variables."""
+    environ = command_env(env)
+    environ["TF_CONFIG"] = cluster.with_task(spec).to_tf_config()
+    environ["TFDIST_TASK"] = spec.name
+    environ["TFDIST_RESTART"] = str(attempt)
+    if backup_dir:
+        environ["TFDIST_BACKUP_DIR"] = str(backup_dir)
+    return environ
+
+
+def run_attempt(argv: list[str], cluster: ClusterSpec, options: LaunchOptions, attempt: int,
+                restarts: JobRestarts | None = None, *,
+                specs: Sequence[TaskSpec] | None = None,
+                extra_env: Callable[[TaskSpec], dict] | None = None,
+                peers=None) -> tuple[list[TaskProcess], TaskProcess | None, bool]:
+    """Runs every task of one attempt. Returns (tasks, failed task, timed out).
+
+    Args:
+        argv: The command every task runs.
+        cluster: This attempt's cluster (no task set).
+        options: The job's options (env, timeout, grace period, stream, wrap, ...).
+        attempt: The job's starts so far, exported as ``TFDIST_RESTART``.
+        restarts: The restart policy; its hooks may restart a failed task alone
+            (default: none is).
+        specs: The tasks to start here (default: all of ``cluster``).
+        extra_env: Adds variables per task.
+        peers: A `tfdist.launch.rendezvous.NodeLink` that joins this node to a
+            multi-node job: a failure here is reported to node 0, and node 0's word
+            (stop, or end) stops the tasks here; the caller reads ``peers`` for which.
+
+    An ``evaluator`` task does not train: its exit code never fails the job (a non-zero
+    one is reported on the log), and once the chief and workers have exited 0 it has
+    ``evaluator_wait`` seconds to end on its own before it is stopped like a ps task.
+    """
+    log = options.log or sys.stderr
+    policy = restarts if restarts is not None else JobRestarts(0, log)
+    grace, timeout = options.grace_period, options.timeout
+    reported: set[str] = set()
+    trained_at = None
+    tasks: list[TaskProcess] = []
+
+    def start(spec, task_restart=0):
+        prefix = [str(a) for a in options.wrap(spec)] if options.wrap is not None else []
+        environ = task_env(cluster, spec, options.env, attempt, options.backup_dir)
+        if extra_env is not None:
+            environ.update(extra_env(spec))
+        environ.update(policy.task_env(task_restart))
+        return TaskProcess(spec, prefix + argv, environ, options.stream)
+
+    with policy.attempt():
+        try:
+            for spec in (cluster.tasks() if specs is None else specs):
+                tasks.append(start(spec))
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while True:
+                policy.check(tasks)
+                _report_evaluator_exit(tasks, reported, log)
+                failed = next((t for t in tasks if t.poll() not in (None, 0)
+                               and t.spec.type != "evaluator"), None)
+                if failed is not None and policy.replace(tasks, failed, start):
+                    continue
+                if failed is not None:
+                    if peers is not None:
+                        peers.report_failure(failed.name, exit_cause(failed.name, failed.poll()))
+                    stop_tasks([t for t in tasks if t is not failed], grace)
+                    failed.finish_output()
+                    return tasks, failed, False
+                done = all(t.poll() == 0 for t in tasks if t.spec.type in TRAINING_TASK_TYPES)
+                if done and peers is not None:
+                    peers.report_done()  # ps tasks serve on until every node is done
+                if done and trained_at is None:
+                    trained_at = time.monotonic()
+                evaluating = done and peers is None and _is_evaluating(tasks) and \
+                    time.monotonic() - trained_at < options.evaluator_wait
+                if (done and peers is None and not evaluating) or (
+                        peers is not None and peers.should_stop()):
+                    stop_tasks([t for t in tasks if t.poll() is None], grace)
+                    return tasks, None, False
+                if deadline is not None and time.monotonic() > deadline:
+                    if peers is not None:
+                        peers.report_failure(None, f"the job timed out after {timeout:g}s")
+                    stop_tasks(tasks, grace)
+                    return tasks, None, True
+                time.sleep(0.05)
+        except BaseException:
+            stop_tasks(tasks, grace)
+            raise
+
+
+def _is_evaluating(tasks: Sequence[TaskProcess]) -> bool:
+    """Whether an evaluator task is still running."""
+    return any(t.spec.type == "evaluator" and t.poll() is None for t in tasks)
+
+
+def _report_evaluator_exit(tasks: Sequence[TaskProcess], reported: set[str], log) -> None:
+    """Reports (once) an evaluator that exited non-zero; the job goes on without it."""
+    for task in tasks:
+        code = task.poll()
+        if task.spec.type == "evaluator" and code not in (None, 0) and \
+                task.name not in reported:
+            reported.add(task.name)
+            task.finish_output()
+            print(f"tfdist launch: {exit_cause(task.name, code)}; training goes on "
+                  f"without it. Last output of {task.name}:\n{task.tail_text()}",
+                  file=log, flush=True)

@@ -1,0 +1,109 @@
+"""The rendezvous wire: JSON lines on a socket, the token's proof, node 0's address.
+
+The wire format is JSON, one object per line. Nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import socket
+import threading
+
+TOKEN_ENV = "TFDIST_TOKEN"
+_MAX_LINE = 1 << 20  # a longer message is refused
+
+
+class RendezvousError(RuntimeError):
+    """The nodes could not form a job: refused, missing, or node 0 went away."""
+
+
+
+class Channel:
+    """One socket, JSON objects one per line, each way."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self._reader = sock.makefile("rb")
+        self._send_lock = threading.Lock()
+
+    def send(self, message: dict) -> bool:
+        """Sends ``message``; False if the peer is gone."""
+        data = (json.dumps(message) + "\n").encode()
+        with self._send_lock:
+            try:
+                self.sock.sendall(data)
+                return True
+            except OSError:
+                return False
+
+    def receive(self) -> dict | None:
+        """The next message, or None at EOF (or on a broken or oversized line)."""
+        try:
+            line = self._reader.readline(_MAX_LINE)
+        except (OSError, ValueError):
+            return None
+        if not line.endswith(b"\n"):
+            return None
+        try:
+            message = json.loads(line)
+        except ValueError:
+            return None
+        return message if isinstance(message, dict) else None
+
+    def close(self) -> None:
+        try:  # wakes a thread blocked reading (closing the reader first would wait for it)
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        for close in (self.sock.close, self._reader.close):
+            try:
+                close()
+            except OSError:
+                pass
+
+
+def describe_stop(stop: dict) -> str:
+    """A "stop" message in words: ``worker-1 exited with code 3 on node 1``."""
+    if stop.get("task"):  # the reason starts with the task's name
+        return f"{stop['reason']} on node {stop['node']}"
+    return f"node {stop['node']}: {stop['reason']}"
+
+
+def proof(token: str, nonce: str) -> str:
+    return hmac.new(token.encode(), nonce.encode(), hashlib.sha256).hexdigest()
+
+
+def parse_master(master: str) -> tuple[str, int]:
+    """``"10.0.0.1:29400"`` -> ``("10.0.0.1", 29400)``.
+
+    Raises:
+        ValueError: not ``HOST:PORT`` with a port in 1..65535.
+    """
+    host, _, port = str(master).rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"master must be HOST:PORT, e.g. 10.0.0.1:29400. "
+                         f"Received: master={master!r}")
+    return host, int(port)
+
+
+def resolve_token(token: str | None, node_rank: int, log) -> str:
+    """The shared token: ``token``, else $TFDIST_TOKEN, else (node 0) a new one, printed.
+
+    Raises:
+        ValueError: a node other than 0 has no token.
+    """
+    token = token or os.environ.get(TOKEN_ENV)
+    if token:
+        return token
+    if node_rank != 0:
+        raise ValueError(f"node {node_rank} needs the rendezvous token that node 0 printed: "
+                         f"pass --token or set {TOKEN_ENV}. Received: no token")
+    token = secrets.token_urlsafe(18)
+    print(f"tfdist launch: rendezvous token: {token}  (give every other node --token "
+          f"{token}, or set {TOKEN_ENV})", file=log, flush=True)
+    return token

@@ -1,0 +1,65 @@
+"""What a launch returns or raises, and how the launcher words a task's end."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+from typing import Sequence
+
+from tfdist.cluster import ClusterSpec
+
+
+class LaunchError(RuntimeError):
+    """A launched job failed: a task exited non-zero, or the deadline passed.
+
+    Attributes:
+        task: Name of the task that failed first (``worker-1``), or None on timeout.
+        returncode: Its exit code, or None on timeout.
+        output_tail: The last lines that task printed.
+        attempts: How many times the job was started.
+    """
+
+    def __init__(self, message, task=None, returncode=None, output_tail="", attempts=1):
+        super().__init__(message)
+        self.task = task
+        self.returncode = returncode
+        self.output_tail = output_tail
+        self.attempts = attempts
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskResult:
+    """What one task did: its exit code and the end of its output."""
+
+    name: str
+    returncode: int | None
+    output_tail: str
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchResult:
+    """A finished job: every task's result, and how many starts it took."""
+
+    tasks: tuple[TaskResult, ...]
+    attempts: int
+    cluster: ClusterSpec
+
+
+def launch_result(tasks: Sequence, attempts: int, cluster: ClusterSpec) -> LaunchResult:
+    """The `LaunchResult` of a finished attempt's `TaskProcess` list (single-node or one
+    node's share)."""
+    return LaunchResult(tuple(TaskResult(t.name, t.poll(), t.tail_text()) for t in tasks),
+                        attempts, cluster)
+
+
+def exit_cause(name: str, code: int) -> str:
+    """``worker-1 exited with code -9 (signal SIGKILL)``."""
+    return f"{name} exited with code {code}" + (
+        f" (signal {signal.Signals(-code).name})" if code < 0 and -code in
+        signal.valid_signals() else "")
+
+
+def announce_restart(log, restart: int, max_restarts: int, cause: str, note: str = "") -> None:
+    """Prints ``tfdist launch: restart 1/3: worker-1 exited with code 3`` (+ ``note``)."""
+    print(f"tfdist launch: restart {restart}/{max_restarts}: {cause}{note}\n", end="",
+          file=log, flush=True)  # one write: other threads may write to the same log
