@@ -476,3 +476,42 @@ def test_python_api_runs_a_module(tmp_path, monkeypatch):
         tfdist.launch(module="my-pkg.job")
     with pytest.raises(TypeError, match="launch needs a script path, a function or module="):
         tfdist.launch()
+
+
+def test_launch_options_hold_the_defaults_of_launch_and_the_cli():
+    """Unit: `tfdist.launch`'s and ``tfdist launch``'s defaults are `LaunchOptions`'."""
+    import dataclasses
+    import inspect
+
+    from tfdist import cli
+    from tfdist.launch import LaunchOptions
+
+    defaults = LaunchOptions()
+    parameters = inspect.signature(tfdist.launch).parameters
+    args = cli.build_parser().parse_args(["launch", "job.py"])
+    for field in dataclasses.fields(LaunchOptions):
+        if field.name in parameters:
+            assert parameters[field.name].default == getattr(defaults, field.name), field.name
+        if hasattr(args, field.name):
+            assert getattr(args, field.name) == getattr(defaults, field.name), field.name
+
+
+def test_restart_policies_share_max_restarts():
+    """Unit: a ps worker's restarts and the job's come out of the same ``max_restarts``."""
+    import io
+
+    from tfdist.launch import JobRestarts, PsWorkerRestarts
+    from tfdist.launch.api import restarts_for
+
+    assert restarts_for(chief=True, ps=1) is PsWorkerRestarts
+    assert restarts_for(chief=False, ps=1) is JobRestarts
+    assert restarts_for(chief=True, ps=0) is JobRestarts
+    job = JobRestarts(2, io.StringIO())
+    assert [job.restart_job(), job.restart_job(), job.restart_job()] == [1, 2, None]
+    ps = PsWorkerRestarts(2, io.StringIO())
+    ps.used = 1  # one worker restarted alone
+    assert [ps.restart_job(), ps.restart_job()] == [2, None]
+    with ps.attempt():
+        env = ps.task_env(1)
+        assert env["TFDIST_TASK_RESTART"] == "1" and os.path.isdir(env["TFDIST_CONTROL_DIR"])
+    assert not os.path.exists(env["TFDIST_CONTROL_DIR"])

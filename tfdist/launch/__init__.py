@@ -15,7 +15,9 @@ modules, each one job, from the bottom up:
 - `api`: `launch` (a script, a function or a module) and `run`.
 
 ``tfdist.launch`` (the attribute of `tfdist`) is the function `launch`; this package
-is ``sys.modules["tfdist.launch"]``.
+is ``sys.modules["tfdist.launch"]``. So import its modules as
+``from tfdist.launch import local`` (``import tfdist.launch.local as local`` would look
+``local`` up on the function).
 """
 
 from tfdist.launch.api import launch, run

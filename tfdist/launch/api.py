@@ -91,15 +91,16 @@ def launch(target: str | os.PathLike | Callable | None = None, *args: Any,
         isolate_network: Run the job in a private network namespace (needs root): TF's
             servers listen on 0.0.0.0, and this keeps them unreachable from outside.
         restart_ps_workers: With a chief and ps tasks, restart a dead (or frozen)
-            worker alone while the chief runs, one of ``max_restarts`` each (see `run`).
-        gpus_per_task: GPUs pinned per task with CUDA_VISIBLE_DEVICES (see `run`).
+            worker alone while the chief runs, one of ``max_restarts`` each
+            (`PsWorkerRestarts`).
+        gpus_per_task: GPUs pinned per task with CUDA_VISIBLE_DEVICES (`LaunchOptions`).
         nnodes: Nodes in a multi-node job; every node makes the same call.
         node_rank: This node's rank (node 0 hosts the rendezvous at ``master``).
         master: ``HOST:PORT`` of node 0's rendezvous.
         node_addr: This node's address as the others reach it (default: as node 0 sees it).
         token: Shared rendezvous secret (default: $TFDIST_TOKEN, else node 0 prints one).
         join_timeout: Seconds for every node to join.
-        evaluator: Add one ``evaluator`` task (see `run`); single-node jobs only.
+        evaluator: Add one ``evaluator`` task (see `LaunchOptions`); single-node jobs only.
         evaluator_wait: Seconds the evaluator may run on after training ended.
         **kwargs: Keyword arguments of the function.
 
