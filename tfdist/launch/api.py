@@ -9,7 +9,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from tfdist.launch import local, nodes
+from tfdist.launch.local import run as run_local
+from tfdist.launch.nodes import run_node
 from tfdist.launch.options import DEFAULTS, LaunchOptions, resolve_options
 from tfdist.launch.restarts import JobRestarts, PsWorkerRestarts
 from tfdist.launch.results import LaunchResult
@@ -44,8 +45,8 @@ def run(argv: Sequence[str], options: LaunchOptions | None = None, *,
     """
     options = resolve_options(options, fields)
     if options.is_multi_node:
-        return nodes.run_node(argv, options)
-    return local.run(argv, options, restarts=restarts)
+        return run_node(argv, options)
+    return run_local(argv, options, restarts=restarts)
 
 
 def launch(target: str | os.PathLike | Callable | None = None, *args: Any,
