@@ -64,7 +64,7 @@ def horovod_task(sizes, quick):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
 
-    from tfdist.comm import horovod as comm
+    from tfdist.engines.horovod import ops as comm
 
     hvd = comm.hvd()
     out = {}
@@ -174,7 +174,7 @@ def loopback_bounds(sizes, quick):
 def horovod_times(sizes, quick, timeout):
     """{bytes: median seconds} of rank 0 of a horovodrun job."""
     if not (Path(sys.executable).parent / "horovodrun").exists():
-        from tfdist.comm.horovod import INSTALL_HINT
+        from tfdist.engines.horovod.ops import INSTALL_HINT
 
         raise SystemExit(INSTALL_HINT)
     return run_horovod(horovod_task, sizes, quick, np=NPROC, timeout=timeout)[0]

@@ -70,7 +70,7 @@ def gpu_fit_task(mode: str, gpus: int, steps: int, epochs: int) -> dict:
               callbacks=[timer])
     info = {}
     if mode == "horovod":
-        from tfdist.comm import horovod as comm
+        from tfdist.engines.horovod import ops as comm
 
         info["nccl_built"] = bool(comm.hvd().nccl_built())
     return {"samples_per_second": batch * steps / statistics.median(timer.seconds[1:]),

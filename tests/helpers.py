@@ -104,7 +104,7 @@ def require_horovod():
 
     import pytest
 
-    from tfdist.comm import horovod as comm
+    from tfdist.engines.horovod import ops as comm
 
     if comm.is_available():
         return

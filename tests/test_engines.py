@@ -82,11 +82,12 @@ def _peers_answer():
     """{peer: whether it answers the liveness probe} (rank 0: Gloo's rendezvous; others:
     their liveness server), as a frozen peer's survivor probes them. Ends with a
     barrier, so that no task exits while another probes it."""
-    from tfdist.comm import horovod as comm
-    from tfdist.strategies.parameter_server import is_responsive
+    from tfdist.comm.liveness import is_responsive
+    from tfdist.engines.horovod import ops as comm
+    from tfdist.engines.horovod.rendezvous import peer_addresses
 
     answers = {name: is_responsive(address, 30) for name, address in
-               comm.peer_addresses().items()}
+               peer_addresses().items()}
     comm.allreduce([1.0], name="tfdist.test.probed")
     return answers
 
@@ -167,7 +168,7 @@ def test_horovod_engine_in_a_tf_config_job_not_started_by_tfdist(horovod_install
 
 
 def test_engine_names_are_checked():
-    from tfdist.comm.engines import select_engine
+    from tfdist.engines import select_engine
 
     with pytest.raises(ValueError, match=r"engine must be one of .*Received: engine='gloo'"):
         select_engine("gloo", 2, on_gpus=False)
@@ -176,7 +177,7 @@ def test_engine_names_are_checked():
 
 
 def test_auto_picks_the_measured_engine(monkeypatch, caplog):
-    from tfdist.comm import engines
+    from tfdist.engines import registry as engines
 
     monkeypatch.delenv(engines.ENV_VAR, raising=False)
     monkeypatch.setattr(engines, "_logged", set())
@@ -186,7 +187,7 @@ def test_auto_picks_the_measured_engine(monkeypatch, caplog):
         assert engines.select_engine("auto", 2, on_gpus=False, is_chief=True) == "horovod"
     assert [r.getMessage() for r in caplog.records].count(
         "engine='auto' chose 'horovod' for 2 workers: Gloo's all-reduce is faster than TF's "
-        "gRPC ring on CPUs (see tfdist.comm.engines).") == 1  # once per job
+        "gRPC ring on CPUs (see tfdist.engines).") == 1  # once per job
     assert engines.select_engine("auto", 1, on_gpus=False) == "tf"
     assert engines.select_engine("auto", 2, on_gpus=True) == "tf"
     monkeypatch.setattr(engines, "_horovod_installed", lambda: False)
@@ -281,10 +282,11 @@ def test_horovod_peer_error_names_silent_and_dead_peers(monkeypatch):
 
     import tensorflow as tf
 
-    import tfdist
-    from tfdist.comm import horovod as comm
+    import types
+
+    from tfdist.engines.horovod import rendezvous as comm
+    from tfdist.engines.horovod.engine import HorovodEngine
     from tfdist.launch import find_free_ports
-    from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 
     alive = comm._serve_liveness("127.0.0.1", find_free_ports(1)[0])
     silent = socket.socket()
@@ -294,12 +296,8 @@ def test_horovod_peer_error_names_silent_and_dead_peers(monkeypatch):
     peers = {"worker-1": f"127.0.0.1:{alive.server_address[1]}",
              "worker-2": f"127.0.0.1:{silent.getsockname()[1]}",
              "worker-3": f"127.0.0.1:{closed}"}
-    strategy = object.__new__(MultiWorkerMirroredStrategy)
-    strategy.engine, strategy.heartbeat_timeout, strategy.collective_timeout = (
-        "horovod", 5.0, 3.0)
-    strategy.cluster = tfdist.ClusterSpec.from_dict(
-        {"cluster": {"worker": ["127.0.0.1:1"] + list(peers.values())},
-         "task": {"type": "worker", "index": 0}})
+    engine = HorovodEngine(types.SimpleNamespace(
+        heartbeat_timeout=5.0, collective_timeout=3.0, task_name="worker-0"))
     monkeypatch.delenv(comm.GLOO_TIMEOUT_ENV, raising=False)
     shut_down = tf.errors.UnknownError(None, None, (
         "Graph execution error:\n\n  File \"x.py\", line 1, in f\n\nHorovod has been "
@@ -307,7 +305,7 @@ def test_horovod_peer_error_names_silent_and_dead_peers(monkeypatch):
         "tfdist.allreduce.14_0}}]] [Op:__inference_step_580]"))
     try:
         monkeypatch.setattr(comm, "_peers", peers)
-        error = strategy._peer_error(shut_down)
+        error = engine.peer_error(shut_down)
         assert type(error) is tf.errors.UnknownError
         assert error.message == (
             "worker-0: worker-2 did not answer Horovod within collective_timeout=3s, nor a "
@@ -316,9 +314,9 @@ def test_horovod_peer_error_names_silent_and_dead_peers(monkeypatch):
             "killed or exited. Horovod said: Horovod has been shut down. This was caused "
             "by an exception on one of the ranks."), error.message
         other = tf.errors.UnknownError(None, None, "something else")
-        assert strategy._peer_error(other) is other
+        assert engine.peer_error(other) is other
         monkeypatch.setattr(comm, "_peers", {"worker-1": peers["worker-1"]})
-        assert strategy._peer_error(shut_down) is shut_down
+        assert engine.peer_error(shut_down) is shut_down
     finally:
         alive.shutdown()
         alive.server_close()

@@ -234,7 +234,7 @@ def _resume_task(out_dir):
 
 
 def _horovod_installed():
-    from tfdist.comm import horovod
+    from tfdist.engines.horovod import ops as horovod
 
     return horovod.is_available()
 
@@ -409,7 +409,7 @@ def test_resume_after_killed_worker_matches_uninterrupted(tmp_path):
 def test_missing_tasks_are_read_from_tf_messages():
     """The task names in start-up errors (message texts as TF 2.21 prints them)."""
     from tfdist.cluster import ClusterSpec, TaskSpec
-    from tfdist.strategies.multi_worker import _missing_tasks
+    from tfdist.engines.tf import missing_tasks as _missing_tasks
 
     cluster = ClusterSpec(worker=("h:1", "h:2", "h:3"), task=TaskSpec("worker", 1))
     barrier = ("Barrier timed out. Id: [Init]Wait_for_all_tasks_to_register::0.\n"

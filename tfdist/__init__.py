@@ -41,8 +41,9 @@ __all__ = [
 
 
 # Subpackages loaded on first attribute access: tfdist.keras imports Keras; ray and
-# spark import their engines.
-_LAZY_MODULES = {"keras": "tfdist.keras", "ray": "tfdist.ray", "spark": "tfdist.spark"}
+# spark import their engines; tfdist.engines is the engine plug-in API.
+_LAZY_MODULES = {"engines": "tfdist.engines", "keras": "tfdist.keras", "ray": "tfdist.ray",
+                 "spark": "tfdist.spark"}
 
 
 def __getattr__(name):

@@ -115,7 +115,7 @@ def export_slurm_cluster(config: dict[str, Any]) -> None:
 def is_chief_task(config: dict[str, Any]) -> bool:
     """True on the task that reports and writes the model."""
     if config["strategy"]["name"] == "horovod":
-        from tfdist.comm import horovod
+        from tfdist.engines.horovod import ops as horovod
 
         return horovod.rank() == 0
     if os.environ.get("TF_CONFIG"):
@@ -368,7 +368,7 @@ def _topology(config: dict[str, Any]) -> dict[str, int]:
     """``{"workers": ..., "ps": ...}``: the training processes and parameter servers."""
     name = config["strategy"]["name"]
     if name == "horovod":
-        from tfdist.comm import horovod
+        from tfdist.engines.horovod import ops as horovod
 
         return {"workers": horovod.size(), "ps": 0}
     if os.environ.get("TF_CONFIG") and is_multi_process(config):

@@ -1,1 +1,1 @@
-"""How tensors move: byte accounting, compression, and the Horovod engine."""
+"""How tensors move: communicators, byte accounting, compression, averaging, liveness."""

@@ -11,9 +11,7 @@ counter.
 from __future__ import annotations
 
 from tfdist.comm.accounting import ByteCounter
-from tfdist.comm.communicator import make_communicator
-
-ENGINES = ("tf", "horovod")
+from tfdist.comm.communicator import Accounted, StrategyCommunicator
 
 
 def is_average_step(step, period: int, warmup_steps: int):
@@ -38,18 +36,20 @@ class PeriodicAverager:
     Args:
         period: Steps between averages (>= 1).
         warmup_steps: Steps averaged every time first.
-        engine: ``"tf"`` (the strategy's own cross-device ops, whatever its engine) or
-            ``"horovod"`` (`tfdist.comm.horovod` directly, one replica per process).
         compression: Wire dtype of the weight deltas (None, ``"fp16"``, ``"bf16"``).
+        make_communicator: ``f(compression, counter, name)`` returning an `Accounted`
+            communicator (an engine's `tfdist.engines.Engine.make_communicator`); by
+            default one over the strategy's own cross-device ops.
     """
 
-    def __init__(self, period: int, warmup_steps: int = 0, engine: str = "tf",
-                 compression=None):
+    def __init__(self, period: int, warmup_steps: int = 0, compression=None,
+                 make_communicator=None):
         self.period = period
         self.warmup_steps = warmup_steps
+        make = make_communicator or _strategy_communicator
         counter = ByteCounter("tfdist_model_average_bytes")
-        self.deltas = make_communicator(engine, compression, counter, "tfdist_model_average")
-        self.exact = make_communicator(engine, None, counter, "tfdist_model_average_exact")
+        self.deltas = make(compression, counter, "tfdist_model_average")
+        self.exact = make(None, counter, "tfdist_model_average_exact")
 
     @property
     def bytes_communicated(self) -> int:
@@ -68,3 +68,8 @@ class PeriodicAverager:
         mean_deltas = self.deltas.all_reduce(distribution, list(deltas), list(anchors))
         mean_values = self.exact.all_reduce(distribution, list(values), list(variables))
         return mean_deltas, mean_values
+
+
+def _strategy_communicator(compression, counter, name) -> Accounted:
+    del name
+    return Accounted(StrategyCommunicator(), compression, counter)

@@ -1,21 +1,17 @@
 """Communicators: how a strategy's tensors move between replicas and workers.
 
-A `Communicator` all-reduces (sum or mean), broadcasts and waits at a barrier, called in
-cross-replica context with per-replica values (what ``merge_call`` hands over). Two
-engines implement it:
+A `Communicator` all-reduces (sum or mean), called in cross-replica context with
+per-replica values (what ``merge_call`` hands over). `StrategyCommunicator` uses the
+strategy's own cross-device ops: TF's collectives (gRPC ring on CPU, NCCL on GPU),
+ReductionToOneDevice on one host, or whatever cross-device ops an engine's
+``extended`` reduces with (`tfdist.engines`).
 
-- `StrategyCommunicator` (``"tf"``): the strategy's own cross-device ops, i.e. TF's
-  collectives (gRPC ring on CPU, NCCL on GPU), ReductionToOneDevice on one host, or
-  Horovod's ops under ``engine="horovod"`` and in `tfdist.HorovodStrategy`;
-- `HorovodCommunicator` (``"horovod"``): `tfdist.comm.horovod` directly, one replica
-  per process (the deprecated ``ModelAverageStrategy(backend="horovod")``).
-
-`Accounted` wraps any of them once: it casts floating payloads for the wire
+`Accounted` wraps any communicator once: it casts floating payloads for the wire
 (`tfdist.comm.compression`) and counts the bytes one replica contributes
 (`tfdist.comm.accounting.payload_bytes`). Every strategy that compresses or counts
 (the synchronous ones for gradients, model averaging for weights) does so only here.
-IndexedSlices (embedding gradients) travel uncompressed. Adding an engine means adding
-one `Communicator` subclass.
+IndexedSlices (embedding gradients) travel uncompressed. An engine that moves tensors
+another way gives its own `Communicator` subclass (`tfdist.engines.Engine.make_inner_communicator`).
 """
 
 from __future__ import annotations
@@ -29,9 +25,7 @@ OPS = ("sum", "mean")
 
 
 class Communicator(abc.ABC):
-    """All-reduce, broadcast and barrier over every replica of every worker."""
-
-    name: str = ""
+    """All-reduce over every replica of every worker."""
 
     @abc.abstractmethod
     def all_reduce(self, distribution, values: list, destinations: list, op: str = "mean"
@@ -48,24 +42,6 @@ class Communicator(abc.ABC):
             One reduced value per input (mirrored, or a plain tensor).
         """
 
-    def broadcast(self, distribution, values: list, destinations: list, root_replica: int = 0
-                  ) -> list:
-        """Replica ``root_replica``'s value of each per-replica value, everywhere."""
-        import tensorflow as tf
-
-        def keep_root(value):
-            replica = tf.distribute.get_replica_context().replica_id_in_sync_group
-            return value * tf.cast(tf.equal(replica, root_replica), value.dtype)
-
-        masked = [distribution.run(keep_root, args=(value,)) for value in values]
-        return self.all_reduce(distribution, masked, destinations, op="sum")
-
-    def barrier(self, distribution) -> None:
-        """Returns when every replica reached it (a one-element all-reduce)."""
-        import tensorflow as tf
-
-        self.all_reduce(distribution, [tf.zeros([1])], [None], op="sum")
-
 
 def _check_op(op: str) -> str:
     if op not in OPS:
@@ -81,8 +57,6 @@ class StrategyCommunicator(Communicator):
             ``batch_reduce_to``: for a strategy whose ``batch_reduce_to`` itself goes
             through this communicator (`tfdist.HorovodStrategy`).
     """
-
-    name = "tf"
 
     def __init__(self, cross_device_ops=None):
         self._cross_device_ops = cross_device_ops
@@ -111,29 +85,6 @@ def _destination(value):
     return value.device if isinstance(value, tf.Tensor) else value
 
 
-class HorovodCommunicator(Communicator):
-    """`tfdist.comm.horovod` ops across processes; one replica per process."""
-
-    name = "horovod"
-
-    def __init__(self, name_prefix: str = "tfdist"):
-        self._prefix = name_prefix
-
-    def all_reduce(self, distribution, values, destinations, op="mean"):
-        from tfdist.comm import horovod  # lazy: only this engine imports Horovod
-
-        del destinations
-        local = []
-        for value in values:
-            parts = distribution.experimental_local_results(value)
-            if len(parts) != 1:
-                raise ValueError("the horovod communicator runs one replica per process. "
-                                 f"Received: {len(parts)} local replicas")
-            local.append(parts[0])
-        return horovod.allreduce(local, op={"sum": "sum", "mean": "average"}[_check_op(op)],
-                                 name=self._prefix)
-
-
 class Accounted(Communicator):
     """Any communicator, with compression on the wire and byte counting, once.
 
@@ -146,7 +97,6 @@ class Accounted(Communicator):
     def __init__(self, inner: Communicator, compression=None,
                  counter: ByteCounter | None = None):
         self.inner = inner
-        self.name = inner.name
         self.compression = get_compression(compression)
         self.counter = counter if counter is not None else ByteCounter()
 
@@ -195,19 +145,3 @@ class Accounted(Communicator):
             # Same wrapper as the engine's result (Mirrored from cross-device ops).
             return tf_hooks.tf_distribute_internals().regroup(parts, wrap_class=type(value))
         return self.compression.decompress(value, dtype)
-
-
-def make_communicator(engine: str, compression=None, counter: ByteCounter | None = None,
-                      name: str = "tfdist", cross_device_ops=None) -> Accounted:
-    """The accounted communicator of ``engine`` (``"tf"`` or ``"horovod"``).
-
-    ``name`` prefixes Horovod's op names (ranks match tensors by name);
-    ``cross_device_ops`` goes to `StrategyCommunicator` (``"tf"`` only).
-    """
-    if engine == "tf":
-        inner = StrategyCommunicator(cross_device_ops)
-    elif engine == "horovod":
-        inner = HorovodCommunicator(name)
-    else:
-        raise ValueError(f"engine must be 'tf' or 'horovod'. Received: engine={engine!r}")
-    return Accounted(inner, compression, counter)

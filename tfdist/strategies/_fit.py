@@ -74,21 +74,6 @@ def check_global_batch(batch_size: int | None, replicas: int, name: str = "batch
             f"{replicas} replicas; use e.g. {name}={batch_size // replicas * replicas or replicas}.")
 
 
-def models_differ(variable: str | None, where: str, said: str) -> ValueError:
-    """The error for workers that built different models (either engine).
-
-    Args:
-        variable: The variable's name.
-        where: ``": its shape is [3,4] on worker-0 and [3,3] on another worker"``, or "".
-        said: The engine's own message.
-    """
-    return ValueError(
-        f"the workers built different models: variable {variable!r} does not match "
-        f"between workers{where}. Every worker must create the same variables, with the "
-        f"same shapes, in the same order, in strategy.scope(). The engine said: "
-        f"{said.strip().splitlines()[0]}")
-
-
 class KerasFitMixin(KerasHandoff):
     """Mixed into a strategy class: its Keras hand-off around ``fit`` and saves."""
 

@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from tfdist._hooks import keras_optimizer
 from tfdist.comm.accounting import ByteCounter
-from tfdist.comm.communicator import make_communicator
+from tfdist.comm.communicator import Accounted, StrategyCommunicator
 from tfdist.comm.options import CommunicationOptions
 from tfdist.keras import handoff
 from tfdist.strategies._fit import KerasFitMixin
@@ -50,20 +50,22 @@ class SyncGradientsMixin(KerasFitMixin):
     """
 
     def _init_sync_gradients(self, options: CommunicationOptions,
+                             communicator: Accounted | None = None,
                              cross_device_ops=None) -> None:
-        """Sets ``communication`` and ``communicator``; call before the strategy's
-        ``extended`` exists (outside any scope).
+        """Sets ``communication`` and ``communicator``; call outside any scope.
 
         Args:
             options: The strategy's `CommunicationOptions`.
+            communicator: The accounted communicator (an engine's), or None for one
+                over ``cross_device_ops``.
             cross_device_ops: None (the strategy's own ``batch_reduce_to``), or the
                 cross-device ops to reduce with when ``batch_reduce_to`` itself goes
                 through ``communicator`` (`tfdist.HorovodStrategy`).
         """
         self.communication = options
-        self.communicator = make_communicator(
-            "tf", options.compression_policy, ByteCounter(),
-            cross_device_ops=cross_device_ops)
+        self.communicator = communicator or Accounted(
+            StrategyCommunicator(cross_device_ops), options.compression_policy,
+            ByteCounter())
         self._accumulators = {}
         # Micro-batches seen, a host counter (created outside any scope).
         self._micro_steps = ByteCounter("tfdist_micro_steps")

@@ -22,6 +22,21 @@ def default_cross_device_ops(devices: list[str]) -> tf.distribute.CrossDeviceOps
     return None
 
 
+def make_local_extended(strategy, devices=None):
+    """TF's ``MirroredExtended`` over this host's ``devices``, as `MirroredStrategy` makes
+    it (checked devices, the measured all-reduce, its own collective keys), for a
+    strategy that is not a ``MirroredStrategy`` (one-host model averaging).
+
+    Args:
+        strategy: The container strategy.
+        devices: Device names; default: every local GPU, or else every logical CPU.
+    """
+    devices = validate_devices(devices) if devices is not None else default_devices()
+    tf_hooks.assign_collective_key_base(strategy)
+    return tf_hooks.tf_distribute_internals().MirroredExtended(
+        strategy, devices=devices, cross_device_ops=default_cross_device_ops(devices))
+
+
 class MirroredStrategy(SyncGradientsMixin, tf.distribute.MirroredStrategy):
     """`tf.distribute.MirroredStrategy` that works on CPU hosts and in notebooks.
 
@@ -44,7 +59,14 @@ class MirroredStrategy(SyncGradientsMixin, tf.distribute.MirroredStrategy):
         communicator: The `tfdist.comm.communicator.Accounted` communicator gradients
             are all-reduced through (compression, byte counting).
         bytes_communicated: Gradient bytes all-reduced so far, after compression.
+        rank, size, num_workers, is_chief: One process: 0, 1, 1 and True.
     """
+
+    rank = 0
+    size = 1
+    num_workers = 1
+    is_chief = True
+
 
     def __init__(self, devices=None, cross_device_ops=None, communication_options=None,
                  compression=None, accumulate_steps=None):

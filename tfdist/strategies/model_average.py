@@ -7,10 +7,11 @@ last average is applied as an outer gradient (SlowMo / DiLoCo). See docs/model_a
 
 How it works with plain Keras code (private hooks in `tfdist._hooks`):
 
-- The strategy is a `tfdist.MirroredStrategy` (one host) or a
-  `tfdist.MultiWorkerMirroredStrategy` (TF_CONFIG). Variables are mirrored, but since
-  every replica applies a different update, their per-replica copies differ between
-  averages, which is the point.
+- The strategy is a `tfdist.MultiWorkerMirroredStrategy` whose engine moves the
+  averages (`tfdist.engines`); on one host its replicas are the local devices, as in
+  `tfdist.MirroredStrategy`. Variables are mirrored, but since every replica applies a
+  different update, their per-replica copies differ between averages, which is the
+  point.
 - Keras scales the loss by ``1/num_replicas_in_sync`` and SUM-all-reduces gradients. The
   optimizer step is routed through `ModelAverageStrategy.keras_local_update`, which
   multiplies the local gradients by the number of replicas (so the learning rate is
@@ -27,20 +28,18 @@ How it works with plain Keras code (private hooks in `tfdist._hooks`):
 from __future__ import annotations
 
 import functools
-import inspect
 import os
-import warnings
 
 import tensorflow as tf
 
 from tfdist._hooks import keras_optimizer
 from tfdist.checks import check_int
-from tfdist.comm.averaging import ENGINES as BACKENDS
 from tfdist.comm.averaging import PeriodicAverager
-from tfdist.comm.engines import select_engine
 from tfdist.comm.options import merge_options
 from tfdist.keras import handoff
 from tfdist.strategies._optimizer import inner_optimizer
+from tfdist.strategies.mirrored import make_local_extended
+from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 
 
 class _State:
@@ -106,25 +105,7 @@ def _scale(grad, factor):
     return grad * tf.cast(factor, grad.dtype)
 
 
-class _PicksItsBase(type):
-    """``ModelAverageStrategy(...)`` builds the named subclass its arguments call for.
-
-    `LocalModelAverageStrategy` (replicas: local devices) or
-    `MultiWorkerModelAverageStrategy` (replicas: every device of every worker). Both are
-    ``ModelAverageStrategy`` instances, and their reprs and tracebacks name themselves.
-    """
-
-    def __call__(cls, *args, **kwargs):
-        if cls is ModelAverageStrategy:
-            arguments = inspect.signature(cls.__init__).bind(None, *args, **kwargs).arguments
-            several = (arguments.get("backend") or "tf") == "tf" and (
-                arguments.get("engine") == "horovod"
-                or _wants_multi_worker(arguments.get("cluster_resolver")))
-            cls = MultiWorkerModelAverageStrategy if several else LocalModelAverageStrategy
-        return type.__call__(cls, *args, **kwargs)
-
-
-class ModelAverageStrategy(tf.distribute.Strategy, metaclass=_PicksItsBase):
+class ModelAverageStrategy(MultiWorkerMirroredStrategy):
     """Local SGD / model averaging for Keras ``fit``, on one host or many workers.
 
     Each replica (local device, logical CPU, or worker) takes its own sub-batch and
@@ -132,11 +113,10 @@ class ModelAverageStrategy(tf.distribute.Strategy, metaclass=_PicksItsBase):
     divided by the number of replicas). Every ``period`` steps the weights are
     all-reduced to their mean. ``period=1`` with plain SGD is synchronous training.
 
-    ``ModelAverageStrategy(...)`` builds `LocalModelAverageStrategy` (a
-    `tfdist.MirroredStrategy`) on one host, or `MultiWorkerModelAverageStrategy` (a
-    `tfdist.MultiWorkerMirroredStrategy`) when ``cluster_resolver`` is given, TF_CONFIG
-    names several workers or ``engine="horovod"``. Either way
-    ``isinstance(s, tfdist.ModelAverageStrategy)``.
+    A `tfdist.MultiWorkerMirroredStrategy`: its replicas are every device of every
+    worker when ``cluster_resolver`` is given, TF_CONFIG names several workers or the
+    engine is not TF's; otherwise the local devices (as `tfdist.MirroredStrategy`),
+    and Keras treats it as a one-host strategy.
 
     Args:
         period: Average the weights every ``period`` optimizer steps (>= 1).
@@ -157,19 +137,22 @@ class ModelAverageStrategy(tf.distribute.Strategy, metaclass=_PicksItsBase):
         cluster_resolver: Anything `tfdist.MultiWorkerMirroredStrategy` takes; given
             (or TF_CONFIG with several workers), replicas are every device of every
             worker.
-        backend: Deprecated; use ``engine``. ``"horovod"`` keeps its old meaning:
-            weights are averaged with `tfdist.comm.horovod.allreduce` under
-            ``horovodrun``, one replica per rank, each rank fed its own data.
-        engine: ``"tf"``, ``"horovod"`` or ``"auto"``, as for
+        engine: A registered engine name or ``"auto"``, as for
             `tfdist.MultiWorkerMirroredStrategy`: the engine of the weight average
             (and of loss/metric reductions) across workers, with the same global batch
-            and sharding either way. ``"horovod"`` needs no ``horovodrun``.
+            and sharding with every engine.
         compression: None, ``"fp16"`` or ``"bf16"``: weight deltas are cast for the
             all-reduce (`bytes_communicated` shows the saving).
         communication_options: A `tfdist.CommunicationOptions`: its ``compression``
             (as above) and ``timeout_seconds`` (collective timeout on several
             workers) apply; ``accumulate_steps`` > 1 is refused (no gradient all-reduce).
-        **base_kwargs: Passed to the multi-worker base (e.g. ``collective_timeout``).
+        **base_kwargs: Passed to `tfdist.MultiWorkerMirroredStrategy` (e.g.
+            ``collective_timeout``, ``startup_timeout``).
+
+    Attributes:
+        communication: The `tfdist.CommunicationOptions` in use.
+        compression: ``communication.compression`` as a policy (its ``name``).
+        averager: The `tfdist.comm.averaging.PeriodicAverager`.
 
     Raises:
         ValueError: an argument is invalid (the message names it and its value).
@@ -177,7 +160,7 @@ class ModelAverageStrategy(tf.distribute.Strategy, metaclass=_PicksItsBase):
 
     def __init__(self, period=1, warmup_steps=0, outer_optimizer=None,
                  average_optimizer_state=False, devices=None, cluster_resolver=None, *,
-                 backend=None, compression=None, engine="auto", **base_kwargs):
+                 compression=None, engine="auto", **base_kwargs):
         self.period = check_int("period", period, 1)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
         if outer_optimizer is not None and not (
@@ -190,45 +173,64 @@ class ModelAverageStrategy(tf.distribute.Strategy, metaclass=_PicksItsBase):
             _check_outer(outer_optimizer)
         self._outer_template = outer_optimizer
         self.average_optimizer_state = bool(average_optimizer_state)
-        if backend is not None:
-            warnings.warn("ModelAverageStrategy(backend=...) is deprecated: use engine=. "
-                          "backend='horovod' keeps its old meaning (under horovodrun, one "
-                          "replica per rank, each rank fed its own data); engine='horovod' "
-                          "shards the global batch like engine='tf'.", DeprecationWarning,
-                          stacklevel=2)
-        backend = backend or "tf"
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}. Received: backend={backend!r}")
-        self.backend = backend
-        if isinstance(self, MultiWorkerModelAverageStrategy):
-            base_kwargs["engine"] = engine
-        else:
-            select_engine(engine, 1, on_gpus=False)  # checks the name
         options = merge_options(base_kwargs.pop("communication_options", None),
                                 compression=compression)
         if options.accumulate_steps > 1:
             raise ValueError("ModelAverageStrategy applies every micro-batch locally; "
                              "accumulate_steps is for the synchronous strategies. Received: "
                              f"accumulate_steps={options.accumulate_steps}")
-        self.compression = options.compression_policy
+        self._options = options
         if options.timeout_seconds is not None:
             base_kwargs.setdefault("collective_timeout", options.timeout_seconds)
-        if backend == "horovod" and cluster_resolver is not None:
-            raise ValueError("backend='horovod' takes its processes from horovodrun, not a "
-                             f"cluster. Received: cluster_resolver={cluster_resolver!r}")
-        self._init_base(devices, cluster_resolver, base_kwargs)
-        # After the base: a multi-worker strategy must exist before any TF variable.
-        self.averager = PeriodicAverager(self.period, self.warmup_steps, engine=backend,
-                                         compression=self.compression)
-        if backend == "horovod" and self.num_replicas_in_sync != 1:
-            raise ValueError("backend='horovod' runs one replica per rank: give one device. "
-                             f"Received: devices={devices!r}")
+        # One host: the local devices are the replicas, through TF's engine.
+        self._one_host = engine in ("tf", "auto") and not _wants_multi_worker(
+            cluster_resolver)
+        if devices is not None and not self._one_host:
+            raise ValueError("devices is for one host; with several workers every local "
+                             f"device is a replica. Received: devices={devices!r}")
+        self._devices = devices
         self._states = {}
         self._fit_start = {}
+        try:
+            super().__init__(cluster_resolver=cluster_resolver,
+                             engine="tf" if self._one_host else engine, **base_kwargs)
+        except RuntimeError as error:
+            if "at program startup" not in str(error):
+                raise
+            raise RuntimeError(
+                "ModelAverageStrategy on several workers must be created before any "
+                "TensorFlow op runs (creating a Keras optimizer runs some). Create the "
+                "strategy first, and pass outer_optimizer as a function, e.g. "
+                "outer_optimizer=lambda: keras.optimizers.SGD(0.7, momentum=0.9, "
+                f"nesterov=True). TensorFlow said: {error}") from error
         handoff.install_keras_hooks()
 
-    def _init_base(self, devices, cluster_resolver, base_kwargs):  # pragma: no cover
-        raise NotImplementedError
+    def _create_extended(self, cluster_resolver, communication_options):
+        """One host: TF's ``MirroredExtended`` over the local devices."""
+        if self._one_host:
+            return make_local_extended(self, self._devices)
+        return super()._create_extended(cluster_resolver, communication_options)
+
+    def _init_communication(self, options):
+        """The averager, through the engine's communicators (no gradient all-reduce).
+
+        Called after the engine made the extended: a multi-worker strategy must
+        exist before any TF variable."""
+        del options  # the base's copy; this strategy's own (with compression) is kept
+        self.communication = self._options
+        self.averager = PeriodicAverager(self.period, self.warmup_steps,
+                                         compression=self.communication.compression_policy,
+                                         make_communicator=self._engine.make_communicator)
+
+    @property
+    def cluster_resolver(self):
+        """TF's cluster resolver; None on one host."""
+        return None if self._one_host else super().cluster_resolver
+
+    @property
+    def compression(self):
+        """``communication.compression`` as a policy (``.name``: None, fp16 or bf16)."""
+        return self.communication.compression_policy
 
     # ---- public --------------------------------------------------------------------------
 
@@ -289,6 +291,11 @@ class ModelAverageStrategy(tf.distribute.Strategy, metaclass=_PicksItsBase):
     def keras_local_update(self):
         """Every optimizer step is local (see the module docstring)."""
         return self._local_apply
+
+    def keras_reduce_gradients(self, grads_and_vars, reduce):
+        """Keras' own all-reduce: this strategy has no gradient communicator. Not
+        reached while `keras_local_update` routes every step (fit checks that)."""
+        return reduce(grads_and_vars)
 
     def keras_model_event(self, model, method, when):
         """``keras.Model`` calls this around fit and load_weights, and before
@@ -371,12 +378,6 @@ class ModelAverageStrategy(tf.distribute.Strategy, metaclass=_PicksItsBase):
         import keras
 
         with tf.init_scope(), self.scope():
-            if self.backend == "horovod":
-                # Ranks initialize their own models: start them all from rank 0's.
-                from tfdist.comm import horovod as hvd_comm
-
-                hvd_comm.broadcast_variables([_tf_variable(v) for v in variables],
-                                             root_rank=0)
             anchors = [keras.Variable(tf.identity(_tf_variable(v)), trainable=False,
                                       dtype=v.dtype, name=f"tfdist_anchor_{i}")
                        for i, v in enumerate(variables)]
@@ -470,48 +471,3 @@ class ModelAverageStrategy(tf.distribute.Strategy, metaclass=_PicksItsBase):
 
     def _merge_force(self, state, plain_vars, distribution, deltas, plain):
         self._average_now(distribution, state, deltas, plain_vars, plain, outer=False)
-
-
-def _single_host_base():
-    from tfdist.strategies.mirrored import MirroredStrategy
-
-    return MirroredStrategy
-
-
-def _multi_worker_base():
-    from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
-
-    return MultiWorkerMirroredStrategy
-
-
-class LocalModelAverageStrategy(ModelAverageStrategy, _single_host_base()):
-    """`ModelAverageStrategy` on one host: replicas are local devices."""
-
-    def _init_base(self, devices, cluster_resolver, base_kwargs):
-        if self.backend == "horovod" and devices is None:
-            from tfdist.devices import default_devices
-
-            devices = default_devices()[:1]
-        _single_host_base().__init__(self, devices=devices, **base_kwargs)
-
-
-class MultiWorkerModelAverageStrategy(ModelAverageStrategy, _multi_worker_base()):
-    """`ModelAverageStrategy` across workers: replicas are every device of every worker."""
-
-    def _init_base(self, devices, cluster_resolver, base_kwargs):
-        if devices is not None:
-            raise ValueError("devices is for one host; with several workers every local "
-                             f"device is a replica. Received: devices={devices!r}")
-        try:
-            _multi_worker_base().__init__(self, cluster_resolver=cluster_resolver,
-                                          **base_kwargs)
-        except RuntimeError as error:
-            if "at program startup" not in str(error):
-                raise
-            raise RuntimeError(
-                "ModelAverageStrategy on several workers must be created before any "
-                "TensorFlow op runs (creating a Keras optimizer runs some). Create the "
-                "strategy first, and pass outer_optimizer as a function, e.g. "
-                "outer_optimizer=lambda: keras.optimizers.SGD(0.7, momentum=0.9, "
-                f"nesterov=True). TensorFlow said: {error}") from error
-

@@ -11,10 +11,15 @@
   a frozen peer is an error after ``collective_timeout``; a killed peer is an error
   within seconds (see docs/multi_worker.md).
 
+Its tensors move through an engine object (`tfdist.engines.Engine`, chosen by
+``engine=``): the engine makes the ``extended``, the gradient communicator, answers
+rank/size/chief and names a failed peer; this class has no engine-specific code.
+
 Extending it (e.g. model averaging on many workers): subclass and override
 
 - `_create_extended(cluster_resolver, communication_options)` to return your own
-  subclass of `MultiWorkerExtended` (itself TF's ``CollectiveAllReduceExtended``);
+  subclass of `MultiWorkerExtended` (itself TF's ``CollectiveAllReduceExtended``)
+  under TF's engine;
 - `_make_communication_options(communication_options)` to change the collective
   options (implementation, timeout);
 - `_configure_coordination()` to change the coordination service set-up.
@@ -27,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import secrets
 
@@ -36,9 +40,10 @@ import tensorflow as tf
 from tfdist._hooks import tf as tf_hooks
 from tfdist.checks import check_seconds
 from tfdist.cluster import TRAINING_TASK_TYPES, ClusterSpec, resolve_cluster
-from tfdist.comm.engines import select_engine
+from tfdist.comm.accounting import ByteCounter
 from tfdist.comm.options import merge_options
-from tfdist.strategies._fit import models_differ
+from tfdist.engines.base import models_differ
+from tfdist.engines.registry import engine_class, select_engine
 from tfdist.strategies._sync import SyncGradientsMixin
 
 DEFAULT_STARTUP_TIMEOUT = 60.0
@@ -49,11 +54,6 @@ DEFAULT_STARTUP_TIMEOUT = 60.0
 DEFAULT_COLLECTIVE_TIMEOUT = None
 # Seconds without a heartbeat before the coordination service declares a task dead.
 DEFAULT_HEARTBEAT_TIMEOUT = 10.0
-
-# Seconds a peer has to answer a liveness probe after Horovod stopped (engine="horovod").
-PROBE_TIMEOUT = 2.0
-# In Horovod's errors when a peer froze or died; the line with the first one is quoted.
-_HOROVOD_FAILURES = ("Horovod has been shut down", "Gloo", "gloo")
 
 # What tf.compat.v1.random.get_seed(op_seed) reports as the global seed when none was set.
 _DEFAULT_GRAPH_SEED = 87654321
@@ -109,20 +109,25 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
             Each timed collective costs TF one sleeping OS thread for that long.
             Frozen (SIGSTOPped) or dead peers are caught by ``heartbeat_timeout``.
         heartbeat_timeout: Seconds without a heartbeat before the coordination
-            service declares a task dead and fails the others. With
-            ``engine="horovod"``: Gloo's timeout (or ``collective_timeout`` when
-            smaller), after which a frozen or dead peer stops the others; in ``fit``
-            their error names the task(s) that then miss a liveness probe
-            (`PROBE_TIMEOUT`) or are not running.
+            service declares a task dead and fails the others. Other engines use it
+            (or ``collective_timeout`` when smaller) as their peer timeout; in ``fit``
+            the error names the peer that stopped answering (see the engine's
+            ``peer_error``).
         compression: Shortcut for ``communication_options.compression``.
         accumulate_steps: Shortcut for ``communication_options.accumulate_steps``.
-        engine: ``"tf"`` (TF collectives: the gRPC ring on CPU, NCCL on GPU),
-            ``"horovod"`` (Horovod's ops: Gloo on CPU, NCCL on GPU builds; no
-            ``horovodrun`` needed, the chief hosts the rendezvous at its TF_CONFIG
-            address) or ``"auto"``: Horovod with several workers on CPUs where it is
-            installed, else TF (see `tfdist.comm.engines.select_engine`). Replicas,
-            metrics, the initial-variable broadcast, accumulation, compression and
-            byte counting are the same with either engine.
+        engine: A registered engine name (`tfdist.engines.available`): ``"tf"``
+            (TF collectives: the gRPC ring on CPU, NCCL on GPU), the Horovod engine
+            (Gloo on CPU; no launcher of its own needed, see docs/horovod.md), one
+            added with `tfdist.engines.register_engine`, or ``"auto"`` (the rule of
+            `tfdist.engines.select_engine`). Replicas, metrics, the initial-variable
+            broadcast, accumulation, compression and byte counting are the same with
+            every engine.
+
+    Attributes:
+        engine: The engine's name (``"auto"`` resolved).
+        rank, size: This process's index in the job and the number of processes.
+        num_workers: Tasks that compute steps (the chief and the workers; = ``size``).
+        is_chief: Whether this task writes checkpoints and logs.
 
     Raises:
         ValueError: the cluster is invalid (the message names the field and value).
@@ -142,26 +147,16 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
         self.cluster = self._resolve(cluster_resolver)
         options = merge_options(communication_options, compression=compression,
                                 accumulate_steps=accumulate_steps)
-        self.engine = select_engine(engine, self.num_workers,
+        cluster = self.cluster
+        self.engine = select_engine(engine, cluster.num_workers if cluster else 1,
                                     on_gpus=bool(tf.config.list_physical_devices("GPU")),
-                                    is_chief=self.is_chief)
-        if self.engine == "horovod":
-            self._init_sync_gradients(options)
-            tf.distribute.Strategy.__init__(self, self._create_horovod_extended())
-            self.shared_seed = self._share_random_seed()
-            return
-        tf_resolver = self._make_cluster_resolver(cluster_resolver)
-        communication_options = self._make_communication_options(options.to_tf())
-        if self.num_workers > 1:
-            self._configure_coordination()
-        try:
-            extended = self._create_extended(tf_resolver, communication_options)
-        except tf.errors.DeadlineExceededError as error:
-            raise self._startup_error(error) from error
-        # Same as TF's CollectiveAllReduceStrategy.__init__, with the extended
-        # object made by an overridable factory.
-        tf.distribute.Strategy.__init__(self, extended)
-        self._init_sync_gradients(options)
+                                    is_chief=cluster.is_chief() if cluster else True)
+        self._engine = engine_class(self.engine)(self)
+        # Same as TF's CollectiveAllReduceStrategy.__init__, with the extended object
+        # made by the engine.
+        tf.distribute.Strategy.__init__(
+            self, self._engine.create_extended(cluster_resolver, options))
+        self._init_communication(options)
         self.shared_seed = self._share_random_seed()
 
     # ---- overridable set-up -----------------------------------------------------------
@@ -235,26 +230,10 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
         return MultiWorkerExtended(self, cluster_resolver=cluster_resolver,
                                    communication_options=communication_options)
 
-    def _create_horovod_extended(self):
-        """The ``StrategyExtended`` of ``engine="horovod"``: replicas span every process
-        and reductions go through Horovod's ops
-        (`tfdist.strategies.horovod.HorovodExtended`). Gradients are compressed and
-        counted by the strategy's communicator, as with ``engine="tf"``. Horovod starts
-        without ``horovodrun``: the chief hosts Gloo's rendezvous at its TF_CONFIG
-        address."""
-        from tfdist.comm import horovod as comm
-        from tfdist.strategies.horovod import HorovodExtended, rank_devices
-
-        if self.cluster is not None and self.num_workers > 1:
-            try:
-                comm.init_from_cluster(self.cluster, self.startup_timeout,
-                                       peer_timeout=min(self.heartbeat_timeout,
-                                                        self.collective_timeout or math.inf))
-            except TimeoutError as error:
-                raise tf.errors.DeadlineExceededError(None, None, str(error)) from None
-        else:
-            comm.init()
-        return HorovodExtended(self, rank_devices())
+    def _init_communication(self, options):
+        """Sets ``communication`` and the gradient ``communicator`` (the engine's)."""
+        self._init_sync_gradients(options, self._engine.make_communicator(
+            options.compression_policy, ByteCounter()))
 
     def _share_random_seed(self):
         """Sets the chief's random global seed on every worker when the user set none.
@@ -282,21 +261,6 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
         tf.random.set_seed(seed)
         return seed
 
-    def _startup_error(self, error):
-        """The start-up timeout as an error that names the missing task(s)."""
-        me = self.cluster.task.name if self.cluster.task else "this task"
-        others = [t.name for t in self.cluster.tasks()
-                  if t.type in TRAINING_TASK_TYPES and t != self.cluster.task]
-        missing = _missing_tasks(error.message, self.cluster) or (
-            "one or more of " + ", ".join(others))
-        first_line = error.message.strip().splitlines()[0] if error.message else ""
-        return tf.errors.DeadlineExceededError(
-            None, None,
-            f"{me}: task(s) {missing} did not join the cluster within "
-            f"startup_timeout={self.startup_timeout:g}s. Check that every task was "
-            f"started with the same cluster and can reach the others. TensorFlow said: "
-            f"{first_line}")
-
     # ---- Keras 3 fixes ------------------------------------------------------------------
 
     def reduce(self, reduce_op, value, axis):
@@ -321,132 +285,35 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
             try:
                 yield
             except tf.errors.OpError as error:
-                raise self._peer_error(error) from error
-
-    def _peer_error(self, error):
-        """``error``, or the same error type naming the peer(s) that stopped answering.
-
-        ``engine="tf"``: every task sends heartbeats to the coordination service on the
-        leader (the chief, else worker-0). When the leader is frozen, the others only
-        see "Deadline Exceeded, RPC: .../CoordinationService/Heartbeat".
-        ``engine="horovod"``: see `_horovod_peer_error`.
-        """
-        if getattr(self, "engine", "tf") == "horovod":
-            return self._horovod_peer_error(error)
-        leader = _coordination_leader(self.cluster)
-        if leader is None or leader == self.task_name or (
-                "CoordinationService/Heartbeat" not in (error.message or "")):
-            return error
-        return type(error)(
-            error.node_def, error.op,
-            f"{self.task_name}: {leader}, the coordination service leader, did not answer "
-            f"heartbeats within heartbeat_timeout={self.heartbeat_timeout:g}s: it is frozen "
-            f"(e.g. SIGSTOP), overloaded or unreachable. TensorFlow said: "
-            f"{_summary(error.message)}")
-
-    def _horovod_peer_error(self, error):
-        """``error``, or the same error type naming the tasks that stopped answering.
-
-        When a peer freezes or dies, Horovod says only "Horovod has been shut down"
-        (after Gloo's timeout, or at once). Then every other task is probed where it
-        answers while it runs (`tfdist.comm.horovod.peer_addresses`), all at once, for
-        at most `PROBE_TIMEOUT` seconds each (connect, then answer): silent ones are
-        named as frozen, refused ones as not running. Unchanged if all answer.
-        """
-        from tfdist.comm import horovod as comm
-
-        message = error.message or ""
-        peers = comm.peer_addresses()
-        if not peers or not any(m in message for m in _HOROVOD_FAILURES):
-            return error
-        timeout_text, seconds = self._horovod_timeout()
-        probe_timeout = min(PROBE_TIMEOUT, seconds)
-        silent, gone = _probe(peers, probe_timeout)
-        if not silent and not gone:
-            return error
-        what = []
-        if silent:
-            what.append(f"{_tasks(silent)} did not answer Horovod within {timeout_text}, nor "
-                        f"a liveness probe within {probe_timeout:g}s: "
-                        f"{'it is' if len(silent) == 1 else 'they are'} frozen (e.g. "
-                        "SIGSTOP), overloaded or unreachable")
-        if gone:
-            addresses = ", ".join(peers[name] for name in gone)
-            what.append(f"{_tasks(gone)} {'is' if len(gone) == 1 else 'are'} not running "
-                        f"(nothing listens at {addresses}): killed or exited")
-        said = next((line.strip() for line in message.splitlines()
-                     if _HOROVOD_FAILURES[0] in line), _summary(message))
-        return type(error)(error.node_def, error.op,
-                           f"{self.task_name}: {'; '.join(what)}. Horovod said: {said}")
-
-    def _horovod_timeout(self) -> tuple[str, float]:
-        """Gloo's timeout as set, e.g. ``("heartbeat_timeout=5s", 5.0)``."""
-        from tfdist.comm import horovod as comm
-
-        ours = min(self.heartbeat_timeout, self.collective_timeout or math.inf)
-        name = "heartbeat_timeout" if ours == self.heartbeat_timeout else "collective_timeout"
-        seconds = os.environ.get(comm.GLOO_TIMEOUT_ENV)
-        if seconds is not None and seconds != comm.gloo_timeout_value(ours):
-            return f"{comm.GLOO_TIMEOUT_ENV}={seconds}", float(seconds)
-        return f"{name}={ours:g}s", ours
+                raise self._engine.peer_error(error) from error
 
     # ---- conveniences --------------------------------------------------------------------
 
     @property
     def is_chief(self) -> bool:
         """True on the task that writes checkpoints and logs (TF's rule)."""
-        if self.cluster is None:
-            return self._horovod_rank() == 0
-        return self.cluster.is_chief()
+        return self._engine.is_chief
+
+    @property
+    def rank(self) -> int:
+        """This process's index in the job (the chief first, then the workers)."""
+        return self._engine.rank
+
+    @property
+    def size(self) -> int:
+        """Processes in the job: the chief plus the workers."""
+        return self._engine.size
 
     @property
     def num_workers(self) -> int:
-        """Tasks that compute steps: the chief plus the workers."""
-        if self.cluster is None:
-            return self._horovod_size()
-        return self.cluster.num_workers
+        """Tasks that compute steps: the chief plus the workers (= `size`)."""
+        return self._engine.size
 
     @property
     def task_name(self) -> str:
         """This task's name, e.g. ``worker-1``."""
         task = self.cluster and self.cluster.task
-        return task.name if task else f"worker-{self._horovod_rank()}"
-
-    def _horovod_rank(self) -> int:
-        """This process's rank under ``horovodrun`` (engine="horovod"), else 0."""
-        if getattr(self, "engine", "tf") != "horovod":
-            return 0
-        from tfdist.comm import horovod as comm
-
-        return comm.rank()
-
-    def _horovod_size(self) -> int:
-        if getattr(self, "engine", "tf") != "horovod":
-            return 1
-        from tfdist.comm import horovod as comm
-
-        return comm.size()
-
-
-def _tasks(names: list[str]) -> str:
-    return names[0] if len(names) == 1 else "task(s) " + ", ".join(names)
-
-
-def _probe(peers: dict[str, str], timeout: float) -> tuple[list[str], list[str]]:
-    """``(silent, not running)`` task names of ``peers`` (``{name: address}``), probed at
-    once with the parameter-server strategy's probe (an HTTP/2 preface: any server
-    that runs answers, and the servers of `tfdist.comm.horovod` do)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from tfdist.strategies.parameter_server import is_responsive
-
-    with ThreadPoolExecutor(max_workers=min(len(peers), 64),
-                            thread_name_prefix="tfdist-probe") as pool:
-        answers = list(pool.map(lambda address: is_responsive(address, timeout),
-                                peers.values()))
-    silent = [name for name, answer in zip(peers, answers) if answer is False]
-    gone = [name for name, answer in zip(peers, answers) if answer is None]
-    return silent, gone
+        return task.name if task else f"worker-{self.rank}"
 
 
 def _rank(value):
@@ -460,35 +327,3 @@ def _rank(value):
         return tf.TensorShape(shape).rank
     except (TypeError, ValueError):
         return None
-
-
-def _coordination_leader(cluster: ClusterSpec | None) -> str | None:
-    """The task that hosts the coordination service (`_hooks.tf.configure_coordination_service`)."""
-    if cluster is None or cluster.num_workers < 2:
-        return None
-    return "chief-0" if cluster.chief else "worker-0"
-
-
-def _summary(message: str | None) -> str:
-    """TF's message in one line: a graph error's last lines (the cause), else the first."""
-    lines = [line.strip() for line in (message or "").splitlines() if line.strip()]
-    if lines and lines[0].startswith("Graph execution"):
-        return " ".join(lines[-3:])
-    return lines[0] if lines else ""
-
-
-def _missing_tasks(message: str, cluster: ClusterSpec) -> str:
-    """Task names like ``worker-1`` for every ``/job:worker/.../task:1`` in ``message``."""
-    import re
-
-    # The registration barrier lists the late tasks after this marker; other errors
-    # (the leader itself unreachable) name the remote task anywhere in the text.
-    marker = "timed out task names:"
-    if marker in message:
-        message = message.split(marker, 1)[1].split("\n\n", 1)[0]
-    names = []
-    for job, index in re.findall(r"/job:(\w+)/replica:\d+/task:(\d+)", message):
-        name = f"{job}-{index}"
-        if name not in names and (cluster.task is None or name != cluster.task.name):
-            names.append(name)
-    return ", ".join(names)

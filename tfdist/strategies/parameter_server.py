@@ -32,6 +32,7 @@ from tfdist._hooks.sharded import (embedding, gradients, initialization, optimiz
 from tfdist.checks import check_int
 from tfdist.cluster import ClusterSpec, resolve_cluster
 from tfdist.comm.accounting import ByteCounter
+from tfdist.comm.liveness import is_responsive
 from tfdist.keras import handoff
 
 MODES = ("async", "sync")
@@ -61,30 +62,6 @@ class StepTimeoutError(TimeoutError):
     def __init__(self, message, tasks):
         super().__init__(message)
         self.tasks = list(tasks)
-
-
-# An HTTP/2 client preface and an empty SETTINGS frame: a live gRPC server answers with
-# its own SETTINGS at once; a frozen process never does (its kernel still accepts TCP).
-_HTTP2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
-
-
-def is_responsive(address: str, timeout: float) -> bool | None:
-    """Whether the gRPC server at ``address`` answers within ``timeout`` seconds.
-
-    Returns:
-        True if it answered, False if it accepted the connection but stayed silent
-        (a frozen or stopped process), None if nothing listens (dead or restarting).
-    """
-    host, port = address.rsplit(":", 1)
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as sock:
-            sock.settimeout(timeout)
-            sock.sendall(_HTTP2_HELLO)
-            return len(sock.recv(9)) > 0
-    except socket.timeout:
-        return False
-    except OSError:
-        return None
 
 
 class _StepWatchdog:
@@ -460,11 +437,6 @@ class ParameterServerStrategy(handoff.KerasHandoff, tf.distribute.ParameterServe
     @property
     def cluster(self) -> ClusterSpec:
         """The job's cluster, as `tfdist.MultiWorkerMirroredStrategy.cluster`."""
-        return self._spec
-
-    @property
-    def cluster_spec(self) -> ClusterSpec:
-        """Deprecated name of `cluster`."""
         return self._spec
 
     @property

@@ -1,69 +1,18 @@
-"""Horovod as a communication engine: the only tfdist module that imports horovod.
+"""Starting Horovod over Gloo for a TF_CONFIG job, without ``horovodrun``.
 
-Horovod is imported lazily, on the first call that needs it, so ``import tfdist`` and
-every other mode work without it. Only Horovod's raw collective ops are used
-(``allreduce``, ``broadcast``, ``allgather``); its Keras layer is broken under Keras 3.
-
-Processes are started by ``horovodrun -np 2 -H localhost:2 --gloo python train.py``;
-Gloo carries the tensors on CPU (NCCL on GPU builds). Outside ``horovodrun`` a process
-is a world of size 1, so the same code runs alone.
+The chief hosts Gloo's HTTP rendezvous (Horovod's own server) at its TF_CONFIG address;
+every task answers liveness probes there while it runs, so that a survivor can name a
+frozen or dead peer (`peer_addresses`).
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 
-from tfdist.comm.compression import get_compression
+from tfdist.engines.horovod.ops import hvd, import_horovod, is_initialized
 
-INSTALL_HINT = (
-    "Horovod is not installed in this environment. tfdist builds it from source for "
-    "TensorFlow 2.21 (pip install horovod fails): run `make horovod` in the tfdist "
-    "checkout, or `bash scripts/install_horovod.sh /path/to/python` (about 4 minutes "
-    "on 2 cores). See docs/horovod.md.")
-
-_OPS = {"average": "Average", "sum": "Sum"}
-# dtypes Horovod's Gloo ops accept; others travel as a wider type (bit-exact for ints).
-_WIRE_FOR = {"uint32": "int64", "uint16": "int32", "int16": "int32", "bfloat16": "float32"}
-
-_hvd = None
-_op_count = itertools.count()
 # Task name -> TF_CONFIG address of every other task of a job `init_from_cluster` started.
 _peers: dict[str, str] = {}
-
-
-def _op_name(name: str | None, kind: str) -> str:
-    """``name``, or the next name in call order: Horovod pairs ops across ranks by name.
-
-    Its own default names come from the tensors, which follow Keras' layer names, so a
-    rank that built one more model (a reference, say) would wait for names that never
-    come. Call order is what every rank shares, as with TF's collective instance keys.
-    """
-    return name if name is not None else f"tfdist.{kind}.{next(_op_count)}"
-
-
-def hvd():
-    """Returns ``horovod.tensorflow``, imported and initialized on first use.
-
-    Raises:
-        ImportError: Horovod is missing; the message says how to install it.
-    """
-    global _hvd
-    if _hvd is None:
-        module = _import_horovod()
-        if not module.is_initialized():
-            module.init()
-        _hvd = module
-    return _hvd
-
-
-def _import_horovod():
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    try:
-        import horovod.tensorflow as module
-    except ImportError as e:  # missing, or built against another TF
-        raise ImportError(f"{INSTALL_HINT} (import error: {e})") from e
-    return module
 
 
 def init_from_cluster(cluster, timeout_seconds: float = 60.0,
@@ -93,12 +42,12 @@ def init_from_cluster(cluster, timeout_seconds: float = 60.0,
     Raises:
         TimeoutError: the chief's rendezvous did not open in time (names the chief).
     """
-    if _hvd is not None or "HOROVOD_RANK" in os.environ:
+    if is_initialized() or "HOROVOD_RANK" in os.environ:
         hvd()
         return
     from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
 
-    _import_horovod()  # before the hello: a task that said hello is ready for Gloo
+    import_horovod()  # before the hello: a task that said hello is ready for Gloo
 
     from tfdist.cluster import TRAINING_TASK_TYPES
 
@@ -290,130 +239,3 @@ def _interface_of(host: str) -> str:
             return name
     raise ValueError(f"no local network interface has the address {address} of this task "
                      f"({host}). Received: TF_CONFIG address host {host!r}")
-
-
-def is_available() -> bool:
-    """True if ``horovod.tensorflow`` can be imported (does not initialize it)."""
-    try:
-        import horovod.tensorflow  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def init() -> None:
-    """Initializes Horovod (idempotent). Every rank must call it."""
-    hvd()
-
-
-def rank() -> int:
-    """This process's rank in ``[0, size())``."""
-    return hvd().rank()
-
-
-def size() -> int:
-    """Number of Horovod processes."""
-    return hvd().size()
-
-
-def local_rank() -> int:
-    """This process's rank among the processes on its host."""
-    return hvd().local_rank()
-
-
-def _check_op(op: str) -> str:
-    if op not in _OPS:
-        raise ValueError(f"op must be 'average' or 'sum'. Received: op={op!r}")
-    return op
-
-
-def _to_wire(tensor, compression):
-    """Returns ``(wire, restore)``: the tensor as sent, and a function undoing that.
-
-    Compresses floating tensors and widens dtypes Horovod's ops lack (bit-exact).
-    """
-    import tensorflow as tf
-
-    wire, dtype = compression.compress(tf.convert_to_tensor(tensor))
-    compressed = wire.dtype
-    if compressed == tf.bool:
-        wire = tf.cast(wire, tf.uint8)
-    elif compressed.name in _WIRE_FOR:
-        wire = tf.cast(wire, _WIRE_FOR[compressed.name])
-
-    def restore(result):
-        if result.dtype != compressed:
-            result = tf.cast(result, compressed)
-        return compression.decompress(result, dtype)
-
-    return wire, restore
-
-
-def allreduce(tensors: list, op: str = "average", compression=None, name: str | None = None) -> list:
-    """All-reduces each tensor across all Horovod processes.
-
-    Works eagerly and inside ``tf.function``. Every rank must call it with tensors of
-    the same shapes and dtypes in the same order.
-
-    Args:
-        tensors: A list of dense tensors (IndexedSlices are densified).
-        op: ``"average"`` (divide by `size()`) or ``"sum"``.
-        compression: None, ``"fp16"``, ``"bf16"`` or a `Compression`: floating tensors
-            travel in that dtype and come back in their own.
-        name: Optional name prefix for the Horovod ops (default: one from call order,
-            the same on every rank).
-
-    Returns:
-        A list of reduced tensors, same dtypes and order as ``tensors``.
-    """
-    import tensorflow as tf
-
-    _check_op(op)
-    policy = get_compression(compression)
-    h = hvd()
-    tensors = [tf.convert_to_tensor(t) for t in tensors]
-    if not tensors:
-        return []
-    wires, restores = zip(*(_to_wire(t, policy) for t in tensors))
-    # Integers are summed and divided here: Horovod's Average on ints truncates.
-    name = _op_name(name, "allreduce")
-    results = []
-    hop = h.Sum if op == "sum" or not all(w.dtype.is_floating for w in wires) else h.Average
-    for i, wire in enumerate(wires):
-        results.append(h.allreduce(wire, op=hop, name=f"{name}_{i}"))
-    out = []
-    for wire, restore, tensor in zip(results, restores, tensors):
-        value = restore(wire)
-        dtype = tensor.dtype
-        if op == "average" and hop == h.Sum:
-            if dtype.is_floating:
-                value = value / tf.cast(h.size(), dtype)
-            else:
-                value = tf.cast(tf.math.floordiv(tf.cast(value, tf.int64), h.size()), dtype)
-        out.append(value)
-    return out
-
-
-def broadcast(tensor, root_rank: int = 0, name: str | None = None):
-    """Returns ``root_rank``'s value of ``tensor`` on every rank (eager or graph)."""
-    wire, restore = _to_wire(tensor, get_compression(None))
-    return restore(hvd().broadcast(wire, root_rank=root_rank,
-                                   name=_op_name(name, "broadcast")))
-
-
-def broadcast_variables(variables, root_rank: int = 0) -> None:
-    """Assigns ``root_rank``'s values to ``variables`` on every rank.
-
-    Args:
-        variables: An iterable of variables (plain or distributed: every local copy
-            of a mirrored variable gets the value).
-        root_rank: The rank whose values win.
-    """
-    for v in variables:
-        v.assign(broadcast(v.read_value() if hasattr(v, "read_value") else v, root_rank))
-
-
-def allgather(tensor, name: str | None = None):
-    """Concatenates ``tensor`` from every rank along axis 0 (dims > 0 must agree)."""
-    wire, restore = _to_wire(tensor, get_compression(None))
-    return restore(hvd().allgather(wire, name=_op_name(name, "allgather")))

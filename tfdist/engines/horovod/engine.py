@@ -1,0 +1,127 @@
+"""`HorovodEngine`: a multi-worker strategy's tensors moved by Horovod's ops over Gloo.
+
+With this engine no TF cluster exists: each process's TensorFlow is local and only
+Horovod spans processes. Horovod starts without ``horovodrun`` (the chief hosts Gloo's
+rendezvous at its TF_CONFIG address, `tfdist.engines.horovod.rendezvous`), or under
+``horovodrun``, or alone as a world of size 1.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from tfdist.comm.liveness import is_responsive
+from tfdist.engines.base import Engine, summary
+from tfdist.engines.horovod import ops, rendezvous
+
+# Seconds a peer has to answer a liveness probe after Horovod stopped.
+PROBE_TIMEOUT = 2.0
+# In Horovod's errors when a peer froze or died; the line with the first one is quoted.
+_HOROVOD_FAILURES = ("Horovod has been shut down", "Gloo", "gloo")
+
+
+class HorovodEngine(Engine):
+    """Horovod's collectives (Gloo on CPU, NCCL on GPU builds) under a strategy.
+
+    Replicas span every process (`tfdist.engines.horovod.extended.HorovodExtended`);
+    reductions go through Horovod's ops. Gloo's timeout is the strategy's
+    ``heartbeat_timeout`` (or ``collective_timeout`` when smaller).
+    """
+
+    def create_extended(self, cluster_resolver, options):
+        import tensorflow as tf
+
+        from tfdist.engines.horovod.extended import HorovodExtended, rank_devices
+
+        del cluster_resolver, options  # the cluster is the strategy's; timeouts are Gloo's
+        strategy = self.strategy
+        if strategy.cluster is not None and strategy.cluster.num_workers > 1:
+            try:
+                rendezvous.init_from_cluster(strategy.cluster, strategy.startup_timeout,
+                                             peer_timeout=self._gloo_timeout())
+            except TimeoutError as error:
+                raise tf.errors.DeadlineExceededError(None, None, str(error)) from None
+        else:
+            ops.init()
+        return HorovodExtended(strategy, rank_devices())
+
+    @property
+    def rank(self) -> int:
+        return ops.rank()
+
+    @property
+    def size(self) -> int:
+        return ops.size()
+
+    @property
+    def is_chief(self) -> bool:
+        cluster = self.strategy.cluster
+        return ops.rank() == 0 if cluster is None else cluster.is_chief()
+
+    def peer_error(self, error):
+        """``error``, or the same error type naming the tasks that stopped answering.
+
+        When a peer freezes or dies, Horovod says only "Horovod has been shut down"
+        (after Gloo's timeout, or at once). Then every other task is probed where it
+        answers while it runs (`rendezvous.peer_addresses`), all at once, for at most
+        `PROBE_TIMEOUT` seconds each (connect, then answer): silent ones are named as
+        frozen, refused ones as not running. Unchanged if all answer.
+        """
+        message = error.message or ""
+        peers = rendezvous.peer_addresses()
+        if not peers or not any(m in message for m in _HOROVOD_FAILURES):
+            return error
+        timeout_text, seconds = self._timeout_as_set()
+        probe_timeout = min(PROBE_TIMEOUT, seconds)
+        silent, gone = _probe(peers, probe_timeout)
+        if not silent and not gone:
+            return error
+        what = []
+        if silent:
+            what.append(f"{_tasks(silent)} did not answer Horovod within {timeout_text}, nor "
+                        f"a liveness probe within {probe_timeout:g}s: "
+                        f"{'it is' if len(silent) == 1 else 'they are'} frozen (e.g. "
+                        "SIGSTOP), overloaded or unreachable")
+        if gone:
+            addresses = ", ".join(peers[name] for name in gone)
+            what.append(f"{_tasks(gone)} {'is' if len(gone) == 1 else 'are'} not running "
+                        f"(nothing listens at {addresses}): killed or exited")
+        said = next((line.strip() for line in message.splitlines()
+                     if _HOROVOD_FAILURES[0] in line), summary(message))
+        return type(error)(error.node_def, error.op,
+                           f"{self.strategy.task_name}: {'; '.join(what)}. Horovod said: "
+                           f"{said}")
+
+    def _gloo_timeout(self) -> float:
+        return min(self.strategy.heartbeat_timeout,
+                   self.strategy.collective_timeout or math.inf)
+
+    def _timeout_as_set(self) -> tuple[str, float]:
+        """Gloo's timeout as set, e.g. ``("heartbeat_timeout=5s", 5.0)``."""
+        ours = self._gloo_timeout()
+        name = ("heartbeat_timeout" if ours == self.strategy.heartbeat_timeout
+                else "collective_timeout")
+        seconds = os.environ.get(rendezvous.GLOO_TIMEOUT_ENV)
+        if seconds is not None and seconds != rendezvous.gloo_timeout_value(ours):
+            return f"{rendezvous.GLOO_TIMEOUT_ENV}={seconds}", float(seconds)
+        return f"{name}={ours:g}s", ours
+
+
+def _tasks(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else "task(s) " + ", ".join(names)
+
+
+def _probe(peers: dict[str, str], timeout: float) -> tuple[list[str], list[str]]:
+    """``(silent, not running)`` task names of ``peers`` (``{name: address}``), probed at
+    once (an HTTP/2 preface: any server that runs answers, and the servers of
+    `tfdist.engines.horovod.rendezvous` do)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(len(peers), 64),
+                            thread_name_prefix="tfdist-probe") as pool:
+        answers = list(pool.map(lambda address: is_responsive(address, timeout),
+                                peers.values()))
+    silent = [name for name, answer in zip(peers, answers) if answer is False]
+    gone = [name for name, answer in zip(peers, answers) if answer is None]
+    return silent, gone

@@ -1,0 +1,245 @@
+"""Horovod as a strategy's ``extended``: replicas of every Horovod process, reduced by Horovod.
+
+Each process mirrors the model on its local devices like `tfdist.MirroredStrategy`.
+Every reduction first sums the local replicas on one device, then all-reduces that sum
+across processes with Horovod (Gloo on CPU, NCCL on GPU): `HorovodCrossDeviceOps`,
+which only moves tensors. Initial variable values are broadcast from rank 0 when the
+variables are created.
+
+`HorovodExtended` is the ``extended`` of `tfdist.HorovodStrategy` and of
+``tfdist.MultiWorkerMirroredStrategy(engine="horovod")``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import tensorflow as tf
+
+from tfdist._hooks import tf as tf_hooks
+from tfdist.devices import default_devices, validate_devices
+from tfdist.engines.base import models_differ
+from tfdist.engines.horovod import ops as comm
+
+_tf = tf_hooks.tf_distribute_internals()
+
+
+def _local_values(value):
+    if isinstance(value, tf.distribute.DistributedValues):
+        return [tf.convert_to_tensor(v) for v in value.values]
+    return [tf.convert_to_tensor(value)]
+
+
+class HorovodCrossDeviceOps(tf.distribute.CrossDeviceOps):
+    """Sums local replicas on one device, then all-reduces across processes with Horovod.
+
+    It only moves tensors, in their own dtype: compression and byte counting are the
+    strategy's communicator's (`tfdist.comm.communicator.Accounted`).
+
+    Args:
+        reduce_to_device: Device that holds the local sum.
+    """
+
+    def __init__(self, reduce_to_device: str):
+        super().__init__()
+        self._reduce_to_device = reduce_to_device
+
+    @property
+    def _num_between_graph_workers(self):
+        # Stops the base class from skipping the reduction when a process has a
+        # single local replica: the other processes still hold values.
+        return comm.size()
+
+    def _all_reduce(self, reduce_op, per_replica_values):
+        """Returns one reduced tensor (on the reduce device) per input value."""
+        local_values = [_local_values(v) for v in per_replica_values]
+        with tf.device(self._reduce_to_device):
+            local_sums = [vals[0] if len(vals) == 1 else tf.add_n(vals) for vals in local_values]
+            sums = comm.allreduce(local_sums, op="sum")
+            out = []
+            for total, vals in zip(sums, local_values):
+                if reduce_op == tf.distribute.ReduceOp.MEAN:
+                    count = len(vals) * comm.size()
+                    if total.dtype.is_floating or total.dtype.is_complex:
+                        total = total / tf.cast(count, total.dtype)
+                    else:
+                        total = total // count
+                out.append(total)
+        return out
+
+    def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+        del options
+        (total,) = self._all_reduce(reduce_op, [per_replica_value])
+        return _tf.simple_broadcast(total, destinations, always_mirrored=True,
+                                    canonicalize_devices=self._canonicalize_devices)
+
+    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+        del options
+        totals = self._all_reduce(reduce_op, [v for v, _ in value_destination_pairs])
+        return [_tf.simple_broadcast(t, d, always_mirrored=True,
+                                     canonicalize_devices=self._canonicalize_devices)
+                for t, (_, d) in zip(totals, value_destination_pairs)]
+
+    def broadcast_implementation(self, tensor, destinations):
+        return _tf.simple_broadcast(tensor, destinations, always_mirrored=True,
+                                    canonicalize_devices=self._canonicalize_devices)
+
+
+def _shape_of(shape, initial_value) -> str:
+    """``"[3,4]"``: a variable's shape as Horovod prints it (from its initial value when
+    ``shape`` is None)."""
+    if shape is None:
+        if isinstance(initial_value, _tf.CheckpointInitialValue):
+            initial_value = initial_value.wrapped_value
+        value = initial_value() if callable(initial_value) else initial_value
+        shape = getattr(value, "shape", None)
+    return "[" + ",".join(str(d) for d in tf.TensorShape(shape).as_list()) + "]"
+
+
+class HorovodExtended(_tf.MirroredExtended):
+    """`MirroredExtended` whose replicas span every Horovod process.
+
+    Args:
+        container_strategy: The strategy.
+        devices: This process's devices.
+        cross_device_ops: The `HorovodCrossDeviceOps` (default: one on ``devices[0]``).
+        communicator: None, or a communicator every ``batch_reduce_to`` goes through
+            (it must reduce with ``cross_device_ops`` itself, not ``batch_reduce_to``).
+    """
+
+    def __init__(self, container_strategy, devices, cross_device_ops=None, communicator=None):
+        self._hvd_rank = comm.rank()
+        self._hvd_size = comm.size()
+        self._hvd_ops = cross_device_ops or HorovodCrossDeviceOps(devices[0])
+        self._communicator = communicator
+        super().__init__(container_strategy, devices=devices, cross_device_ops=self._hvd_ops)
+        self._cluster_resolver = None
+
+    # --- replicas -------------------------------------------------------------------
+    @property
+    def _num_replicas_in_sync(self):
+        return len(self._devices) * self._hvd_size
+
+    def _in_multi_worker_mode(self):
+        # Keras 3 then averages metrics with `strategy.reduce` and gathers `predict`
+        # outputs across processes (see _hooks.keras_trainer.keras_uses_multi_worker_path).
+        return True
+
+    def _use_merge_call(self):
+        # Always merge: reductions must go through HorovodCrossDeviceOps.
+        return True
+
+    @property
+    def should_checkpoint(self):
+        return self._hvd_rank == 0
+
+    @property
+    def should_save_summary(self):
+        return self._hvd_rank == 0
+
+    # --- variables: rank 0's initial values everywhere -------------------------------
+    def _create_variable(self, next_creator, **kwargs):
+        initial = kwargs.get("initial_value")
+        if self._hvd_size > 1:
+            initial_value = kwargs["initial_value"]
+            if isinstance(initial_value, _tf.CheckpointInitialValue):
+                initial_value = initial_value.wrapped_value
+
+            def broadcast_initial_value():
+                value = initial_value() if callable(initial_value) else initial_value
+                with tf.device(self._devices[0]):
+                    return comm.broadcast(value, root_rank=0)
+
+            kwargs["initial_value"] = broadcast_initial_value
+        try:
+            return super()._create_variable(next_creator, **kwargs)
+        except tf.errors.OpError as error:
+            shapes = re.search(r"Mismatched BROADCAST tensor shapes: One rank sent a tensor of "
+                               r"shape (\[[^\]]*\]), but another rank sent a tensor of shape "
+                               r"(\[[^\]]*\])", error.message or "")
+            if shapes is None:
+                raise
+            mine, other = (shape.replace(" ", "") for shape in shapes.groups())
+            if mine != _shape_of(kwargs.get("shape"), initial):
+                mine, other = other, mine
+            me = getattr(self._container_strategy(), "task_name", f"worker-{self._hvd_rank}")
+            raise models_differ(kwargs.get("name"),
+                                f": its shape is {mine} on {me} and {other} on another worker",
+                                error.message) from None
+
+    # --- reductions -----------------------------------------------------------------
+    def _get_cross_device_ops(self, value):
+        return self._hvd_ops
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        if _tf.is_mirrored(value) and reduce_op == tf.distribute.ReduceOp.MEAN:
+            return value
+
+        def reduce_one(v):
+            if not isinstance(v, tf.distribute.DistributedValues) and (
+                    self._num_replicas_in_sync == 1):
+                return _tf.reduce_non_distributed_value(reduce_op, v, destinations,
+                                                        self._num_replicas_in_sync)
+            # As in MultiWorkerMirroredStrategy, a plain tensor is this process's value.
+            return self._hvd_ops.reduce(reduce_op, v, destinations=destinations, options=options)
+
+        return tf.nest.map_structure(reduce_one, value)
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        if self._communicator is None:
+            return self._hvd_ops.batch_reduce(reduce_op, value_destination_pairs,
+                                              options=options)
+        op = {"SUM": "sum", "MEAN": "mean"}[getattr(reduce_op, "value", str(reduce_op).upper())]
+        return self._communicator.all_reduce(
+            self._container_strategy(), [v for v, _ in value_destination_pairs],
+            [d for _, d in value_destination_pairs], op=op)
+
+    def _gather_to_implementation(self, value, destinations, axis, options):
+        del options
+        with tf.device(self._devices[0]):
+            vals = _local_values(value)
+            local = vals[0] if len(vals) == 1 else tf.concat(vals, axis=axis)
+            if axis != 0:
+                local = tf.experimental.numpy.moveaxis(local, axis, 0)
+            gathered = comm.allgather(local)
+            if axis != 0:
+                gathered = tf.experimental.numpy.moveaxis(gathered, 0, axis)
+        return _tf.simple_broadcast(gathered, destinations, always_mirrored=True,
+                                    canonicalize_devices=True)
+
+    # --- input: each process reads its shard of every global batch -------------------
+    def _make_input_context(self):
+        return tf.distribute.InputContext(num_input_pipelines=self._hvd_size,
+                                          input_pipeline_id=self._hvd_rank,
+                                          num_replicas_in_sync=self._num_replicas_in_sync)
+
+    def _experimental_distribute_dataset(self, dataset, options):
+        if (options and options.experimental_replication_mode
+                == tf.distribute.InputReplicationMode.PER_REPLICA):
+            raise NotImplementedError("InputReplicationMode.PER_REPLICA is only supported "
+                                      "in `distribute_datasets_from_function`.")
+        return _tf.get_distributed_dataset(
+            dataset, self._input_workers_with_options(options), self._container_strategy(),
+            num_replicas_in_sync=self._num_replicas_in_sync,
+            input_context=self._make_input_context(), options=options)
+
+    def _distribute_datasets_from_function(self, dataset_fn, options):
+        return _tf.get_distributed_datasets_from_function(
+            dataset_fn=dataset_fn, input_workers=self._input_workers_with_options(options),
+            input_contexts=[self._make_input_context()], strategy=self._container_strategy(),
+            options=options)
+
+    def _experimental_distribute_values_from_function(self, value_fn):
+        local = len(self._devices)
+        values = [value_fn(tf.distribute.experimental.ValueContext(
+                      self._hvd_rank * local + i, self._num_replicas_in_sync))
+                  for i in range(local)]
+        return _tf.regroup(values, always_wrap=True)
+
+
+def rank_devices(devices=None) -> list[str]:
+    """This rank's devices: ``devices`` checked, or its GPU (by local rank), or its CPUs."""
+    if devices is not None:
+        return validate_devices(devices)
+    gpus = tf.config.list_logical_devices("GPU")
+    return [gpus[comm.local_rank() % len(gpus)].name] if gpus else default_devices()

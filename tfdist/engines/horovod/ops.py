@@ -1,0 +1,189 @@
+"""Horovod's collective ops, the only tfdist code that imports ``horovod``.
+
+Horovod is imported lazily, on the first call that needs it, so ``import tfdist`` and
+every other mode work without it. Only Horovod's raw collective ops are used
+(``allreduce``, ``broadcast``, ``allgather``); its Keras layer is broken under Keras 3.
+
+Processes are started by ``horovodrun -np 2 -H localhost:2 --gloo python train.py``, or
+by `tfdist.engines.horovod.rendezvous.init_from_cluster` for a TF_CONFIG job; Gloo
+carries the tensors on CPU (NCCL on GPU builds). Outside both a process is a world of
+size 1, so the same code runs alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+INSTALL_HINT = (
+    "Horovod is not installed in this environment. tfdist builds it from source for "
+    "TensorFlow 2.21 (pip install horovod fails): run `make horovod` in the tfdist "
+    "checkout, or `bash scripts/install_horovod.sh /path/to/python` (about 4 minutes "
+    "on 2 cores). See docs/horovod.md.")
+
+_OPS = {"average": "Average", "sum": "Sum"}
+# dtypes Horovod's Gloo ops accept; others travel as a wider type (bit-exact for ints).
+_WIRE_FOR = {"uint32": "int64", "uint16": "int32", "int16": "int32", "bfloat16": "float32"}
+
+_hvd = None
+_op_count = itertools.count()
+
+
+def _op_name(name: str | None, kind: str) -> str:
+    """``name``, or the next name in call order: Horovod pairs ops across ranks by name.
+
+    Its own default names come from the tensors, which follow Keras' layer names, so a
+    rank that built one more model (a reference, say) would wait for names that never
+    come. Call order is what every rank shares, as with TF's collective instance keys.
+    """
+    return name if name is not None else f"tfdist.{kind}.{next(_op_count)}"
+
+
+def hvd():
+    """Returns ``horovod.tensorflow``, imported and initialized on first use.
+
+    Raises:
+        ImportError: Horovod is missing; the message says how to install it.
+    """
+    global _hvd
+    if _hvd is None:
+        module = import_horovod()
+        if not module.is_initialized():
+            module.init()
+        _hvd = module
+    return _hvd
+
+
+def import_horovod():
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    try:
+        import horovod.tensorflow as module
+    except ImportError as e:  # missing, or built against another TF
+        raise ImportError(f"{INSTALL_HINT} (import error: {e})") from e
+    return module
+
+def is_initialized() -> bool:
+    """Whether this process has initialized Horovod through `hvd`."""
+    return _hvd is not None
+
+
+def is_available() -> bool:
+    """True if ``horovod.tensorflow`` can be imported (does not initialize it)."""
+    try:
+        import horovod.tensorflow  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def init() -> None:
+    """Initializes Horovod (idempotent). Every rank must call it."""
+    hvd()
+
+
+def rank() -> int:
+    """This process's rank in ``[0, size())``."""
+    return hvd().rank()
+
+
+def size() -> int:
+    """Number of Horovod processes."""
+    return hvd().size()
+
+
+def local_rank() -> int:
+    """This process's rank among the processes on its host."""
+    return hvd().local_rank()
+
+
+def _check_op(op: str) -> str:
+    if op not in _OPS:
+        raise ValueError(f"op must be 'average' or 'sum'. Received: op={op!r}")
+    return op
+
+
+def _to_wire(tensor):
+    """Returns ``(wire, restore)``: the tensor as sent, and a function undoing that.
+
+    Widens dtypes Horovod's ops lack (bit-exact).
+    """
+    import tensorflow as tf
+
+    wire = tf.convert_to_tensor(tensor)
+    dtype = wire.dtype
+    if dtype == tf.bool:
+        wire = tf.cast(wire, tf.uint8)
+    elif dtype.name in _WIRE_FOR:
+        wire = tf.cast(wire, _WIRE_FOR[dtype.name])
+
+    def restore(result):
+        return result if result.dtype == dtype else tf.cast(result, dtype)
+
+    return wire, restore
+
+
+def allreduce(tensors: list, op: str = "average", name: str | None = None) -> list:
+    """All-reduces each tensor across all Horovod processes.
+
+    Works eagerly and inside ``tf.function``. Every rank must call it with tensors of
+    the same shapes and dtypes in the same order.
+
+    Args:
+        tensors: A list of dense tensors (IndexedSlices are densified).
+        op: ``"average"`` (divide by `size()`) or ``"sum"``.
+        name: Optional name prefix for the Horovod ops (default: one from call order,
+            the same on every rank).
+
+    Returns:
+        A list of reduced tensors, same dtypes and order as ``tensors``.
+    """
+    import tensorflow as tf
+
+    _check_op(op)
+    h = hvd()
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if not tensors:
+        return []
+    wires, restores = zip(*(_to_wire(t) for t in tensors))
+    # Integers are summed and divided here: Horovod's Average on ints truncates.
+    name = _op_name(name, "allreduce")
+    results = []
+    hop = h.Sum if op == "sum" or not all(w.dtype.is_floating for w in wires) else h.Average
+    for i, wire in enumerate(wires):
+        results.append(h.allreduce(wire, op=hop, name=f"{name}_{i}"))
+    out = []
+    for wire, restore, tensor in zip(results, restores, tensors):
+        value = restore(wire)
+        dtype = tensor.dtype
+        if op == "average" and hop == h.Sum:
+            if dtype.is_floating:
+                value = value / tf.cast(h.size(), dtype)
+            else:
+                value = tf.cast(tf.math.floordiv(tf.cast(value, tf.int64), h.size()), dtype)
+        out.append(value)
+    return out
+
+
+def broadcast(tensor, root_rank: int = 0, name: str | None = None):
+    """Returns ``root_rank``'s value of ``tensor`` on every rank (eager or graph)."""
+    wire, restore = _to_wire(tensor)
+    return restore(hvd().broadcast(wire, root_rank=root_rank,
+                                   name=_op_name(name, "broadcast")))
+
+
+def broadcast_variables(variables, root_rank: int = 0) -> None:
+    """Assigns ``root_rank``'s values to ``variables`` on every rank.
+
+    Args:
+        variables: An iterable of variables (plain or distributed: every local copy
+            of a mirrored variable gets the value).
+        root_rank: The rank whose values win.
+    """
+    for v in variables:
+        v.assign(broadcast(v.read_value() if hasattr(v, "read_value") else v, root_rank))
+
+
+def allgather(tensor, name: str | None = None):
+    """Concatenates ``tensor`` from every rank along axis 0 (dims > 0 must agree)."""
+    wire, restore = _to_wire(tensor)
+    return restore(hvd().allgather(wire, name=_op_name(name, "allgather")))

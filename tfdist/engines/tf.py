@@ -1,0 +1,102 @@
+"""`TFEngine`: TF's own collectives (the gRPC ring on CPU, NCCL on GPU) under a strategy.
+
+The extended is TF's ``CollectiveAllReduceExtended`` (through the strategy's
+overridable ``_create_extended``), the job is joined through TF's coordination service
+with a registration barrier (so a missing task is named), and a frozen coordination
+leader is named when the others see only a heartbeat timeout.
+"""
+
+from __future__ import annotations
+
+import re
+
+from tfdist.cluster import TRAINING_TASK_TYPES
+from tfdist.engines.base import Engine, summary
+
+
+class TFEngine(Engine):
+    """TF's collectives, as `tf.distribute.MultiWorkerMirroredStrategy` runs them.
+
+    The strategy's overridable set-up (``_make_cluster_resolver``,
+    ``_make_communication_options``, ``_configure_coordination``, ``_create_extended``)
+    is called in that order; a subclass changes the collective
+    options in `communication_options`.
+    """
+
+    def communication_options(self, options):
+        """TF's ``CommunicationOptions`` for the collectives, from the strategy's
+        `tfdist.CommunicationOptions`."""
+        return options.to_tf()
+
+    def create_extended(self, cluster_resolver, options):
+        import tensorflow as tf
+
+        strategy = self.strategy
+        tf_resolver = strategy._make_cluster_resolver(cluster_resolver)
+        tf_options = strategy._make_communication_options(self.communication_options(options))
+        if self.size > 1:
+            strategy._configure_coordination()
+        try:
+            return strategy._create_extended(tf_resolver, tf_options)
+        except tf.errors.DeadlineExceededError as error:
+            raise self.startup_error(error) from error
+
+    def startup_error(self, error):
+        """The start-up timeout as an error that names the missing task(s)."""
+        import tensorflow as tf
+
+        cluster = self.strategy.cluster
+        me = cluster.task.name if cluster.task else "this task"
+        others = [t.name for t in cluster.tasks()
+                  if t.type in TRAINING_TASK_TYPES and t != cluster.task]
+        missing = missing_tasks(error.message, cluster) or (
+            "one or more of " + ", ".join(others))
+        first_line = error.message.strip().splitlines()[0] if error.message else ""
+        return tf.errors.DeadlineExceededError(
+            None, None,
+            f"{me}: task(s) {missing} did not join the cluster within "
+            f"startup_timeout={self.strategy.startup_timeout:g}s. Check that every task "
+            f"was started with the same cluster and can reach the others. TensorFlow "
+            f"said: {first_line}")
+
+    def peer_error(self, error):
+        """``error``, or the same error naming the coordination leader when it froze.
+
+        Every task sends heartbeats to the coordination service on the leader (the
+        chief, else worker-0). When the leader is frozen, the others only see
+        "Deadline Exceeded, RPC: .../CoordinationService/Heartbeat".
+        """
+        strategy = self.strategy
+        leader = coordination_leader(strategy.cluster)
+        if leader is None or leader == strategy.task_name or (
+                "CoordinationService/Heartbeat" not in (error.message or "")):
+            return error
+        return type(error)(
+            error.node_def, error.op,
+            f"{strategy.task_name}: {leader}, the coordination service leader, did not "
+            f"answer heartbeats within heartbeat_timeout={strategy.heartbeat_timeout:g}s: "
+            f"it is frozen (e.g. SIGSTOP), overloaded or unreachable. TensorFlow said: "
+            f"{summary(error.message)}")
+
+
+def coordination_leader(cluster) -> str | None:
+    """The task that hosts the coordination service (see
+    `_hooks.tf.configure_coordination_service`), or None with fewer than 2 workers."""
+    if cluster is None or cluster.num_workers < 2:
+        return None
+    return "chief-0" if cluster.chief else "worker-0"
+
+
+def missing_tasks(message: str, cluster) -> str:
+    """Task names like ``worker-1`` for every ``/job:worker/.../task:1`` in ``message``."""
+    # The registration barrier lists the late tasks after this marker; other errors
+    # (the leader itself unreachable) name the remote task anywhere in the text.
+    marker = "timed out task names:"
+    if marker in message:
+        message = message.split(marker, 1)[1].split("\n\n", 1)[0]
+    names = []
+    for job, index in re.findall(r"/job:(\w+)/replica:\d+/task:(\d+)", message):
+        name = f"{job}-{index}"
+        if name not in names and (cluster.task is None or name != cluster.task.name):
+            names.append(name)
+    return ", ".join(names)
