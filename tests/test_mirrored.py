@@ -111,3 +111,13 @@ def test_bytes_counter_counts_one_gradient_payload_per_step(logical_cpus):
     steps = 64 // 16
     # Gradients once per step, plus the scalar loss reductions for the logs.
     assert steps * weight_bytes <= strategy.bytes_communicated < steps * (weight_bytes + 64)
+
+
+def test_one_process_names(logical_cpus):
+    """rank, size, num_workers and is_chief mean the same on every strategy: here one
+    process that computes the steps."""
+    import tfdist
+
+    strategy = tfdist.MirroredStrategy()
+    assert (strategy.rank, strategy.size, strategy.num_workers, strategy.is_chief) == (
+        0, 1, 1, True)

@@ -216,7 +216,7 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
 
         Called after the engine made the extended: a multi-worker strategy must
         exist before any TF variable."""
-        del options  # the base's copy; this strategy's own (with compression) is kept
+        del options  # the base got none: this strategy keeps its own (with compression)
         self.communication = self._options
         self.averager = PeriodicAverager(self.period, self.warmup_steps,
                                          compression=self.communication.compression_policy,
