@@ -23,6 +23,8 @@ How it works with plain Keras code (private hooks in `tfdist._hooks`):
 - ``fit`` ends, and ``evaluate``/``predict``/``save`` start, with an average of every
   per-replica variable (weights, optimizer slots, non-trainable state) if the replicas
   may differ, so the model the user holds is one model.
+
+The outer optimizer (checks, copy, step, saves) is in `tfdist.strategies._outer`.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from tfdist.checks import check_int
 from tfdist.comm.averaging import PeriodicAverager
 from tfdist.comm.options import merge_options
 from tfdist.keras import handoff
+from tfdist.strategies import _outer
 from tfdist.strategies._optimizer import inner_optimizer
 from tfdist.strategies.mirrored import make_local_extended
 from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
@@ -65,10 +68,6 @@ def _wants_multi_worker(cluster_resolver) -> bool:
     return resolve_cluster(None).num_workers > 1
 
 
-# The model attribute that holds the outer optimizer, so Keras saves its state too.
-OUTER_OPTIMIZER_ATTR = "_tfdist_outer_optimizer"
-
-
 def _tf_variable(variable):
     return variable.value if hasattr(variable, "path") and hasattr(variable, "value") \
         else variable
@@ -79,21 +78,6 @@ def _is_replicated_float(variable) -> bool:
     v = _tf_variable(variable)
     return (isinstance(v, tf.distribute.DistributedValues) and v.dtype.is_floating
             and v.synchronization != tf.VariableSynchronization.ON_READ)
-
-
-def _check_outer(optimizer):
-    """The outer step runs ``update_step`` only: refuse what that would skip."""
-    for name in ("clipnorm", "clipvalue", "global_clipnorm", "weight_decay",
-                 "gradient_accumulation_steps"):
-        if getattr(optimizer, name, None):
-            raise ValueError(f"outer_optimizer does not support {name}. Received: "
-                             f"{name}={getattr(optimizer, name)!r}")
-    if getattr(optimizer, "use_ema", False) or getattr(optimizer, "loss_scale_factor", None):
-        raise ValueError("outer_optimizer does not support use_ema or loss_scale_factor. "
-                         f"Received: {optimizer!r}")
-    if keras_optimizer.overrides_backend_update_step(optimizer):
-        raise ValueError("outer_optimizer must do all its work in update_step; "
-                         f"{type(optimizer).__name__} does not. Received: {optimizer!r}")
 
 
 def _scale(grad, factor):
@@ -163,14 +147,7 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
                  compression=None, engine="auto", **base_kwargs):
         self.period = check_int("period", period, 1)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
-        if outer_optimizer is not None and not (
-                hasattr(outer_optimizer, "get_config") or callable(outer_optimizer)
-                or isinstance(outer_optimizer, (str, dict))):
-            raise ValueError("outer_optimizer must be a Keras optimizer, a function that "
-                             "returns one, its config (dict or name), or None. "
-                             f"Received: outer_optimizer={outer_optimizer!r}")
-        if hasattr(outer_optimizer, "get_config"):
-            _check_outer(outer_optimizer)
+        _outer.check_template(outer_optimizer)
         self._outer_template = outer_optimizer
         self.average_optimizer_state = bool(average_optimizer_state)
         options = merge_options(base_kwargs.pop("communication_options", None),
@@ -326,7 +303,7 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
         loads) its state (SlowMo's momentum, its step) with the model's."""
         state = self._states.get(id(optimizer))
         if state is not None and state.outer is not None:
-            setattr(model, OUTER_OPTIMIZER_ATTR, state.outer)
+            _outer.attach(model, state.outer)
 
     def _outer_around_load(self, model, optimizer, when) -> None:
         """Before ``load_weights``: the outer optimizer exists, for Keras to restore it.
@@ -381,28 +358,11 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
             anchors = [keras.Variable(tf.identity(_tf_variable(v)), trainable=False,
                                       dtype=v.dtype, name=f"tfdist_anchor_{i}")
                        for i, v in enumerate(variables)]
-            outer = self._make_outer()
+            outer = _outer.make_outer(self._outer_template)
             if outer is not None:
                 outer.build(anchors)
         self._states[id(optimizer)] = _State(optimizer, variables, anchors,
                                              self._optimizer_slots(optimizer), outer)
-
-    def _make_outer(self):
-        """The outer optimizer, made in this strategy's scope (a copy of an instance)."""
-        import keras
-
-        template = self._outer_template
-        if template is None:
-            return None
-        if hasattr(template, "get_config"):
-            return type(template).from_config(template.get_config())
-        outer = keras.optimizers.get(template) if isinstance(template, (str, dict)) \
-            else template()
-        if not hasattr(outer, "get_config"):
-            raise ValueError("outer_optimizer must give a Keras optimizer. "
-                             f"Received: {outer!r}")
-        _check_outer(outer)
-        return outer
 
     @staticmethod
     def _local_deltas(state):
@@ -428,15 +388,7 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
                                                         plain_tf)
         extended = distribution.extended
         if outer and state.outer is not None:
-            # Outer gradient = anchor - mean(w_i); the same tensor for every replica.
-            # Keras' own update, as its TF optimizer runs it (its ``apply`` needs a
-            # replica context; this is cross-replica).
-            learning_rate = state.outer.learning_rate
-            for anchor, delta in zip(anchors, mean_deltas):
-                grad = tf.cast(self._first(distribution, delta), anchor.dtype)
-                extended.update(anchor, lambda a, g, lr: state.outer.update_step(g, a, lr),
-                                args=(grad, learning_rate), group=False)
-            state.outer.iterations.assign_add(1)
+            _outer.apply_outer_step(distribution, state.outer, anchors, mean_deltas)
         else:
             for anchor, delta in zip(anchors, mean_deltas):
                 extended.update(anchor, lambda a, d: a.assign_sub(tf.cast(d, a.dtype)),
@@ -447,12 +399,6 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
         for variable, mean in zip(plain_tf, mean_plain):
             extended.update(variable, lambda v, m: v.assign(tf.cast(m, v.dtype)),
                             args=(mean,), group=False)
-
-    @staticmethod
-    def _first(distribution, value):
-        if isinstance(value, tf.distribute.DistributedValues):
-            return distribution.experimental_local_results(value)[0]
-        return value
 
     def _make_force_fn(self, state, plain_vars):
         """A tf.function that averages every per-replica variable (no outer step)."""

@@ -1,0 +1,91 @@
+"""Model averaging's outer optimizer (SlowMo / DiLoCo): checked, copied, stepped, saved.
+
+At each scheduled average, ``anchor - mean(w_i)`` (the averaged change since the last
+average, negated) is applied to the anchor as the outer optimizer's gradient, with
+Keras' own ``update_step``. `tfdist.ModelAverageStrategy` holds one copy per trained
+optimizer and makes it an attribute of the model before a save, so Keras saves and
+loads its state (momentum, step) with the model's.
+"""
+
+from __future__ import annotations
+
+from tfdist._hooks import keras_optimizer
+
+# The model attribute that holds the outer optimizer, so Keras saves its state too.
+OUTER_OPTIMIZER_ATTR = "_tfdist_outer_optimizer"
+
+
+def check_template(outer_optimizer) -> None:
+    """Refuses an ``outer_optimizer`` argument that cannot give a usable optimizer.
+
+    Raises:
+        ValueError: it is not an optimizer, a function, a config or None, or the
+            optimizer uses what the outer step would skip (`check_outer`).
+    """
+    if outer_optimizer is not None and not (
+            hasattr(outer_optimizer, "get_config") or callable(outer_optimizer)
+            or isinstance(outer_optimizer, (str, dict))):
+        raise ValueError("outer_optimizer must be a Keras optimizer, a function that "
+                         "returns one, its config (dict or name), or None. "
+                         f"Received: outer_optimizer={outer_optimizer!r}")
+    if hasattr(outer_optimizer, "get_config"):
+        check_outer(outer_optimizer)
+
+
+def check_outer(optimizer) -> None:
+    """The outer step runs ``update_step`` only: refuse what that would skip."""
+    for name in ("clipnorm", "clipvalue", "global_clipnorm", "weight_decay",
+                 "gradient_accumulation_steps"):
+        if getattr(optimizer, name, None):
+            raise ValueError(f"outer_optimizer does not support {name}. Received: "
+                             f"{name}={getattr(optimizer, name)!r}")
+    if getattr(optimizer, "use_ema", False) or getattr(optimizer, "loss_scale_factor", None):
+        raise ValueError("outer_optimizer does not support use_ema or loss_scale_factor. "
+                         f"Received: {optimizer!r}")
+    if keras_optimizer.overrides_backend_update_step(optimizer):
+        raise ValueError("outer_optimizer must do all its work in update_step; "
+                         f"{type(optimizer).__name__} does not. Received: {optimizer!r}")
+
+
+def make_outer(template):
+    """The outer optimizer from ``template`` (a copy of an instance), or None.
+
+    Call it in the strategy's scope.
+    """
+    import keras
+
+    if template is None:
+        return None
+    if hasattr(template, "get_config"):
+        return type(template).from_config(template.get_config())
+    outer = keras.optimizers.get(template) if isinstance(template, (str, dict)) \
+        else template()
+    if not hasattr(outer, "get_config"):
+        raise ValueError("outer_optimizer must give a Keras optimizer. "
+                         f"Received: {outer!r}")
+    check_outer(outer)
+    return outer
+
+
+def attach(model, outer) -> None:
+    """Makes ``outer`` an attribute of ``model``, so Keras saves and loads its state."""
+    setattr(model, OUTER_OPTIMIZER_ATTR, outer)
+
+
+def apply_outer_step(distribution, outer, anchors, mean_deltas) -> None:
+    """Cross-replica: one outer step on ``anchors`` with ``mean_deltas`` as gradients.
+
+    Keras' own update, as its TF optimizer runs it (its ``apply`` needs a replica
+    context; this is cross-replica). The gradient is the same tensor for every replica.
+    """
+    import tensorflow as tf
+
+    extended = distribution.extended
+    learning_rate = outer.learning_rate
+    for anchor, delta in zip(anchors, mean_deltas):
+        if isinstance(delta, tf.distribute.DistributedValues):
+            delta = distribution.experimental_local_results(delta)[0]
+        grad = tf.cast(delta, anchor.dtype)
+        extended.update(anchor, lambda a, g, lr: outer.update_step(g, a, lr),
+                        args=(grad, learning_rate), group=False)
+    outer.iterations.assign_add(1)
