@@ -515,3 +515,49 @@ def test_restart_policies_share_max_restarts():
         env = ps.task_env(1)
         assert env["TFDIST_TASK_RESTART"] == "1" and os.path.isdir(env["TFDIST_CONTROL_DIR"])
     assert not os.path.exists(env["TFDIST_CONTROL_DIR"])
+
+
+_PS_DIES_FIRST = """
+    import os, signal, sys, time
+    me, gone = os.environ["TFDIST_TASK"], os.path.join(sys.argv[1], "ps-gone")
+    if me == "ps-0":  # runs out of memory while the model is built
+        print("ps-0: out of memory")
+        open(gone, "w").close()
+        if sys.argv[2] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(1)
+    if me == "chief-0":  # fails because the ps is gone
+        while not os.path.exists(gone):
+            time.sleep(0.01)
+        time.sleep(1)
+        print("chief-0: ps-0 is unreachable")
+        sys.exit(1)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("how, cause", [("exit", "ps-0 exited with code 1"),
+                                        ("kill", "ps-0 exited with code -9 (signal SIGKILL)")],
+                         ids=["exit", "kill"])
+def test_the_task_that_failed_first_is_named_not_the_chief_that_followed(tmp_path, how,
+                                                                         cause):
+    from tfdist.launch import LaunchError, PsWorkerRestarts, run
+
+    class LatePolls(PsWorkerRestarts):
+        """A launcher on a loaded host: it looks at its tasks only once both ended."""
+
+        def check(self, tasks):
+            super().check(tasks)
+            deadline = time.monotonic() + 60  # hang guard
+            while time.monotonic() < deadline and any(
+                    t.poll() is None for t in tasks if t.spec.type in ("chief", "ps")):
+                time.sleep(0.05)
+
+    script = _script(tmp_path, _PS_DIES_FIRST)
+    with pytest.raises(LaunchError) as info:
+        run([sys.executable, str(script), str(tmp_path), how], chief=True, ps=1, workers=1,
+            grace_period=1, timeout=90, stream=None, restarts=LatePolls)
+    assert info.value.task == "ps-0", info.value
+    assert str(info.value).startswith(cause), info.value
+    assert "ps-0: out of memory" in info.value.output_tail

@@ -77,8 +77,7 @@ def run_attempt(argv: list[str], cluster: ClusterSpec, options: LaunchOptions, a
             while True:
                 policy.check(tasks)
                 _report_evaluator_exit(tasks, reported, log)
-                failed = next((t for t in tasks if t.poll() not in (None, 0)
-                               and t.spec.type != "evaluator"), None)
+                failed = first_failed(tasks)
                 if failed is not None and policy.replace(tasks, failed, start):
                     continue
                 if failed is not None:
@@ -107,6 +106,16 @@ def run_attempt(argv: list[str], cluster: ClusterSpec, options: LaunchOptions, a
         except BaseException:
             stop_tasks(tasks, grace)
             raise
+
+
+def first_failed(tasks: Sequence[TaskProcess]) -> TaskProcess | None:
+    """The task (not an evaluator) that exited non-zero first, or None.
+
+    Its failure is the cause: a chief that fails because a ps ran out of memory exits
+    after the ps, however late the launcher looks.
+    """
+    failed = [t for t in tasks if t.poll() not in (None, 0) and t.spec.type != "evaluator"]
+    return min(failed, key=lambda t: t.exited_at, default=None)
 
 
 def _is_evaluating(tasks: Sequence[TaskProcess]) -> bool:

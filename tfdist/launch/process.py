@@ -110,23 +110,40 @@ def command_env(env: dict[str, str] | None) -> dict[str, str]:
 
 
 class TaskProcess:
-    """A running task: its process, and a thread that relays its output as it comes."""
+    """A running task: its process, a thread that relays its output as it comes, and one
+    that notes when it exits.
+
+    Attributes:
+        exited_at: `time.monotonic` when the process exited (None while it runs), so the
+            launcher can tell which of several failed tasks failed first.
+    """
 
     def __init__(self, spec: TaskSpec, argv: list[str], env: dict[str, str], stream):
         self.spec = spec
         self.name = spec.name
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.exited_at: float | None = None
         self.process = start_process(argv, env)
         self._output = TaskOutput(self.name, stream, cpp_log_level(env), self.tail)
         self._reader = threading.Thread(target=self._pump, daemon=True)
         self._reader.start()
+        self._waiter = threading.Thread(target=self._wait, daemon=True)
+        self._waiter.start()
 
     def _pump(self):
         relay(self.process.stdout, self._output.add)
         self._output.close()
 
+    def _wait(self):
+        self.process.wait()
+        self.exited_at = time.monotonic()
+
     def poll(self):
-        return self.process.poll()
+        """The exit code, or None while the task runs (`exited_at` is set with it)."""
+        code = self.process.poll()
+        if code is not None:
+            self._waiter.join()  # it has the code: it is noting the time, or has
+        return code
 
     def signal_group(self, signum):
         try:
