@@ -1,9 +1,12 @@
 """Small models and data, and the cluster and horovodrun runners, shared by the tests."""
 
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 
 import numpy as np
 
@@ -131,3 +134,35 @@ def serve_ps_from_a_child(pid_path) -> None:
     chief = tfdist.ClusterSpec.from_env().chief[0]
     while _is_listening(chief):
         time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def tcp_listener(respond):
+    """A TCP server on loopback that is not a tfdist rendezvous; yields its port.
+
+    ``respond(conn)`` runs for each connection it accepts; the connection stays open
+    (and silent) after it until the block ends.
+    """
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    conns, done = [], threading.Event()
+
+    def serve():
+        while not done.is_set():
+            try:
+                conn, _ = server.accept()
+            except socket.timeout:
+                continue
+            conns.append(conn)
+            respond(conn)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        done.set()
+        thread.join(5)
+        for conn in conns:
+            conn.close()
+        server.close()

@@ -6,8 +6,10 @@ The rendezvous rules (refusals, fail-fast messages) and GPU pinning are also che
 without namespaces, on loopback and with a faked GPU list.
 """
 
+import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -23,7 +25,7 @@ import tfdist
 from tfdist.launch import gpus, rendezvous
 from tfdist.launch import find_free_ports
 
-from helpers import TESTS_DIR, assert_weights_close
+from helpers import TESTS_DIR, assert_weights_close, tcp_listener
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -241,7 +243,10 @@ def test_a_wrong_token_is_refused(hosts, tmp_path):
     assert bad_code == 1, bad_output
     assert (f"node 1 (connecting from {hosts.addrs[1]}) was refused: its token does not "
             "match node 0's") in bad_output, bad_output
-    assert good_code == 1 and "node(s) 1 did not join" in good_output, good_output
+    # Node 0 fails at once, with the reason (not after --join-timeout).
+    assert good_code == 1, good_output
+    assert "was refused: its token does not match node 0's" in good_output, good_output
+    assert "did not join" not in good_output
     assert "never runs" not in bad_output + good_output
 
 
@@ -371,44 +376,98 @@ def _join(port, rank, nnodes=2, token=TOKEN, counts=None, **kwargs):
                            timeout=kwargs.pop("timeout", 20), **kwargs)
 
 
-def test_rendezvous_refuses_bad_nodes_then_forms_and_relays_a_failure():
+def _attempt(call):
+    """``call()``'s result, or the exception it raised."""
+    try:
+        return call()
+    except Exception as error:  # noqa: BLE001 - handed to the test
+        return error
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(rank=0), "node rank 0 has already joined"),
+    (dict(rank=1, nnodes=3), "it says --nnodes 3, node 0 says --nnodes 2"),
+    (dict(rank=2), r"node rank must be in 0\.\.1\. Received: 2"),
+    (dict(rank=1, counts={"chief": 1, "worker": 0, "ps": 0}), "only node 0 may run the chief"),
+    (dict(rank=1, token="wrong"), "its token does not match"),
+    (dict(rank=1, max_restarts=1), "it says --max-restarts 1, node 0 says --max-restarts 0"),
+    (dict(rank=1, addr="10.0.0.9 evil"), "addr must be a host name or an IP address"),
+], ids=["same-rank", "nnodes", "rank", "chief", "token", "max-restarts", "addr"])
+def test_a_refused_node_fails_node_0_at_once_with_the_reason(kwargs, message):
+    port, log = find_free_ports(1)[0], io.StringIO()
+    server = rendezvous.RendezvousServer("127.0.0.1", port, 2, TOKEN, join_timeout=120,
+                                         log=log).start()
+    node_0 = {}
+    first = threading.Thread(target=lambda: node_0.setdefault(0, _attempt(
+        lambda: _join(port, 0, timeout=120))))
+    try:
+        first.start()
+        _wait_until(lambda: "node 0 joined" in log.getvalue())
+        with pytest.raises(rendezvous.RendezvousError, match=message):
+            _join(port, **kwargs)
+        first.join(60)  # hang guard: node 0's join timeout is 120 s
+        assert 0 in node_0, "node 0 still waits after a refusal"
+        assert isinstance(node_0[0], rendezvous.RendezvousError), node_0
+        assert re.search(message, str(node_0[0])) and "was refused" in str(node_0[0])
+        assert "did not join" not in log.getvalue()
+    finally:
+        for link in node_0.values():
+            if isinstance(link, rendezvous.NodeLink):
+                link.close()
+        server.close(wait=1)
+
+
+def test_rendezvous_forms_the_cluster_and_relays_a_failure():
     port = find_free_ports(1)[0]
     server = rendezvous.RendezvousServer("127.0.0.1", port, 2, TOKEN, join_timeout=60,
                                          log=open(os.devnull, "w")).start()
-    links = {}
-    first = threading.Thread(target=lambda: links.setdefault(0, _join(port, 0)))
+    links = _together(lambda: _join(port, 0), lambda: _join(port, 1, addr="10.9.9.9"))
     try:
-        first.start()
-        time.sleep(1.0)  # let node 0 join first
-        refusals = [
-            (dict(rank=0), "node rank 0 has already joined"),
-            (dict(rank=1, nnodes=3), "it says --nnodes 3, node 0 says --nnodes 2"),
-            (dict(rank=2), "node rank must be in 0..1. Received: 2"),
-            (dict(rank=1, counts={"chief": 1, "worker": 0, "ps": 0}),
-             "only node 0 may run the chief"),
-            (dict(rank=1, token="wrong"), "its token does not match"),
-            (dict(rank=1, max_restarts=1),
-             "it says --max-restarts 1, node 0 says --max-restarts 0"),
-        ]
-        for kwargs, message in refusals:
-            with pytest.raises(rendezvous.RendezvousError, match=message):
-                _join(port, **kwargs)
-        links[1] = _join(port, 1, addr="10.9.9.9")
-        first.join(20)
         assert links[0].cluster == links[1].cluster
         assert links[0].cluster.worker[1].startswith("10.9.9.9:")  # --node-addr wins
         assert [t.name for t in links[1].tasks] == ["worker-1"]
         links[1].report_failure("worker-1", "worker-1 exited with code 3")
-        deadline = time.monotonic() + 20
-        while links[0].stop is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_until(lambda: links[0].stop is not None)
         assert links[0].stop == {"type": "stop", "node": 1, "task": "worker-1",
                                  "reason": "worker-1 exited with code 3", "round": 0,
                                  "restart": None, "max_restarts": 0, "lost": False}
     finally:
-        for link in links.values():
-            link.close()
+        for link in links:
+            if isinstance(link, rendezvous.NodeLink):
+                link.close()
         server.close(wait=1)
+
+
+@pytest.mark.parametrize("respond, what", [
+    (lambda conn: None, "it sent nothing within 2s"),
+    (lambda conn: conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n"),
+     r"it sent b'SSH-2.0-OpenSSH_9.6\r\n'"),
+    (lambda conn: conn.close(), "it closed the connection without a word"),
+    (lambda conn: conn.sendall(b'{"type": "hello"}\n'), "it sent {'type': 'hello'}"),
+], ids=["silent", "garbage", "closes", "other-json"])
+def test_a_master_that_is_not_a_rendezvous_fails_within_the_join_timeout(respond, what):
+    result = {}
+    with tcp_listener(respond) as port:
+        thread = threading.Thread(target=lambda: result.setdefault("error", _attempt(
+            lambda: _join(port, 1, timeout=2))))
+        thread.start()
+        thread.join(25)  # hang guard: this node used to wait 2 + 30 s
+        assert "error" in result, "the node still waits for a challenge after 25s"
+    error = result["error"]
+    assert isinstance(error, rendezvous.RendezvousError), error
+    assert f"127.0.0.1:{port} is not a tfdist rendezvous" in str(error), error
+    assert what in str(error), error
+
+
+def test_the_cli_names_a_master_that_is_not_a_rendezvous(tmp_path):
+    script = _script(tmp_path, "print('never runs')\n")
+    with tcp_listener(lambda conn: None) as port:
+        node = _start_node(None, 1, script, master_port=port,
+                           options=("--token", TOKEN, "--join-timeout", "2"))
+        code, output = _finish(node, 60)
+    assert code == 1, output
+    assert f"127.0.0.1:{port} is not a tfdist rendezvous" in output, output
+    assert "it sent nothing within 2s" in output and "never runs" not in output
 
 
 def _together(*calls):

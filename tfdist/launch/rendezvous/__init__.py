@@ -11,7 +11,8 @@ stops its tasks too. With ``max_restarts``, node 0's stop says whether a restart
 left; then every node rejoins with fresh ports (a new round) and gets a new cluster.
 
 The wire format is JSON, one object per line (`wire`). Node 0's server is in `server`,
-every node's link to it in `link`; `tfdist.launch.nodes` runs a node's tasks with them.
+the checks of a node's hello in `hello`, every node's link to node 0 in `link`;
+`tfdist.launch.nodes` runs a node's tasks with them.
 """
 
 from tfdist.launch.rendezvous.link import NodeLink, join

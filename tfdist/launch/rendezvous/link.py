@@ -1,4 +1,9 @@
-"""Every node's side of the rendezvous: join node 0, then follow its word for the job."""
+"""Every node's side of the rendezvous: join node 0, then follow its word for the job.
+
+A node trusts nothing it reads before it is admitted: what it shows of node 0's words
+is `printable`, and a ``--master`` that does not answer as a rendezvous (another
+server, silent or not) fails the join within its timeout, saying what it did.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,9 @@ from typing import Sequence
 
 from tfdist.cluster import ClusterSpec, TaskSpec
 from tfdist.launch.options import DEFAULT_JOIN_TIMEOUT
-from tfdist.launch.rendezvous.wire import Channel, RendezvousError, parse_master, proof
+from tfdist.launch.rendezvous.hello import HELLO_MAX_BYTES, MAX_NODES, MAX_RESTARTS, is_int
+from tfdist.launch.rendezvous.wire import (Channel, RendezvousError, parse_master, printable,
+                                           proof)
 
 
 class NodeLink:
@@ -64,13 +71,13 @@ class NodeLink:
                     self._closed = True
                 elif message.get("type") == "stop" and message.get("round") == (
                         self.round if self._next is None else self._next.get("round")):
-                    self.stop = message  # (a new round's stop may come before `rejoin` wakes)
+                    self.stop = _shown(message)  # (may come before `rejoin` wakes)
                 elif message.get("type") == "end":
                     self.ended = True
                 elif message.get("type") == "cluster":
                     self._next = message
                 elif message.get("type") == "error":
-                    self.error = str(message.get("message"))
+                    self.error = printable(message.get("message"))
                 self._changed.notify_all()
             if message is None:
                 return
@@ -146,36 +153,83 @@ def join(master: str, *, rank: int, nnodes: int, token: str, counts: dict[str, i
         RendezvousError: node 0 was unreachable for ``timeout`` seconds, refused this
             node, or gave up waiting for other nodes.
     """
-    host, port = parse_master(master)
     deadline = time.monotonic() + timeout
-    while True:
-        try:
-            sock = socket.create_connection((host, port), timeout=5)
-            break
-        except OSError as error:
-            if time.monotonic() > deadline:
-                raise RendezvousError(
-                    f"node {rank} could not reach node 0's rendezvous at {master} within "
-                    f"{timeout:g}s ({error}). Is node 0 started, with the same --master, "
-                    "and is the port open in the firewall?") from None
+    greeted = None
+    while greeted is None:
+        greeted = _greeted(master, rank, deadline, timeout)
+        if greeted is None:
             time.sleep(0.5)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    channel = Channel(sock)
-    # Node 0 answers by its own join deadline; a little more is a backstop.
-    sock.settimeout(max(1.0, deadline - time.monotonic()) + 30)
-    challenge = channel.receive()
-    if challenge is None or challenge.get("type") != "challenge":
-        channel.close()
-        raise RendezvousError(f"{master} did not answer as a tfdist rendezvous (node {rank})")
+    channel, nonce = greeted
     channel.send({"type": "join", "rank": rank, "nnodes": nnodes, "addr": addr,
                   "counts": dict(counts), "ports": list(ports), "max_restarts": max_restarts,
-                  "proof": proof(token, str(challenge.get("nonce")))})
+                  "proof": proof(token, nonce)})
+    # Node 0 answers by its own join deadline (it may have started later); a little
+    # more is a backstop.
+    channel.sock.settimeout(max(1.0, deadline - time.monotonic()) + 30)
     reply = channel.receive()
-    sock.settimeout(None)
+    channel.sock.settimeout(None)
     if reply is None or reply.get("type") != "cluster":
         channel.close()
         if reply is not None and reply.get("type") == "error":
-            raise RendezvousError(str(reply.get("message")))
+            raise RendezvousError(printable(reply.get("message")))
         raise RendezvousError(f"node 0 at {master} hung up before the job started "
                               f"(node {rank} got no cluster)")
     return NodeLink(channel, reply, master)
+
+
+def _greeted(master: str, rank: int, deadline: float,
+             timeout: float) -> tuple[Channel, str] | None:
+    """A connection to ``master`` and node 0's challenge nonce; None: try again later
+    (unreachable, or node 0 busy with other connections).
+
+    Raises:
+        RendezvousError: the deadline passed, or ``master`` is not a tfdist rendezvous.
+    """
+    host, port = parse_master(master)
+    try:
+        sock = socket.create_connection(
+            (host, port), timeout=min(5.0, max(0.1, deadline - time.monotonic())))
+    except OSError as error:
+        if time.monotonic() > deadline:
+            raise RendezvousError(
+                f"node {rank} could not reach node 0's rendezvous at {master} within "
+                f"{timeout:g}s ({error}). Is node 0 started, with the same --master, "
+                "and is the port open in the firewall?") from None
+        return None
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    channel = Channel(sock)
+    sock.settimeout(max(0.1, deadline - time.monotonic()))
+    challenge = channel.receive(HELLO_MAX_BYTES)
+    kind = None if challenge is None else challenge.get("type")
+    if kind == "challenge" and isinstance(challenge.get("nonce"), str):
+        return channel, challenge["nonce"]
+    channel.close()
+    if kind == "busy" and time.monotonic() <= deadline:
+        return None
+    if kind == "busy":
+        raise RendezvousError(
+            f"node 0's rendezvous at {master} stayed busy with other connections waiting "
+            f"to join for {timeout:g}s (node {rank} tried again until then): is something "
+            "else connecting to --master?")
+    if channel.problem == "timed out":
+        what = f"sent nothing within {timeout:g}s"
+    elif channel.problem == "closed":
+        what = "closed the connection without a word"
+    else:
+        what = channel.problem or f"sent {printable(challenge, 200)} instead of a challenge"
+    raise RendezvousError(
+        f"{master} is not a tfdist rendezvous: node {rank} connected, but it {what}. Is "
+        "--master node 0's address and port, and is node 0 a tfdist launch of this "
+        "version?")
+
+
+def _shown(stop: dict) -> dict:
+    """Node 0's "stop" message with its words `printable` and its numbers checked."""
+    task, restart = stop.get("task"), stop.get("restart")
+    return {**stop, "task": None if task is None else printable(task, 40),
+            "reason": printable(stop.get("reason"), 500),
+            "node": stop.get("node") if is_int(stop.get("node"), 0, MAX_NODES) else None,
+            "restart": restart if is_int(restart, 1, MAX_RESTARTS) else None,
+            "max_restarts": stop.get("max_restarts") if is_int(
+                stop.get("max_restarts"), 0, MAX_RESTARTS) else 0,
+            "lost": bool(stop.get("lost"))}

@@ -1,9 +1,16 @@
-"""Node 0's side of the rendezvous: admits nodes, hands out the cluster, relays stops."""
+"""Node 0's side of the rendezvous: admits nodes, hands out the cluster, relays stops.
+
+Anyone who can reach ``--master`` can connect. At most `MAX_PENDING` connections may
+wait for their hello at once (more are told node 0 is busy, and closed), each for
+`HELLO_SECONDS` at most; a hello is checked field by field (`hello`) before it is used,
+and what is logged of it is quoted. A refused node ends a round that is forming: every
+joined node fails at once with the reason.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import hmac
+import math
 import secrets
 import socket
 import sys
@@ -13,10 +20,13 @@ from typing import Any
 
 from tfdist.cluster import ClusterSpec
 from tfdist.launch.options import DEFAULT_JOIN_TIMEOUT
+from tfdist.launch.rendezvous.hello import (HELLO_MAX_BYTES, TASK_TYPES, describe_node,
+                                            field_problem, has_proof, port_problem)
 from tfdist.launch.rendezvous.wire import (TOKEN_ENV, Channel, RendezvousError,
-                                           describe_stop, proof)
+                                           describe_stop, printable)
 
-_TASK_TYPES = ("chief", "worker", "ps")
+MAX_PENDING = 16  # connections waiting for their hello; more are turned away
+HELLO_SECONDS = 10.0  # a connection's time to send its hello
 
 
 @dataclasses.dataclass
@@ -25,14 +35,6 @@ class _Node:
     addr: str
     counts: dict[str, int]
     channel: Channel
-
-
-def _port_refusal(ports: Any, counts: dict[str, int]) -> str | None:
-    """Why ``ports`` are not one valid port per task, or None."""
-    if not isinstance(ports, list) or len(ports) != sum(counts.values()) or not all(
-            isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536 for p in ports):
-        return f"needs one port per task. Received: ports={ports!r}"
-    return None
 
 
 class RendezvousServer:
@@ -53,13 +55,20 @@ class RendezvousServer:
             node must have joined.
         log: Where refusals and stops are reported.
         max_restarts: Restarts of the whole job; every node must give the same number.
+        hello_timeout: Seconds a connection has to send its hello before it is closed.
+        max_pending: Connections that may wait for their hello at once; more are told
+            node 0 is busy (a node retries) and closed.
     """
 
     def __init__(self, host: str, port: int, nnodes: int, token: str,
-                 join_timeout: float = DEFAULT_JOIN_TIMEOUT, log=None, max_restarts: int = 0):
+                 join_timeout: float = DEFAULT_JOIN_TIMEOUT, log=None, max_restarts: int = 0,
+                 hello_timeout: float = HELLO_SECONDS, max_pending: int = MAX_PENDING):
         self.host, self.port, self.nnodes = host, port, nnodes
         self.token, self.join_timeout = token, join_timeout
         self.max_restarts = max_restarts
+        self.hello_timeout, self.max_pending = hello_timeout, max_pending
+        self._pending: dict[Channel, float] = {}  # connections before their hello: deadline
+        self._failure: str | None = None  # why node 0 gave up on the job
         self.log = log or sys.stderr
         self._nodes: dict[int, _Node] = {}  # connected, admitted nodes
         self._lock = threading.Lock()
@@ -97,7 +106,7 @@ class RendezvousServer:
     def _spawn(self, target, *args) -> None:
         thread = threading.Thread(target=target, args=args, daemon=True)
         thread.start()
-        self._threads.append(thread)
+        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
 
     def _say(self, text: str) -> None:
         # One write per line: the launcher's thread writes to the same log.
@@ -107,6 +116,7 @@ class RendezvousServer:
         while not self._closed:
             if self._state == "joining" and time.monotonic() > self._deadline:
                 self._join_timed_out()
+            self._cut_off_overdue()
             try:
                 sock, peer = self._listener.accept()
             except socket.timeout:
@@ -114,7 +124,28 @@ class RendezvousServer:
             except OSError:
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._spawn(self._admit, Channel(sock), peer[0])
+            channel = Channel(sock)
+            with self._lock:
+                admitted = len(self._pending) < self.max_pending
+                if admitted:
+                    self._pending[channel] = time.monotonic() + self.hello_timeout
+            if admitted:
+                self._spawn(self._admit, channel, peer[0])
+            else:  # no thread for it: the connection is answered and closed here
+                sock.settimeout(1.0)
+                channel.send({"type": "busy", "message": f"node 0 has {self.max_pending} "
+                              "connections waiting to join; try again"})
+                channel.close()
+
+    def _cut_off_overdue(self) -> None:
+        """Closes the connections whose hello is overdue; their threads then end."""
+        now = time.monotonic()
+        with self._lock:
+            overdue = [c for c, deadline in self._pending.items() if deadline < now]
+            for channel in overdue:
+                self._pending[channel] = math.inf  # closed once
+        for channel in overdue:
+            channel.close()
 
     def _join_timed_out(self) -> None:
         with self._lock:
@@ -129,30 +160,43 @@ class RendezvousServer:
                 message = (f"node(s) {missing} did not rejoin within {self.join_timeout:g}s "
                            f"for restart {self._round}/{self.max_restarts} (rejoined: "
                            f"{joined}); no task was restarted")
-            self._broadcast({"type": "error", "message": message})
-            self._state = "finished"
+            self._give_up(message)
         self._say(message)
+
+    def _give_up(self, message: str) -> None:
+        """Ends the job while it forms: every joined node fails with ``message``. Locked."""
+        self._broadcast({"type": "error", "message": message})
+        self._state, self._failure = "finished", message
 
     def _admit(self, channel: Channel, peer: str) -> None:
         """Checks one node's hello; registers it, or tells it why not and hangs up."""
         nonce = secrets.token_hex(16)
-        channel.send({"type": "challenge", "nonce": nonce})
-        channel.sock.settimeout(30)
-        hello = channel.receive()
-        channel.sock.settimeout(None)
+        try:
+            channel.sock.settimeout(self.hello_timeout)
+            channel.send({"type": "challenge", "nonce": nonce})
+            hello = channel.receive(HELLO_MAX_BYTES)
+            channel.sock.settimeout(None)
+        except OSError:  # closed as overdue
+            hello = None
+        finally:
+            with self._lock:
+                self._pending.pop(channel, None)
         if hello is None or hello.get("type") != "join":
             channel.close()  # not one of ours (a port scan, a dropped node)
             return
-        rank = hello.get("rank")
         with self._lock:
             reason = self._refusal(hello, nonce)
             if reason is None:
-                node = _Node(rank, hello.get("addr") or peer, dict(hello["counts"]), channel)
+                rank = hello["rank"]
+                node = _Node(rank, hello["addr"] or peer, dict(hello["counts"]), channel)
                 self._nodes[rank] = node
                 self._enter(rank, list(hello["ports"]))
                 joined = f"{len(self._ports)}/{self.nnodes}"
+            else:
+                message = f"{describe_node(hello)} (connecting from {peer}) was refused: {reason}"
+                if self._state == "joining":  # it would never join: the others fail now
+                    self._give_up(f"{message}; {self._not_done()}")
         if reason is not None:
-            message = f"node {rank} (connecting from {peer}) was refused: {reason}"
             self._say(message)
             channel.send({"type": "error", "message": message})
             channel.close()
@@ -160,33 +204,38 @@ class RendezvousServer:
         self._say(f"node {rank} joined from {peer} ({joined})")
         self._serve(node)
 
+    def _not_done(self) -> str:
+        """What a round that forms no cluster leaves undone. Locked."""
+        if self._round == 0:
+            return "no task was started"
+        return f"no task was restarted (restart {self._round}/{self.max_restarts})"
+
     def _refusal(self, hello: dict, nonce: str) -> str | None:
         """Why ``hello`` is not admitted, or None. Called with the lock held."""
-        given = hello.get("proof")
-        if not isinstance(given, str) or not hmac.compare_digest(
-                given, proof(self.token, nonce)):
+        if not has_proof(hello, self.token, nonce):
             return ("its token does not match node 0's (give every node the same --token "
                     f"or {TOKEN_ENV})")
-        rank, nnodes = hello.get("rank"), hello.get("nnodes")
+        problem = field_problem(hello)
+        if problem is not None:
+            return f"its hello is malformed: {problem}"
+        rank, nnodes = hello["rank"], hello["nnodes"]
         if nnodes != self.nnodes:
             return f"it says --nnodes {nnodes}, node 0 says --nnodes {self.nnodes}"
         if hello.get("max_restarts", 0) != self.max_restarts:
             return (f"it says --max-restarts {hello.get('max_restarts', 0)}, node 0 says "
                     f"--max-restarts {self.max_restarts}")
-        if not isinstance(rank, int) or not 0 <= rank < self.nnodes:
-            return f"node rank must be in 0..{self.nnodes - 1}. Received: {rank!r}"
+        if rank >= self.nnodes:
+            return f"node rank must be in 0..{self.nnodes - 1}. Received: {rank}"
         if rank in self._nodes:
             return f"node rank {rank} has already joined from {self._nodes[rank].addr}"
+        if self._failure is not None:
+            return f"node 0 has given up on this job ({self._failure})"
         if self._state != "joining":
             return ("the job is running (or over); a node joins only while the job starts "
                     "or restarts")
-        counts = hello.get("counts")
-        if not isinstance(counts, dict) or set(counts) != set(_TASK_TYPES) or not all(
-                isinstance(counts[t], int) and counts[t] >= 0 for t in _TASK_TYPES):
-            return f"bad task counts. Received: {counts!r}"
-        if counts["chief"] and rank != 0:
+        if hello["counts"]["chief"] and rank != 0:
             return "only node 0 may run the chief (--chief)"
-        return _port_refusal(hello.get("ports"), counts)
+        return port_problem(hello["ports"], hello["counts"])
 
     def _enter(self, rank: int, ports: list[int]) -> None:
         """Adds node ``rank`` to this round; forms the cluster when all are in. Locked."""
@@ -196,12 +245,12 @@ class RendezvousServer:
 
     def _form(self) -> None:
         """Builds the cluster from every node, in rank order; sends each its tasks."""
-        jobs: dict[str, list[str]] = {t: [] for t in _TASK_TYPES}
+        jobs: dict[str, list[str]] = {t: [] for t in TASK_TYPES}
         assigned: dict[int, list[dict]] = {}
         for rank in range(self.nnodes):
             node, local, ports = self._nodes[rank], 0, iter(self._ports[rank])
             assigned[rank] = []
-            for task_type in _TASK_TYPES:
+            for task_type in TASK_TYPES:
                 for _ in range(node.counts[task_type]):
                     assigned[rank].append({"type": task_type, "index": len(jobs[task_type]),
                                            "local_rank": local})
@@ -210,8 +259,7 @@ class RendezvousServer:
         try:
             cluster = ClusterSpec(**jobs).jobs()
         except ValueError as error:
-            self._broadcast({"type": "error", "message": f"no valid cluster: {error}"})
-            self._state = "finished"
+            self._give_up(f"no valid cluster: {error}")
             return
         for rank, node in self._nodes.items():
             node.channel.send({"type": "cluster", "cluster": cluster, "tasks": assigned[rank],
@@ -239,7 +287,9 @@ class RendezvousServer:
                 elif self._state == "finished" or message.get("round") != self._round:
                     pass  # late news of an earlier round
                 elif kind == "failed" and self._state == "running":
-                    said = self._stop(node.rank, message.get("task"), message.get("reason"))
+                    task = message.get("task")
+                    said = self._stop(node.rank, None if task is None else printable(task, 40),
+                                      printable(message.get("reason"), 500))
                 elif kind == "done" and self._state == "running":
                     self._done.add(node.rank)
                     if len(self._done) == self.nnodes:
@@ -247,7 +297,7 @@ class RendezvousServer:
                         self._state = "finished"
                 elif kind == "rejoin" and self._state == "joining" and \
                         node.rank not in self._ports:
-                    refusal = _port_refusal(message.get("ports"), node.counts)
+                    refusal = port_problem(message.get("ports"), node.counts)
                     if refusal is None:
                         self._enter(node.rank, message["ports"])
                         said = f"node {node.rank} rejoined ({len(self._ports)}/{self.nnodes})"
@@ -295,6 +345,10 @@ class RendezvousServer:
         self._closed = True
         if self._listener is not None:
             self._listener.close()
+        with self._lock:
+            pending = list(self._pending)
+        for channel in pending:
+            channel.close()
         deadline = time.monotonic() + wait
         for thread in list(self._threads):
             thread.join(max(0.0, deadline - time.monotonic()))

@@ -1,6 +1,7 @@
 """The rendezvous wire: JSON lines on a socket, the token's proof, node 0's address.
 
-The wire format is JSON, one object per line. Nothing is unpickled.
+The wire format is JSON, one object per line. Nothing is unpickled. Whatever comes from
+the wire is shown only through `quote` or `printable`: printable ASCII, bounded.
 """
 
 from __future__ import annotations
@@ -14,21 +15,40 @@ import socket
 import threading
 
 TOKEN_ENV = "TFDIST_TOKEN"
-_MAX_LINE = 1 << 20  # a longer message is refused
+MAX_LINE = 1 << 20  # a longer message is refused
 
 
 class RendezvousError(RuntimeError):
     """The nodes could not form a job: refused, missing, or node 0 went away."""
 
 
+def quote(value, limit: int = 80) -> str:
+    """``value`` as Python writes it (``'a\\n'``), in printable ASCII, cut at ``limit``."""
+    text = ascii(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def printable(text: str, limit: int = 1000) -> str:
+    """``text`` with every character but printable ASCII escaped (``\\n``, ``\\x1b``),
+    cut at ``limit``: a message from the wire that cannot forge a line in a log."""
+    text = str(text)
+    escaped = "".join(c if " " <= c <= "~" else ascii(c)[1:-1] for c in text[:limit])
+    return escaped if len(escaped) <= limit and len(text) <= limit else f"{escaped[:limit]}..."
+
 
 class Channel:
-    """One socket, JSON objects one per line, each way."""
+    """One socket, JSON objects one per line, each way.
+
+    Attributes:
+        problem: Why the last `receive` returned None: ``"timed out"``, ``"closed"``,
+            or what was received instead of a JSON object.
+    """
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self._reader = sock.makefile("rb")
         self._send_lock = threading.Lock()
+        self.problem: str | None = None
 
     def send(self, message: dict) -> bool:
         """Sends ``message``; False if the peer is gone."""
@@ -40,19 +60,31 @@ class Channel:
             except OSError:
                 return False
 
-    def receive(self) -> dict | None:
-        """The next message, or None at EOF (or on a broken or oversized line)."""
+    def receive(self, limit: int = MAX_LINE) -> dict | None:
+        """The next message, or None (see `problem`) at EOF, on a timeout, or on a line
+        that is broken, longer than ``limit`` bytes or not a JSON object."""
+        message, self.problem = None, None
         try:
-            line = self._reader.readline(_MAX_LINE)
+            line = self._reader.readline(limit)
+        except socket.timeout:
+            self.problem = "timed out"
+            return None
         except (OSError, ValueError):
+            self.problem = "closed"
             return None
-        if not line.endswith(b"\n"):
-            return None
-        try:
-            message = json.loads(line)
-        except ValueError:
-            return None
-        return message if isinstance(message, dict) else None
+        if not line:
+            self.problem = "closed"
+        elif not line.endswith(b"\n"):
+            self.problem = f"sent {quote(line)} (not a line of at most {limit} bytes)"
+        else:
+            try:
+                message = json.loads(line)
+            except (ValueError, RecursionError):  # RecursionError: nested too deep
+                pass
+            if not isinstance(message, dict):
+                self.problem = f"sent {quote(line)} (not a JSON object)"
+                message = None
+        return message
 
     def close(self) -> None:
         try:  # wakes a thread blocked reading (closing the reader first would wait for it)
