@@ -561,3 +561,44 @@ def test_the_task_that_failed_first_is_named_not_the_chief_that_followed(tmp_pat
     assert info.value.task == "ps-0", info.value
     assert str(info.value).startswith(cause), info.value
     assert "ps-0: out of memory" in info.value.output_tail
+
+
+_CHIEF_FAILS_ON_THE_PS = '''
+    import os, sys, time
+    if os.environ["TFDIST_TASK"] != "chief-0":
+        time.sleep(600)
+    # What the chief printed when ps-0 ran out of memory while the model was built
+    # (benchmarks/RESULTS.md): the ps lives on, the chief fails with the ps's error.
+    print("tensorflow.python.framework.errors_impl.ResourceExhaustedError: OOM when "
+          "allocating tensor with shape[2000000,64] and type float on "
+          "/job:ps/replica:0/task:0/device:CPU:0 by allocator mklcpu")
+    print("Additional GRPC error information from remote target /job:ps/replica:0/task:0 "
+          "while calling /tensorflow.eager.EagerService/Enqueue:")
+    print(':UNKNOWN:Error received from peer  {grpc_message:"OOM when allocating"}')
+    sys.exit(1)
+'''
+
+
+@pytest.mark.multiprocess
+def test_an_error_the_chief_received_from_a_ps_names_the_ps(tmp_path):
+    script = _script(tmp_path, _CHIEF_FAILS_ON_THE_PS)
+    with pytest.raises(tfdist.LaunchError) as info:
+        tfdist.launch(script, chief=True, ps=1, workers=1, grace_period=1, timeout=90,
+                      stream=None)
+    assert str(info.value).startswith(
+        "chief-0 exited with code 1: its error came from ps-0 (ResourceExhaustedError: OOM "
+        "when allocating tensor with shape[2000000,64]"), info.value
+    assert info.value.task == "chief-0"
+
+
+def test_failure_cause_names_only_another_task():
+    """Unit: no remote error (or one from the task itself) adds nothing to `exit_cause`."""
+    from tfdist.launch.results import failure_cause
+
+    assert failure_cause("worker-1", 3, "Traceback ...\nValueError: bad") == \
+        "worker-1 exited with code 3"
+    own = "UnavailableError: x\nfrom remote target /job:worker/replica:0/task:1 while ..."
+    assert failure_cause("worker-1", 1, own) == "worker-1 exited with code 1"
+    other = own.replace("task:1", "task:0")
+    assert failure_cause("worker-1", 1, other) == \
+        "worker-1 exited with code 1: its error came from worker-0 (UnavailableError: x)"

@@ -13,8 +13,8 @@ from tfdist.launch.network import make_local_cluster, private_network
 from tfdist.launch.options import LaunchOptions, resolve_options
 from tfdist.launch.process import TaskProcess, command_env
 from tfdist.launch.restarts import JobRestarts
-from tfdist.launch.results import (LaunchError, LaunchResult, announce_restart, exit_cause,
-                                   launch_result)
+from tfdist.launch.results import (LaunchError, LaunchResult, announce_restart,
+                                   failure_cause, launch_result)
 
 MAX_PORT_RETRIES = 3
 _PORT_IN_USE_MARKERS = ("Address already in use", "address already in use",
@@ -70,7 +70,7 @@ def run(argv: Sequence[str], options: LaunchOptions | None = None, *,
                                                       for t in tasks))
         else:
             code = failed.poll()
-            cause = exit_cause(failed.name, code)
+            cause = failure_cause(failed.name, code, failed.tail_text())
             clash = _is_port_clash(failed)
             if clash:
                 cause += (f": it could not bind its port "

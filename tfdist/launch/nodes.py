@@ -21,8 +21,8 @@ from tfdist.launch.process import command_env
 from tfdist.launch.rendezvous import (NodeLink, RendezvousServer, join, parse_master,
                                       resolve_token)
 from tfdist.launch.rendezvous.wire import describe_stop
-from tfdist.launch.results import (LaunchError, LaunchResult, announce_restart, exit_cause,
-                                   launch_result)
+from tfdist.launch.results import (LaunchError, LaunchResult, announce_restart,
+                                   failure_cause, launch_result)
 
 _DECISION_SECONDS = 30.0  # a node whose task failed waits this long for node 0's word
 
@@ -155,7 +155,7 @@ def _outcome(link: NodeLink, tasks, failed, timed_out, node_rank, spent,
     spent_all = f"; no restart left ({link.round}/{max_restarts} used)" if max_restarts else ""
     if failed is not None:
         code = failed.poll()
-        reason = exit_cause(failed.name, code)
+        reason = failure_cause(failed.name, code, failed.tail_text())
         raise error(f"{reason} on node {node_rank} after {spent:.1f}s; {stopped}{spent_all}. "
                     f"Last output of {failed.name}:\n{failed.tail_text()}",
                     failed.name, code, failed.tail_text())

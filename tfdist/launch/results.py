@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import signal
 from typing import Sequence
 
@@ -57,6 +58,32 @@ def exit_cause(name: str, code: int) -> str:
     return f"{name} exited with code {code}" + (
         f" (signal {signal.Signals(-code).name})" if code < 0 and -code in
         signal.valid_signals() else "")
+
+
+# TensorFlow's words for an error it received from another task over gRPC.
+_REMOTE = re.compile(r"from remote target /job:(\w+)/replica:\d+/task:(\d+)")
+_ERROR = re.compile(r"\w+(?:Error|Exception): .*")
+
+
+def failure_cause(name: str, code: int, tail: str) -> str:
+    """`exit_cause`, plus the task whose error ``name`` received, if its last lines
+    (``tail``) say so: ``chief-0 exited with code 1: its error came from ps-0
+    (ResourceExhaustedError: OOM when allocating ...)``. A ps that runs out of memory
+    while the chief builds the model fails the chief, not itself."""
+    cause = exit_cause(name, code)
+    lines = tail.splitlines()
+    for end in range(len(lines), 0, -1):
+        remote = _REMOTE.search(lines[end - 1])
+        if remote is not None:
+            break
+    else:
+        return cause
+    task = f"{remote[1]}-{remote[2]}"
+    if task == name:
+        return cause
+    error = next((m[0] for m in map(_ERROR.search, reversed(lines[:end])) if m), None)
+    return f"{cause}: its error came from {task}" + (
+        "" if error is None else f" ({error[:300]})")
 
 
 def announce_restart(log, restart: int, max_restarts: int, cause: str, note: str = "") -> None:
