@@ -12,32 +12,13 @@ from tfdist import devices
 from tfdist.cluster import ClusterSpec, TaskSpec
 from tfdist.comm.options import CommunicationOptions
 from tfdist.launch import LaunchError, LaunchResult, launch
+from tfdist.strategies import registry as _registry
 
-# Public name -> module that defines it; imported on first attribute access.
-_LAZY = {
-    "HorovodStrategy": "tfdist.strategies.horovod",
-    "MirroredStrategy": "tfdist.strategies.mirrored",
-    "MultiWorkerMirroredStrategy": "tfdist.strategies.multi_worker",
-    "ModelAverageStrategy": "tfdist.strategies.model_average",
-    "ParameterServerStrategy": "tfdist.strategies.parameter_server",
-    "StepTimeoutError": "tfdist.strategies.parameter_server",
-}
+# Public name -> module that defines it (the strategy registry); imported on first access.
+_LAZY = _registry.public_names()
 
-__all__ = [
-    "ClusterSpec",
-    "CommunicationOptions",
-    "HorovodStrategy",
-    "LaunchError",
-    "LaunchResult",
-    "MirroredStrategy",
-    "ModelAverageStrategy",
-    "MultiWorkerMirroredStrategy",
-    "ParameterServerStrategy",
-    "StepTimeoutError",
-    "TaskSpec",
-    "devices",
-    "launch",
-]
+__all__ = sorted(["ClusterSpec", "CommunicationOptions", "LaunchError", "LaunchResult",
+                  "TaskSpec", "devices", "launch", *_LAZY])
 
 
 # Subpackages loaded on first attribute access: tfdist.keras imports Keras; ray and

@@ -6,18 +6,18 @@ integer >= 1. Received: 0``). No TensorFlow import here.
 
 from __future__ import annotations
 
-import ast
 import copy
-import functools
 import math
 import tomllib
 from pathlib import Path
 from typing import Any
 
-STRATEGIES = ("none", "mirrored", "multi_worker", "parameter_server", "model_average",
-              "horovod")
+from tfdist.strategies import registry
+
+STRATEGIES = tuple(registry.STRATEGIES)
 # Strategies that need one process per task (launched, or from the environment).
-MULTI_PROCESS_STRATEGIES = ("multi_worker", "parameter_server", "model_average", "horovod")
+MULTI_PROCESS_STRATEGIES = tuple(name for name, entry in registry.STRATEGIES.items()
+                                 if entry.multi_process)
 # local: tasks on this host; env: this process is a task the environment describes;
 # nodes: this host's tasks of a multi-node job that meets at node 0's rendezvous.
 # spark, ray: the tasks run on a Spark barrier stage / Ray actors (tfdist.spark, tfdist.ray).
@@ -79,18 +79,8 @@ _CHECKS = {
 
 
 # strategy.name -> (module in tfdist/strategies, class) for checking strategy.options.
-STRATEGY_CLASSES = {
-    "mirrored": ("mirrored", "MirroredStrategy"),
-    "multi_worker": ("multi_worker", "MultiWorkerMirroredStrategy"),
-    "parameter_server": ("parameter_server", "ParameterServerStrategy"),
-    "model_average": ("model_average", "ModelAverageStrategy"),
-    "horovod": ("horovod", "HorovodStrategy"),
-}
-# Classes whose ``**kwargs`` go on to these classes' ``__init__`` (the model-average
-# strategy builds on the mirrored one on one host, the multi-worker one across hosts).
-_KWARGS_GO_TO = {"model_average": ("mirrored", "multi_worker")}
-# Options tfdist train sets itself, or that a TOML value cannot express.
-_NOT_FROM_CONFIG = ("cluster_resolver", "cross_device_ops", "variable_partitioner")
+STRATEGY_CLASSES = {name: (entry.module.rpartition(".")[2], entry.class_name)
+                    for name, entry in registry.STRATEGIES.items() if entry.class_name}
 
 
 class ConfigError(ValueError):
@@ -165,50 +155,16 @@ def validate_config(raw: dict[str, Any], source: str = "<config>") -> dict[str, 
     return config
 
 
-@functools.lru_cache(maxsize=None)
-def _init_parameters(module: str, class_name: str) -> tuple[frozenset[str], bool] | None:
-    """``(keyword names, takes **kwargs)`` of a strategy class's ``__init__``, read from
-    its source with `ast` (importing it would start TensorFlow). None if unreadable."""
-    path = Path(__file__).parent / "strategies" / f"{module}.py"
-    try:
-        tree = ast.parse(path.read_text(), str(path))
-    except (OSError, SyntaxError):
-        return None
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef) and node.name == class_name:
-            for item in node.body:
-                if isinstance(item, ast.FunctionDef) and item.name == "__init__":
-                    args = item.args
-                    names = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
-                    return frozenset(names[1:]), args.kwarg is not None
-    return None
-
-
-def strategy_option_names(name: str) -> frozenset[str] | None:
-    """The keyword arguments ``strategy.options`` may hold for a strategy name.
-
-    Returns:
-        The names, or None when they cannot be known (the source is not available).
-    """
-    if name not in STRATEGY_CLASSES:
+def strategy_option_names(name: str) -> frozenset[str]:
+    """The keyword arguments ``strategy.options`` may hold for a strategy name (from
+    `tfdist.strategies.registry`); empty for an unknown name."""
+    if name not in registry.STRATEGIES:
         return frozenset()
-    found = _init_parameters(*STRATEGY_CLASSES[name])
-    if found is None:
-        return None
-    names, var_kwargs = found
-    if var_kwargs:
-        for other in _KWARGS_GO_TO.get(name, ()):
-            more = strategy_option_names(other)
-            if more is None:
-                return None
-            names |= more
-    return frozenset(names - set(_NOT_FROM_CONFIG))
+    return registry.option_names(name)
 
 
 def _check_strategy_options(strategy: dict[str, Any], source: str) -> None:
     allowed = strategy_option_names(strategy["name"])
-    if allowed is None:
-        return
     for key, value in strategy["options"].items():
         if key in allowed:
             continue
@@ -265,18 +221,18 @@ def _check_combination(config: dict[str, Any], source: str) -> None:
                 raise ConfigError(f"{source}: cluster.{key} applies only to cluster.mode = "
                                   f"'nodes'. Received: {key}={cluster[key]!r} with "
                                   f"mode={cluster['mode']!r}")
-    if strategy["name"] == "parameter_server" and (
-            cluster["mode"] == "local" or cluster["mode"] == "nodes" and
-            cluster["node_rank"] == 0):
+    entry = registry.get(strategy["name"])
+    if entry.ps and (cluster["mode"] == "local" or cluster["mode"] == "nodes" and
+                     cluster["node_rank"] == 0):
         if cluster["ps"] < 1:
-            raise ConfigError(f"{source}: cluster.ps must be >= 1 for the parameter_server "
+            raise ConfigError(f"{source}: cluster.ps must be >= 1 for the {entry.name} "
                               f"strategy. Received: {cluster['ps']}")
-        if not cluster["chief"]:
+        if entry.chief and not cluster["chief"]:
             raise ConfigError(f"{source}: cluster.chief must be true for the "
-                              "parameter_server strategy (the chief runs fit)")
-    elif cluster["ps"] and strategy["name"] != "parameter_server":
+                              f"{entry.name} strategy (the chief runs fit)")
+    elif cluster["ps"] and not entry.ps:
         raise ConfigError(f"{source}: cluster.ps={cluster['ps']} only makes sense with "
-                          f"strategy.name='parameter_server'. Received: "
+                          f"strategy.name={_quoted(_names_where('ps'))}. Received: "
                           f"{strategy['name']!r}")
     batch = config["train"]["global_batch_size"]
     replicas = _replicas(config)
@@ -288,10 +244,9 @@ def _check_combination(config: dict[str, Any], source: str) -> None:
 def _check_nodes(config: dict[str, Any], source: str) -> None:
     """``cluster.mode = "nodes"``: a multi-process strategy, a master, a valid rank."""
     strategy, cluster = config["strategy"]["name"], config["cluster"]
-    if strategy not in MULTI_PROCESS_STRATEGIES or strategy == "horovod":
+    if not registry.get(strategy).runs_on_nodes:
         raise ConfigError(f"{source}: cluster.mode = 'nodes' needs strategy.name "
-                          "'multi_worker', 'parameter_server' or 'model_average'. "
-                          f"Received: {strategy!r}")
+                          f"{_quoted(_names_where('runs_on_nodes'))}. Received: {strategy!r}")
     host, _, port = cluster["master"].rpartition(":")
     if not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"{source}: cluster.master must be 'HOST:PORT' of node 0's "
@@ -309,9 +264,10 @@ def _check_engine(config: dict[str, Any], source: str) -> None:
     """``cluster.mode = "spark"`` / ``"ray"``: workers only, each a TensorFlow worker."""
     strategy, cluster = config["strategy"]["name"], config["cluster"]
     mode = cluster["mode"]
-    if strategy not in ("multi_worker", "model_average"):
+    if not registry.get(strategy).runs_on_engines:
         raise ConfigError(f"{source}: cluster.mode = {mode!r} needs strategy.name "
-                          f"'multi_worker' or 'model_average'. Received: {strategy!r}")
+                          f"{_quoted(_names_where('runs_on_engines'))}. Received: "
+                          f"{strategy!r}")
     for key in ("chief", "ps", "max_restarts"):
         if cluster[key]:
             raise ConfigError(f"{source}: cluster.{key} is not supported with cluster.mode = "
@@ -319,14 +275,26 @@ def _check_engine(config: dict[str, Any], source: str) -> None:
                               f"Received: {key}={cluster[key]!r}")
 
 
+def _names_where(attribute: str) -> list[str]:
+    """The strategy names whose registry entry has ``attribute`` true."""
+    return [name for name, entry in registry.STRATEGIES.items() if getattr(entry, attribute)]
+
+
+def _quoted(names: list[str]) -> str:
+    """``'a'``, ``'a' or 'b'``, ``'a', 'b' or 'c'``."""
+    quoted = [repr(name) for name in names]
+    return " or ".join(filter(None, (", ".join(quoted[:-1]), quoted[-1])))
+
+
 def _replicas(config: dict[str, Any]) -> int:
-    name, cluster = config["strategy"]["name"], config["cluster"]
-    if name == "mirrored":
+    entry, cluster = registry.get(config["strategy"]["name"]), config["cluster"]
+    if entry.replicas == registry.REPLICA_PER_DEVICE:
         return cluster["logical_cpus"]
-    if name in ("multi_worker", "model_average", "horovod") and cluster["mode"] in (
+    if entry.replicas == registry.REPLICA_PER_TASK and cluster["mode"] in (
             "local", *ENGINE_MODES):
         return cluster["workers"] + int(cluster["chief"])
-    if name in ("multi_worker", "model_average") and cluster["mode"] == "nodes":
+    if entry.replicas == registry.REPLICA_PER_TASK and entry.runs_on_nodes and \
+            cluster["mode"] == "nodes":
         # Every node runs the same config (its own node_rank): the same workers each.
         return cluster["nnodes"] * cluster["workers"] + int(cluster["chief"])
     return 1
@@ -334,4 +302,4 @@ def _replicas(config: dict[str, Any]) -> int:
 
 def is_multi_process(config: dict[str, Any]) -> bool:
     """True when the job runs one process per task."""
-    return config["strategy"]["name"] in MULTI_PROCESS_STRATEGIES
+    return registry.get(config["strategy"]["name"]).multi_process
