@@ -167,7 +167,7 @@ def run_tasks(fn, *args, workers: int = 2, chief: bool = False, ps: int = 0,
         payload = Path(tmp, "payload.pkl")
         payload.write_bytes(cloudpickle.dumps((fn, args, kwargs)))
         os.chmod(tmp, 0o755)  # readable from other namespaces' processes (same user)
-        result = run([sys.executable, "-m", "tfdist._task_main", str(payload), tmp],
+        result = run([sys.executable, "-m", "tfdist.runners.task_main", str(payload), tmp],
                      workers=workers, chief=chief, ps=ps, timeout=timeout,
                      env=task_env(env), stream=stream, cluster=cluster, wrap=wrap,
                      restarts=restarts_for(chief, ps))

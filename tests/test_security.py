@@ -47,7 +47,7 @@ def test_nothing_is_unpickled_outside_the_launchers_private_files():
     the Spark/Ray task runner, which reads what its engine delivered (Spark and Ray move
     functions and results as pickles by design: whoever can submit to the cluster can run
     code, as the README's security section says)."""
-    allowed = {"api.py", "_task_main.py", "_remote_task.py"}
+    allowed = {"api.py", "task_main.py", "remote_task.py"}
     offenders = []
     for path in PACKAGE.rglob("*.py"):
         text = path.read_text()

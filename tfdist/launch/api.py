@@ -159,7 +159,7 @@ def _launch_function(fn, args, kwargs, options, restarts):
     with tempfile.TemporaryDirectory(prefix="tfdist-launch-") as tmp:
         payload = Path(tmp, "payload.pkl")
         payload.write_bytes(cloudpickle.dumps((fn, args, kwargs)))
-        argv = [sys.executable, "-m", "tfdist._task_main", str(payload), tmp]
+        argv = [sys.executable, "-m", "tfdist.runners.task_main", str(payload), tmp]
         # Functions of importable modules are pickled by reference: let every task
         # import what this process can.
         env = dict(options.env or {})

@@ -1,7 +1,7 @@
 """Entry point of a task started by `tfdist.launch` with a function.
 
-Usage: ``python -m tfdist._task_main PAYLOAD RESULT_DIR``. The payload is written by the
-parent launcher into its private temporary directory, never read from the network.
+Usage: ``python -m tfdist.runners.task_main PAYLOAD RESULT_DIR``. The payload is written
+by the parent launcher into its private temporary directory, never read from the network.
 """
 
 import os

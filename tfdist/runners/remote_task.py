@@ -3,8 +3,8 @@
 The engine gives each task a process of its own (a Spark Python worker, a Ray actor)
 and reuses it, but multi-worker TensorFlow cannot start twice in one process. So the
 task runs the user's function the way `tfdist.launch` does: in a fresh child process
-(``python -m tfdist._task_main``) in its own process group, killed with its parent
-however that ends, with its output relayed under the task's name. A failure raises
+(``python -m tfdist.runners.task_main``) in its own process group, killed with its
+parent however that ends, with its output relayed under the task's name. A failure raises
 `TaskFailedError` with the end of that output.
 """
 
@@ -134,7 +134,7 @@ def run_task(payload: bytes, cluster: ClusterSpec, index: int, *,
     with tempfile.TemporaryDirectory(prefix="tfdist-task-") as tmp:
         call = Path(tmp, "payload.pkl")
         call.write_bytes(job["call"])
-        argv = [sys.executable, "-m", "tfdist._task_main", str(call), tmp]
+        argv = [sys.executable, "-m", "tfdist.runners.task_main", str(call), tmp]
         if reserved is not None:
             reserved.close()
         task = TaskProcess(spec, argv, task_env(cluster, spec, child_env, 0, None), stream)
