@@ -388,7 +388,7 @@ def test_horovod_mode_streams_with_the_launcher_prefix(tmp_path, monkeypatch):
     import io
     import threading
 
-    from tfdist import train
+    from tfdist.train import main as train
 
     _horovodrun_or_skip()
     rank_code = textwrap.dedent(f"""

@@ -14,8 +14,11 @@ import sys
 import numpy as np
 import pytest
 
-from tfdist import train
 from tfdist.cli import main
+from tfdist.config import load_config
+from tfdist.train import main as train
+from tfdist.train import outdir
+from tfdist.train.checks import HOROVOD_RANK_VARIABLES
 
 SMALL = ["train.epochs=1", "data.limit=64", "train.global_batch_size=16"]
 
@@ -166,7 +169,7 @@ def test_env_mode_with_a_broken_tf_config(tmp_path, capsys, monkeypatch, nothing
 
 
 def test_horovod_env_mode_outside_horovodrun(tmp_path, capsys, monkeypatch, nothing_starts):
-    for name in train._HOROVOD_RANK_VARIABLES:
+    for name in HOROVOD_RANK_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     assert _train(tmp_path, "[strategy]\nname = 'horovod'\n[cluster]\nmode = 'env'\n") == 2
     _one_line_error(capsys, "HOROVOD_RANK is not set")
@@ -240,19 +243,19 @@ def test_tasks_read_their_own_snapshot(tmp_path, monkeypatch):
     assert seen["snapshot"]["config"]["strategy"]["name"] == "multi_worker"
     assert seen["again"] == seen["snapshot"]
     assert not seen["path"].exists()  # removed with the job
-    assert (tmp_path / "out" / "backup" / train.BACKUP_CONFIG_FILE).is_file()
+    assert (tmp_path / "out" / "backup" / outdir.BACKUP_CONFIG_FILE).is_file()
 
 
 def test_backup_of_another_config_is_removed(tmp_path, capsys):
-    config = train.load_config(None, ['train.output_dir="x"'])
+    config = load_config(None, ['train.output_dir="x"'])
     backup = tmp_path / "backup"
-    train.prepare_backup(config, backup)
+    outdir.prepare_backup(config, backup)
     (backup / "state.json").write_text("{}")
-    train.prepare_backup(config, backup)
+    outdir.prepare_backup(config, backup)
     assert (backup / "state.json").exists()
     assert "holds a backup of this config; the job resumes from it" in \
         capsys.readouterr().out
-    other = train.load_config(None, ["train.learning_rate=0.1"])
-    train.prepare_backup(other, backup)
+    other = load_config(None, ["train.learning_rate=0.1"])
+    outdir.prepare_backup(other, backup)
     assert not (backup / "state.json").exists()
     assert "a backup of another config" in capsys.readouterr().out

@@ -5,7 +5,9 @@ import os
 
 import pytest
 
-from tfdist import train
+from tfdist.train.compare import coinciding, plot_compare
+from tfdist.train.outdir import write_atomic
+from tfdist.train.report import describe_topology, plot_history
 
 
 def _report(**extra):
@@ -27,7 +29,7 @@ def _report(**extra):
     ({"num_replicas": 1, "workers": 1, "ps": 2}, "1 worker, 2 parameter servers"),
 ])
 def test_topology_words(extra, text):
-    assert train.describe_topology(_report(**extra)) == text
+    assert describe_topology(_report(**extra)) == text
 
 
 def test_report_png_has_name_strategy_and_integer_epochs(tmp_path, monkeypatch):
@@ -43,9 +45,9 @@ def test_report_png_has_name_strategy_and_integer_epochs(tmp_path, monkeypatch):
         return save(fig, path, **kwargs)
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
-    train.plot_history(_report(num_replicas=1, workers=2, ps=1,
-                               strategy="ParameterServerStrategy",
-                               name="parameter_server"), tmp_path / "r.png")
+    plot_history(_report(num_replicas=1, workers=2, ps=1,
+                         strategy="ParameterServerStrategy",
+                         name="parameter_server"), tmp_path / "r.png")
     assert seen["title"] == "parameter_server: ParameterServerStrategy, 2 workers, " \
                             "1 parameter server"
     assert seen["ticks"] and all(float(t).is_integer() for t in seen["ticks"])
@@ -54,7 +56,7 @@ def test_report_png_has_name_strategy_and_integer_epochs(tmp_path, monkeypatch):
 
 def test_identical_curves_are_found_and_noted(tmp_path, monkeypatch):
     curves = {"a": [0.5, 0.9], "b": [0.5, 0.9], "c": [0.5, 0.8], "d": [0.5, 0.8 + 1e-9]}
-    assert train.coinciding(curves) == [["a", "b"], ["c", "d"]]
+    assert coinciding(curves) == [["a", "b"], ["c", "d"]]
     import matplotlib.figure
 
     seen = {}
@@ -71,7 +73,7 @@ def test_identical_curves_are_found_and_noted(tmp_path, monkeypatch):
     summary = [{"name": n, "history": {"val_accuracy": c}, "final": {"val_accuracy": c[-1]},
                 "bytes_communicated": 10 ** i, "wall_time_seconds": 1.0}
                for i, (n, c) in enumerate(curves.items())]
-    train.plot_compare(summary, tmp_path / "c.png")
+    plot_compare(summary, tmp_path / "c.png")
     assert seen["note"] == "epoch\na = b: identical curves\nc = d: identical curves"
     assert seen["ylabel"] == "val_accuracy"
     assert seen["xlabel"] == "bytes communicated (log)"
@@ -80,21 +82,21 @@ def test_identical_curves_are_found_and_noted(tmp_path, monkeypatch):
 
 def test_write_atomic_keeps_the_old_file_when_the_write_fails(tmp_path):
     target = tmp_path / "report.json"
-    train.write_atomic(target, lambda tmp: tmp.write_text("old"))
+    write_atomic(target, lambda tmp: tmp.write_text("old"))
 
     def half_write(tmp):
         tmp.write_text("partial")
         raise KeyboardInterrupt("killed mid-write")
 
     with pytest.raises(KeyboardInterrupt):
-        train.write_atomic(target, half_write)
+        write_atomic(target, half_write)
     assert target.read_text() == "old"
     assert os.listdir(tmp_path) == ["report.json"]  # no temporary file left
 
 
 def test_write_atomic_keeps_the_suffix_for_keras_and_matplotlib(tmp_path):
     seen = []
-    train.write_atomic(tmp_path / "model.keras",
-                       lambda tmp: (seen.append(tmp), tmp.write_bytes(b"x")))
+    write_atomic(tmp_path / "model.keras",
+                 lambda tmp: (seen.append(tmp), tmp.write_bytes(b"x")))
     assert seen[0].suffix == ".keras" and seen[0].parent == tmp_path
     assert (tmp_path / "model.keras").read_bytes() == b"x"

@@ -33,13 +33,13 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from tfdist.train import main as train_main
+    from tfdist.train.main import main as train_main
 
     return train_main(args)
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from tfdist.train import compare_main
+    from tfdist.train.compare import compare_main
 
     return compare_main(args)
 

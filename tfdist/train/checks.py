@@ -1,0 +1,124 @@
+"""The main job's checks of what a valid config can still get wrong, before anything
+starts: the environment of a task, horovodrun, Spark or Ray, the model, the data."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from tfdist.config import ConfigError, is_multi_process
+from tfdist.strategies import registry
+
+# Where a process started by horovodrun or mpirun finds its rank.
+HOROVOD_RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+SLURM_PORT_ENV = "TFDIST_SLURM_PORT"
+
+
+def slurm_port() -> int:
+    """The first gRPC port of a node's Slurm tasks: ``$TFDIST_SLURM_PORT``, else 8470.
+
+    Raises:
+        ValueError: the variable is not a port number.
+    """
+    from tfdist.cluster import DEFAULT_SLURM_PORT
+
+    text = os.environ.get(SLURM_PORT_ENV, "").strip()
+    if not text:
+        return DEFAULT_SLURM_PORT
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise ValueError(f"{SLURM_PORT_ENV} must be a port in 1..65535. Received: {text!r}")
+    return int(text)
+
+
+def find_horovodrun() -> str | None:
+    """The ``horovodrun`` a local Horovod job starts: on PATH, or next to Python."""
+    found = shutil.which("horovodrun")
+    if found:
+        return found
+    sibling = Path(sys.executable).with_name("horovodrun")
+    return str(sibling) if os.access(sibling, os.X_OK) else None
+
+
+def check_job(config: dict[str, Any], source: str = "<config>") -> None:
+    """Checks what a valid config can still get wrong, before any process or TF op.
+
+    The environment of ``cluster.mode = "env"``, ``horovodrun`` for a local Horovod
+    job, that ``model.name`` can be loaded, and the whole data set (see
+    `tfdist.data.split_data`). Runs no TensorFlow op, so it is safe before a strategy.
+
+    Raises:
+        ConfigError: naming ``source`` and the key.
+    """
+    from tfdist.data import DataError, split_data
+    from tfdist.models import check_model_name
+
+    entry, cluster = registry.get(config["strategy"]["name"]), config["cluster"]
+    if is_multi_process(config) and cluster["mode"] == "env":
+        _check_environment(config, source)
+    if cluster["mode"] == "nodes" and cluster["node_rank"] != 0:
+        from tfdist.launch.rendezvous import TOKEN_ENV
+
+        if not os.environ.get(TOKEN_ENV):
+            raise ConfigError(
+                f"{source}: cluster.mode = 'nodes': node {cluster['node_rank']} needs the "
+                f"rendezvous token of node 0 in ${TOKEN_ENV}. Received: {TOKEN_ENV} unset")
+    if entry.horovodrun and cluster["mode"] == "local":
+        if find_horovodrun() is None or importlib.util.find_spec("horovod") is None:
+            raise ConfigError(
+                f"{source}: strategy.name = {entry.name!r} with cluster.mode = 'local' starts "
+                f"its ranks with horovodrun, and horovod is not installed here (no horovodrun on "
+                f"PATH or next to {sys.executable}). Install it (docs/horovod.md) or choose "
+                "another strategy.name")
+    engine = {"spark": "pyspark", "ray": "ray"}.get(cluster["mode"])
+    if engine is not None and importlib.util.find_spec(engine) is None:
+        raise ConfigError(f"{source}: cluster.mode = {cluster['mode']!r} needs {engine}, which "
+                          f"is not installed here: pip install 'tfdist[{cluster['mode']}]'")
+    try:
+        check_model_name(config["model"]["name"])
+    except ValueError as error:
+        raise ConfigError(f"{source}: {error}") from None
+    try:
+        data = split_data(config["data"], config["train"]["seed"])
+    except DataError as error:
+        raise ConfigError(f"{source}: {error.key}: {error}") from None
+    if config["model"]["name"] == "cnn":
+        size = math.prod(data.x_train.shape[1:])
+        if math.isqrt(size) ** 2 != size:
+            raise ConfigError(f"{source}: model.name = 'cnn' needs square images; a sample "
+                              f"has {size} features. Received shape "
+                              f"{data.x_train.shape[1:]}")
+
+
+def _check_environment(config: dict[str, Any], source: str) -> None:
+    """``cluster.mode = "env"``: the environment must say who is who."""
+    entry = registry.get(config["strategy"]["name"])
+    if entry.horovodrun:
+        if not any(v in os.environ for v in HOROVOD_RANK_VARIABLES):
+            raise ConfigError(
+                f"{source}: cluster.mode = 'env' with strategy.name = {entry.name!r} runs "
+                "under horovodrun (or mpirun), but HOROVOD_RANK is not set. Start it with "
+                "`horovodrun -np N tfdist train ...`, or use cluster.mode = 'local'")
+        return
+    from tfdist.cluster import ClusterSpec, from_slurm
+
+    try:
+        if os.environ.get("TF_CONFIG"):
+            ClusterSpec.from_env()
+        elif "SLURM_PROCID" in os.environ:
+            from_slurm(port=slurm_port(), chief=config["cluster"]["chief"],
+                       ps=config["cluster"]["ps"])
+        else:
+            raise ConfigError(
+                f"{source}: cluster.mode = 'env' needs TF_CONFIG (e.g. a Kubernetes TFJob) "
+                "or a Slurm job step (SLURM_PROCID); neither is set. Use cluster.mode = "
+                "'local' to start the tasks on this host")
+    except (ValueError, KeyError, TypeError, RecursionError) as error:
+        if isinstance(error, ConfigError):
+            raise
+        raise ConfigError(f"{source}: cluster.mode = 'env': the environment does not "
+                          f"describe a cluster: {error}") from None

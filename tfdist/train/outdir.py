@@ -1,0 +1,132 @@
+"""The main job's output directory: its lock, the backup directory and its preparation,
+and atomic writes."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import socket
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from tfdist.config import ConfigError, is_multi_process
+from tfdist.strategies import registry
+from tfdist.train.checks import HOROVOD_RANK_VARIABLES
+
+LOCK_FILE = ".tfdist.lock"
+# In OUTPUT_DIR/backup: the config a backup belongs to, and the per-epoch history.
+BACKUP_CONFIG_FILE = "tfdist_config.json"
+BACKUP_HISTORY_FILE = "tfdist_history.json"
+
+
+def create_output_dir(out: Path, source: str) -> None:
+    """Creates ``out`` (and its parents) if missing.
+
+    Raises:
+        ConfigError: it cannot be created; names ``source`` and the path.
+    """
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (OSError, ValueError) as error:  # ValueError: a name not encodable
+        raise ConfigError(f"{source}: train.output_dir cannot be created: {error}. "
+                          f"Received: {str(out)!r}") from None
+
+
+def lock_output_dir(out: Path) -> int:
+    """Takes this job's lock on ``out``; returns the file descriptor that holds it.
+
+    The lock is an ``flock`` on ``out/.tfdist.lock``, which names the holder (PID and
+    host). The kernel drops it when the holder exits, however it dies, so a lock left by
+    a dead job is never in the way. Close the descriptor to release it.
+
+    Raises:
+        ConfigError: another live job holds the lock; names it.
+    """
+    path = out / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "unknown"
+        os.close(fd)
+        raise ConfigError(f"train.output_dir {str(out)!r} is in use by another tfdist train "
+                          f"job ({holder}); wait for it to end or choose another "
+                          "train.output_dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+    return fd
+
+
+def holds_lock(config: dict[str, Any]) -> bool:
+    """Whether this process locks the output directory: the launcher of a local job,
+    or the chief of a job the environment describes (the other tasks write nothing)."""
+    if config["cluster"]["mode"] in ("local", "spark", "ray") or not is_multi_process(config):
+        return True
+    if config["cluster"]["mode"] == "nodes":  # node 0's launcher: its host has the chief
+        return config["cluster"]["node_rank"] == 0
+    if registry.get(config["strategy"]["name"]).horovodrun:
+        return next((os.environ[v] for v in HOROVOD_RANK_VARIABLES if v in os.environ),
+                    "0") == "0"
+    if os.environ.get("TF_CONFIG"):
+        from tfdist.cluster import ClusterSpec
+
+        return ClusterSpec.from_env().is_chief()
+    return os.environ.get("SLURM_PROCID", "0") == "0"
+
+
+def backup_dir(config: dict[str, Any]) -> Path:
+    """Where a task backs up and resumes: ``$TFDIST_BACKUP_DIR`` or ``OUTPUT_DIR/backup``."""
+    from_launcher = os.environ.get("TFDIST_BACKUP_DIR")
+    return Path(from_launcher) if from_launcher else Path(config["train"]["output_dir"]) / "backup"
+
+
+def _backup_key(config: dict[str, Any]) -> dict[str, Any]:
+    """The part of a config a backup depends on (not how long, how loud, or where)."""
+    key = json.loads(json.dumps(config))
+    for section, name in (("train", "epochs"), ("train", "verbose"), ("train", "output_dir"),
+                          ("cluster", "timeout"), ("cluster", "max_restarts"),
+                          ("cluster", "mode"), ("cluster", "node_rank"),
+                          ("cluster", "master")):
+        key[section].pop(name, None)
+    return key
+
+
+def prepare_backup(config: dict[str, Any], directory: Path, log=None) -> None:
+    """Keeps a backup in ``directory`` only if it belongs to this config, then marks it.
+
+    A backup left by an interrupted job of the same config is resumed; one of another
+    config (or of no ``tfdist train`` job) cannot be, and is removed, saying so.
+    """
+    log = log or sys.stdout
+    marker = directory / BACKUP_CONFIG_FILE
+    if directory.exists():
+        try:
+            saved = json.loads(marker.read_text())
+        except (OSError, ValueError):
+            saved = None
+        if saved == _backup_key(config):
+            if any(p.name != BACKUP_CONFIG_FILE for p in directory.iterdir()):
+                print(f"tfdist train: {directory} holds a backup of this config; the job "
+                      "resumes from it", file=log, flush=True)
+            return
+        shutil.rmtree(directory)
+        print(f"tfdist train: removed {directory}: a backup of another config", file=log,
+              flush=True)
+    directory.mkdir(parents=True, exist_ok=True)
+    write_atomic(marker, lambda tmp: tmp.write_text(json.dumps(_backup_key(config))))
+
+
+def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
+    """Writes ``path`` so that a reader sees the old file or the whole new one.
+
+    ``write(tmp)`` writes a temporary file in the same directory (same suffix, so Keras
+    and matplotlib recognise the format); it is fsynced and renamed over ``path``
+    (`tfdist.files.atomic_path`). A kill at any point leaves the previous file intact.
+    """
+    from tfdist.files import atomic_path
+
+    with atomic_path(path) as tmp:
+        write(Path(tmp))
