@@ -152,9 +152,10 @@ def run_task(config: dict[str, Any], name: str | None = None) -> dict[str, Any] 
     """Trains as one task of the job. Returns the report on the chief, else None.
 
     Resumes from the backup in `backup_dir` when there is one (a restarted task). Every
-    mode but ``parameter_server`` feeds ``fit`` batches whose order depends only on the
-    seed and the step (`tfdist.data.make_train_dataset`), so a resumed job ends at the
-    weights of an uninterrupted one.
+    mode that keeps Keras' ``fit`` (all but ``parameter_server``, whose registry entry
+    says it replaces ``fit``) feeds it batches whose order depends only on the seed and
+    the step (`tfdist.data.make_train_dataset`), so a resumed job ends at the weights of
+    an uninterrupted one.
 
     Args:
         config: A validated config.
