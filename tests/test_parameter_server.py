@@ -488,7 +488,7 @@ def _killed_ps_task(work_dir):
 
     import keras
 
-    from tfdist.strategies.parameter_server import ParameterServerUnavailableError
+    from tfdist.keras.ps_fit import ParameterServerUnavailableError
 
     strategy = tfdist.ParameterServerStrategy()
     x, y = regression_data(n=128, features=5, seed=8)

@@ -28,9 +28,16 @@ from tfdist._hooks.coordinator import create_per_worker_iterators
 from tfdist.keras.ps_input import TrainInput, _cardinality, _chief_dataset, _is_dataset, \
     _is_dataset_fn
 from tfdist.keras.ps_steps import _driver, _fetch, _is_worker_lost, _join, _to_python
-from tfdist.strategies.parameter_server import ParameterServerUnavailableError
 
 _PS_TASK = re.compile(r"/job:ps/replica:\d+/task:(\d+)")
+
+
+class ParameterServerUnavailableError(RuntimeError):
+    """A parameter server failed: its variables are gone, training cannot go on.
+
+    Restart the job (``tfdist launch --max-restarts N``) and resume from the chief's
+    checkpoint (for example with `keras.callbacks.BackupAndRestore`).
+    """
 
 
 @contextlib.contextmanager

@@ -28,7 +28,7 @@ from tfdist._hooks.keras_optimizer import apply_replaced
 from tfdist._hooks.keras_trainer import build_keras_state, compiled_loss
 from tfdist._hooks.sharded.parts import sharded_parts, sharded_variable
 from tfdist._hooks.tf import function_not_inlined
-from tfdist.strategies._optimizer import inner_optimizer
+from tfdist.keras.optimizer import inner_optimizer
 
 # Step ids the exactly-once ledger remembers (a ring): far more than steps in flight.
 LEDGER_SIZE = 1 << 16

@@ -40,7 +40,7 @@ from tfdist.comm.averaging import PeriodicAverager
 from tfdist.comm.options import merge_options
 from tfdist.keras import handoff
 from tfdist.strategies import _outer
-from tfdist.strategies._optimizer import inner_optimizer
+from tfdist.keras.optimizer import inner_optimizer
 from tfdist.strategies.mirrored import make_local_extended
 from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 

@@ -39,17 +39,9 @@ MODES = ("async", "sync")
 DEFAULT_STEP_TIMEOUT = 600.0
 # Set by `tfdist launch`: the chief asks it to restart a worker by creating a file here.
 CONTROL_DIR_ENV = "TFDIST_CONTROL_DIR"
-# Dotted path of the module with fit/evaluate/predict for models of this strategy. A name,
-# not an import: strategies must not import the Keras glue layer above them.
+# Dotted path of the module with fit/evaluate/predict for models of this strategy: a name,
+# so that the PS driver (and Keras' training code it imports) loads only when a model fits.
 FIT_DRIVER = "tfdist.keras.ps_fit"  # its fit/evaluate/predict replace Keras' own
-
-
-class ParameterServerUnavailableError(RuntimeError):
-    """A parameter server failed: its variables are gone, training cannot go on.
-
-    Restart the job (``tfdist launch --max-restarts N``) and resume from the chief's
-    checkpoint (for example with `keras.callbacks.BackupAndRestore`).
-    """
 
 
 class StepTimeoutError(TimeoutError):

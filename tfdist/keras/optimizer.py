@@ -1,4 +1,4 @@
-"""Optimizer wrappers, unwrapped the same way by every strategy."""
+"""Optimizer wrappers, unwrapped the same way by every strategy and the PS step driver."""
 
 from __future__ import annotations
 
