@@ -34,7 +34,7 @@ class HorovodEngine(Engine):
 
         from tfdist.engines.horovod.extended import HorovodExtended, rank_devices
 
-        del cluster_resolver, options  # the cluster is the strategy's; timeouts are Gloo's
+        del options  # timeouts are Gloo's
         strategy = self.strategy
         if strategy.cluster is not None and strategy.cluster.num_workers > 1:
             try:
@@ -44,7 +44,10 @@ class HorovodEngine(Engine):
                 raise tf.errors.DeadlineExceededError(None, None, str(error)) from None
         else:
             ops.init()
-        return HorovodExtended(strategy, rank_devices())
+        extended = HorovodExtended(strategy, rank_devices())
+        # The resolver TF's engine would hand to TF: stock code reads it.
+        extended.set_cluster_resolver(strategy._make_cluster_resolver(cluster_resolver))
+        return extended
 
     @property
     def rank(self) -> int:

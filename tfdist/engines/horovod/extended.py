@@ -113,7 +113,36 @@ class HorovodExtended(_tf.MirroredExtended):
         self._hvd_ops = cross_device_ops or HorovodCrossDeviceOps(devices[0])
         self._communicator = communicator
         super().__init__(container_strategy, devices=devices, cross_device_ops=self._hvd_ops)
-        self._cluster_resolver = None
+        self.set_cluster_resolver(None)
+
+    def set_cluster_resolver(self, resolver):
+        """Sets what stock code reads of TF's multi-worker ``extended`` from ``resolver``.
+
+        TF's tutorials read ``strategy.cluster_resolver`` (task type, id, cluster spec)
+        and tf.keras' write-path rule reads the private ``_task_type``/``_task_id``;
+        they are set as TF's ``CollectiveAllReduceExtended`` sets them, so both engines
+        answer alike. Without a resolver (under ``horovodrun``), this process is
+        ``worker-<rank>`` of ``size`` workers and rank 0 is the chief.
+
+        Args:
+            resolver: A TF ``ClusterResolver`` of the job, or None.
+        """
+        from tensorflow.python.distribute import multi_worker_util
+
+        self._cluster_resolver = resolver
+        spec = resolver.cluster_spec() if resolver is not None else None
+        if spec is None or not spec.as_dict():
+            self._cluster_spec = None
+            self._task_type = "worker" if self._hvd_size > 1 else None
+            self._task_id = self._hvd_rank if self._hvd_size > 1 else None
+            self._num_workers = self._hvd_size
+            self._is_chief = self._hvd_rank == 0
+            return
+        self._cluster_spec = multi_worker_util.normalize_cluster_spec(spec)
+        self._task_type, self._task_id = resolver.task_type, resolver.task_id
+        self._num_workers = multi_worker_util.worker_count(self._cluster_spec, self._task_type)
+        self._is_chief = multi_worker_util.is_chief(self._cluster_spec, self._task_type,
+                                                    self._task_id)
 
     # --- replicas -------------------------------------------------------------------
     @property
@@ -121,9 +150,20 @@ class HorovodExtended(_tf.MirroredExtended):
         return len(self._devices) * self._hvd_size
 
     def _in_multi_worker_mode(self):
-        # Keras 3 then averages metrics with `strategy.reduce` and gathers `predict`
-        # outputs across processes (see _hooks.keras_trainer.keras_uses_multi_worker_path).
+        # As TF's: several processes. Keras 3 then averages metrics with `strategy.reduce`
+        # and gathers `predict` outputs across them (_hooks.keras_trainer).
+        return self._hvd_size > 1
+
+    @property
+    def experimental_between_graph(self):
         return True
+
+    def _get_replica_id_in_sync_group(self, replica_id):
+        # As TF's multi-worker extended: this process's replicas follow the earlier ranks'.
+        return self._hvd_rank * len(self._devices) + replica_id
+
+    def _get_local_replica_id(self, replica_id_in_sync_group):
+        return replica_id_in_sync_group - self._hvd_rank * len(self._devices)
 
     def _use_merge_call(self):
         # Always merge: reductions must go through HorovodCrossDeviceOps.
@@ -131,11 +171,11 @@ class HorovodExtended(_tf.MirroredExtended):
 
     @property
     def should_checkpoint(self):
-        return self._hvd_rank == 0
+        return self._is_chief
 
     @property
     def should_save_summary(self):
-        return self._hvd_rank == 0
+        return self._is_chief
 
     # --- variables: rank 0's initial values everywhere -------------------------------
     def _create_variable(self, next_creator, **kwargs):
