@@ -92,6 +92,21 @@ def test_non_finite_weights_are_never_saved(logical_cpus, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["model.keras"]  # no temporary file left
 
 
+@pytest.mark.parametrize("name", ["tf_save", "w.weights", "missing/model.keras"])
+def test_save_errors_name_the_users_path(logical_cpus, tmp_path, monkeypatch, name):
+    """The atomic save writes a temporary sibling; Keras' errors about it (a bad
+    extension, a missing directory) still name the path the user gave."""
+    import tfdist
+
+    model = _model(tfdist.MirroredStrategy())
+    monkeypatch.chdir(tmp_path)
+    save = model.save_weights if name.startswith("w.") else model.save
+    with pytest.raises((ValueError, OSError)) as raised:
+        save(name)
+    assert name in str(raised.value) and ".tmp-" not in str(raised.value), raised.value
+    assert os.listdir(tmp_path) == []  # no temporary file left
+
+
 def test_stop_on_nan_catches_broken_weights_with_a_finite_loss(logical_cpus):
     import keras
 

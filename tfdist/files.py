@@ -58,17 +58,45 @@ def commit(temp: str | os.PathLike, path: str | os.PathLike) -> None:
             os.close(directory)
 
 
+def name_user_path(error: BaseException, temp, path) -> None:
+    """Rewrites ``error``'s message in place so it names ``path`` where it named ``temp``.
+
+    An error raised while writing the temporary sibling (Keras' check of the extension,
+    a missing directory) must name the path the user gave, not ``.tmp-PID-name``. The
+    error keeps its type, arguments' shape and traceback.
+    """
+    temp, path = os.fspath(temp), os.fspath(path)
+    temp_name, name = os.path.basename(temp), os.path.basename(path)
+
+    def fix(value):
+        if not isinstance(value, str) or temp_name not in value:
+            return value
+        return value.replace(temp, path).replace(temp_name, name)
+
+    if isinstance(error, OSError):
+        error.filename = fix(error.filename)
+        if error.filename2 is not None:  # a None set here would be printed
+            error.filename2 = fix(error.filename2)
+    error.args = tuple(fix(arg) for arg in error.args)
+    if isinstance(getattr(error, "_message", None), str):  # TensorFlow's OpError
+        error._message = fix(error._message)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike):
     """Yields a temporary path to write; on success it replaces ``path`` atomically.
 
     A crash mid-write leaves the previous ``path`` intact (and at most a hidden
-    ``.tmp-PID-name`` file, removed here on errors).
+    ``.tmp-PID-name`` file, removed here on errors). An error raised meanwhile names
+    ``path``, not the temporary (`name_user_path`).
     """
     temp = temp_path_for(path)
     try:
         yield temp
         commit(temp, path)
+    except Exception as error:
+        name_user_path(error, temp, path)
+        raise
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.remove(temp)

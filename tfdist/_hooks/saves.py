@@ -48,7 +48,8 @@ def save_safely(original, model, args, kwargs):
     Calls Keras as it is for file objects, ``overwrite=False`` and weight files split by
     ``max_shard_size``. Variables sharded by a partitioner (parameter servers) save like
     any other: Keras reads each whole (`tfdist._hooks.sharded.saving`), and
-    `non_finite_weights` checks each shard.
+    `non_finite_weights` checks each shard. Keras' errors about the temporary sibling (a
+    bad extension, a missing directory) name the user's path (`tfdist.files.atomic_path`).
     """
     import os
 
