@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 
-from tfdist.comm.liveness import is_responsive
+from tfdist.comm import liveness
 from tfdist.engines.base import Engine, summary
 from tfdist.engines.horovod import ops, rendezvous
 
@@ -69,7 +69,9 @@ class HorovodEngine(Engine):
         (after Gloo's timeout, or at once). Then every other task is probed where it
         answers while it runs (`rendezvous.peer_addresses`), all at once, for at most
         `PROBE_TIMEOUT` seconds each (connect, then answer): silent ones are named as
-        frozen, refused ones as not running. Unchanged if all answer.
+        frozen, refused ones as not running, and ones whose host cannot be reached (a
+        network outage: no route, network unreachable, no reply to the connection) as
+        cut off, maybe still running. Unchanged if all answer.
         """
         message = error.message or ""
         peers = rendezvous.peer_addresses()
@@ -77,8 +79,10 @@ class HorovodEngine(Engine):
             return error
         timeout_text, seconds = self._timeout_as_set()
         probe_timeout = min(PROBE_TIMEOUT, seconds)
-        silent, gone = _probe(peers, probe_timeout)
-        if not silent and not gone:
+        found = _probe(peers, probe_timeout)
+        silent, gone, cut_off = (found[state] for state in (
+            liveness.SILENT, liveness.REFUSED, liveness.UNREACHABLE))
+        if not silent and not gone and not cut_off:
             return error
         what = []
         if silent:
@@ -87,9 +91,14 @@ class HorovodEngine(Engine):
                         f"{'it is' if len(silent) == 1 else 'they are'} frozen (e.g. "
                         "SIGSTOP), overloaded or unreachable")
         if gone:
-            addresses = ", ".join(peers[name] for name in gone)
+            addresses = ", ".join(peers[name] for name, _ in gone)
             what.append(f"{_tasks(gone)} {'is' if len(gone) == 1 else 'are'} not running "
                         f"(nothing listens at {addresses}): killed or exited")
+        if cut_off:
+            reasons = ", ".join(f"{peers[name]}: {detail}" for name, detail in cut_off)
+            what.append(f"{_tasks(cut_off)} could not be reached ({reasons}): a network "
+                        "outage (link down, no route, firewall), not a task known to "
+                        f"have exited; {'it' if len(cut_off) == 1 else 'they'} may still run")
         said = next((line.strip() for line in message.splitlines()
                      if _HOROVOD_FAILURES[0] in line), summary(message))
         return type(error)(error.node_def, error.op,
@@ -111,20 +120,23 @@ class HorovodEngine(Engine):
         return f"{name}={ours:g}s", ours
 
 
-def _tasks(names: list[str]) -> str:
+def _tasks(found: list[tuple[str, str]]) -> str:
+    names = [name for name, _ in found]
     return names[0] if len(names) == 1 else "task(s) " + ", ".join(names)
 
 
-def _probe(peers: dict[str, str], timeout: float) -> tuple[list[str], list[str]]:
-    """``(silent, not running)`` task names of ``peers`` (``{name: address}``), probed at
-    once (an HTTP/2 preface: any server that runs answers, and the servers of
-    `tfdist.engines.horovod.rendezvous` do)."""
+def _probe(peers: dict[str, str], timeout: float) -> dict[str, list[tuple[str, str]]]:
+    """``{state: [(task name, detail), ...]}`` for ``peers`` (``{name: address}``), probed
+    at once with `tfdist.comm.liveness.probe` (an HTTP/2 preface: any server that runs
+    answers, and the servers of `tfdist.engines.horovod.rendezvous` do)."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=min(len(peers), 64),
                             thread_name_prefix="tfdist-probe") as pool:
-        answers = list(pool.map(lambda address: is_responsive(address, timeout),
-                                peers.values()))
-    silent = [name for name, answer in zip(peers, answers) if answer is False]
-    gone = [name for name, answer in zip(peers, answers) if answer is None]
-    return silent, gone
+        probes = list(pool.map(lambda address: liveness.probe(address, timeout),
+                               peers.values()))
+    found = {state: [] for state in (liveness.ANSWERS, liveness.SILENT, liveness.REFUSED,
+                                     liveness.UNREACHABLE)}
+    for name, result in zip(peers, probes):
+        found[result.state].append((name, result.detail))
+    return found
