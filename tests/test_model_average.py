@@ -385,6 +385,61 @@ def test_schedule():
     assert [s for s in range(1, 5) if is_average_step(s, 1, 0)] == [1, 2, 3, 4]
 
 
+def bn_model():
+    """An MLP with an unsynchronized BatchNorm (as Keras' tf_distribute_training_test)."""
+    import keras
+
+    keras.utils.set_random_seed(1)
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                             keras.layers.BatchNormalization(momentum=0.5),
+                             keras.layers.Dense(3)])
+
+
+def fit_bn(strategy, epochs=2):
+    """Fits `bn_model`; returns its weights, each replica's non-trainable weights after
+    fit and after every step, with each non-trainable weight as its replicas' mean."""
+    import keras
+
+    x, y = classification_data(n=64)
+    steps = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            steps.append([replica_values(v) for v in self.model.non_trainable_weights])
+
+    with strategy.scope():
+        model = bn_model()
+        model.compile(keras.optimizers.SGD(0.1),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=epochs, shuffle=False, verbose=0,
+              callbacks=[Record()])
+    replicas = [replica_values(v) for v in model.non_trainable_weights]
+    means = {v.path: np.mean(r, axis=0) for v, r in zip(model.non_trainable_weights, replicas)}
+    weights = [means.get(v.path, np.asarray(v.numpy())) for v in model.weights]
+    return {"weights": weights, "replicas": replicas, "steps": steps}
+
+
+def assert_replicas_equal(values_per_variable):
+    for copies in values_per_variable:
+        for copy in copies[1:]:
+            np.testing.assert_array_equal(copy, copies[0])
+
+
+def test_period_1_with_batchnorm_equals_synchronous_mirrored(logical_cpus):
+    """BatchNorm's moving statistics are averaged with the weights: every replica holds
+    the same after every step, the replicas' mean of stock mirrored's (which updates each
+    replica's own copy and aggregates none)."""
+    import tfdist
+
+    got = fit_bn(tfdist.ModelAverageStrategy(period=1))
+    ref = fit_bn(tfdist.MirroredStrategy())
+    assert len(got["steps"]) == 8
+    for step in got["steps"]:
+        assert_replicas_equal(step)
+    assert_replicas_equal(got["replicas"])
+    assert_weights_close(got["weights"], ref["weights"], atol=1e-5)
+
+
 # ---- two workers through tfdist.launch -------------------------------------------------
 
 def _worker_fit(period, mode):
@@ -415,6 +470,27 @@ def test_two_workers_period_1_equals_synchronous(logical_cpus):
     ref = fit_mlp(tfdist.MirroredStrategy(), x, y).get_weights()
     for result in results:
         assert_weights_close(result["weights"], ref, atol=1e-5)
+
+
+def _worker_fit_bn():
+    import tfdist
+
+    result = fit_bn(tfdist.ModelAverageStrategy(period=1))
+    result["replicas"] = [r[0] for r in result["replicas"]]
+    del result["steps"]
+    return result
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_two_workers_period_1_with_batchnorm_equals_synchronous(logical_cpus):
+    import tfdist
+
+    results = run_cluster(_worker_fit_bn, workers=2, timeout=180)
+    ref = fit_bn(tfdist.MirroredStrategy())
+    assert_weights_close(results[0]["replicas"], results[1]["replicas"], atol=0)
+    for result in results:
+        assert_weights_close(result["weights"], ref["weights"], atol=1e-5)
 
 
 @pytest.mark.multiprocess

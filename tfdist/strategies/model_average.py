@@ -20,6 +20,8 @@ How it works with plain Keras code (private hooks in `tfdist._hooks`):
 - All-reduced payloads are weight *deltas* against an anchor copy (the weights at the
   last average): ``w = anchor - mean(anchor - w_i)``. That is the mean of the replicas,
   the outer gradient of SlowMo/DiLoCo, and what ``compression`` casts to fp16/bf16.
+- Under ``fit``, the model's non-trainable floats (BatchNorm's moving statistics) are
+  averaged with the weights, as plain means.
 - ``fit`` ends, and ``evaluate``/``predict``/``save`` start, with an average of every
   per-replica variable (weights, optimizer slots, non-trainable state) if the replicas
   may differ, so the model the user holds is one model.
@@ -168,6 +170,7 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
         self._devices = devices
         self._states = {}
         self._fit_start = {}
+        self._model_state = {}  # id(optimizer) -> the fit model's non-trainable floats
         try:
             super().__init__(cluster_resolver=cluster_resolver,
                              engine="tf" if self._one_host else engine, **base_kwargs)
@@ -284,6 +287,9 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
         if method == "fit" and when == "before":
             self._fit_start[id(model)] = (
                 None if optimizer is None else int(optimizer.iterations.numpy()))
+            if optimizer is not None:  # averaged with the weights (BatchNorm statistics)
+                self._model_state[id(optimizer)] = [
+                    v for v in model.non_trainable_weights if _is_replicated_float(v)]
             return
         if method == "fit":
             start = self._fit_start.pop(id(model), None)
@@ -332,10 +338,13 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
         context = tf.distribute.get_replica_context()
         context.merge_call(functools.partial(self._ensure_state, optimizer, list(variables)))
         state = self._states[id(optimizer)]
-        slot_vars = state.slots if self.average_optimizer_state else []
-        slots = [tf.identity(_tf_variable(s)) for s in slot_vars]
-        context.merge_call(functools.partial(self._merge_step, state, slot_vars),
-                           args=(self._local_deltas(state), slots))
+        # Averaged as values with the weights: the optimizer slots when asked, and the
+        # model's non-trainable floats (BatchNorm's moving statistics) under fit.
+        plain_vars = ((state.slots if self.average_optimizer_state else [])
+                      + self._model_state.get(id(optimizer), []))
+        plain = [tf.identity(_tf_variable(v)) for v in plain_vars]
+        context.merge_call(functools.partial(self._merge_step, state, plain_vars),
+                           args=(self._local_deltas(state), plain))
         return result
 
     # ---- internals -------------------------------------------------------------------------
@@ -370,12 +379,12 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
         return [_tf_variable(anchor) - _tf_variable(variable)
                 for variable, anchor in zip(state.variables, state.anchors)]
 
-    def _merge_step(self, state, slot_vars, distribution, deltas, slots):
+    def _merge_step(self, state, plain_vars, distribution, deltas, plain):
         """Cross-replica: average if the optimizer's step counter says so."""
         step = tf.cast(_tf_variable(state.optimizer.iterations), tf.int64) + 1
 
         def average():
-            self._average_now(distribution, state, deltas, slot_vars, slots, outer=True)
+            self._average_now(distribution, state, deltas, plain_vars, plain, outer=True)
             return tf.constant(True)
 
         return tf.cond(self.averager.should_average(step), average, lambda: tf.constant(False))
