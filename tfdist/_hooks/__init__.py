@@ -12,6 +12,8 @@ here: import the module you need.
   the optimizer step, ``keras.Model``'s methods, the loss-scale check, atomic updates.
   Tests: ``test_hooks.py``.
 - ``keras_optimizer``: private members of Keras' optimizer step that tfdist calls.
+- ``keras_steps``: a train step's loss/metric outputs kept on this worker (no per-step
+  reduce across workers). Tests: ``test_hooks_steps.py``.
 - ``keras_trainer``: private members of ``keras.Model``'s trainer that tfdist calls.
 - ``saves``: atomic saves refusing NaN weights; Keras' file callbacks writing elsewhere
   on non-chief workers. Tests: ``test_hooks_saves.py``.

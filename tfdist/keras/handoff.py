@@ -20,6 +20,9 @@ What Keras then does, per member of `KerasHandoff`:
   and ``"before"`` the other `MODEL_EVENTS`.
 - ``keras_fit_driver``: a module whose ``fit``/``evaluate``/``predict`` replace Keras'
   own (parameter servers).
+- ``keras_local_step_outputs``: the train step's loss and metrics stay on this worker
+  (per-step logs are local; Keras' on-read metric variables still give global epoch
+  logs): a non-averaging step of model averaging sends nothing.
 - ``keras_safe_saves``, ``keras_global_finite_check``, ``keras_atomic_updates``: atomic
   saves that refuse NaN weights; one loss-scale decision for all replicas; atomic
   ``assign_add``/``assign_sub``.
@@ -55,6 +58,9 @@ class KerasHandoff:
     keras_atomic_updates = False
     #: model.save/save_weights write atomically and refuse NaN/inf weights.
     keras_safe_saves = False
+    #: Train steps keep their loss/metric outputs on this worker (no per-step reduce
+    #: across workers); the epoch's logs are still reduced over every worker, once.
+    keras_local_step_outputs = False
     #: A LossScaleOptimizer skips or applies each step on every replica together.
     keras_global_finite_check = False
 
@@ -99,6 +105,8 @@ def install_keras_hooks() -> None:
     Each strategy that declares a hand-off calls this when it is created.
     """
     from tfdist._hooks.keras import install_keras_hooks as install
+    from tfdist._hooks.keras_steps import install_local_step_outputs
 
     install(handoff_of=handoff_of, model_events=MODEL_EVENTS,
             fit_driver_methods=FIT_DRIVER_METHODS, fit_driver=fit_driver)
+    install_local_step_outputs(handoff_of)

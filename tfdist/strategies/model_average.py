@@ -22,6 +22,9 @@ How it works with plain Keras code (private hooks in `tfdist._hooks`):
   the outer gradient of SlowMo/DiLoCo, and what ``compression`` casts to fp16/bf16.
 - Under ``fit``, the model's non-trainable floats (BatchNorm's moving statistics) are
   averaged with the weights, as plain means.
+- Between averages a step sends nothing and waits for no peer: the train step's loss and
+  metrics stay on this worker (`keras_local_step_outputs`), so per-step logs are this
+  worker's; Keras' on-read metric variables give the epoch's logs over every worker.
 - ``fit`` ends, and ``evaluate``/``predict``/``save`` start, with an average of every
   per-replica variable (weights, optimizer slots, non-trainable state) if the replicas
   may differ, so the model the user holds is one model.
@@ -125,8 +128,8 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
             worker.
         engine: A registered engine name or ``"auto"``, as for
             `tfdist.MultiWorkerMirroredStrategy`: the engine of the weight average
-            (and of loss/metric reductions) across workers, with the same global batch
-            and sharding with every engine.
+            (and of the epoch's loss/metric reduction) across workers, with the same
+            global batch and sharding with every engine.
         compression: None, ``"fp16"`` or ``"bf16"``: weight deltas are cast for the
             all-reduce (`bytes_communicated` shows the saving).
         communication_options: A `tfdist.CommunicationOptions`: its ``compression``
@@ -267,6 +270,8 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
         return bool(slots) or any(_is_replicated_float(v) for v in model.non_trainable_weights)
 
     # ---- the Keras hand-off (tfdist.keras.handoff.KerasHandoff) ---------------------------
+
+    keras_local_step_outputs = True  # per-step logs local: no per-step collective
 
     def keras_local_update(self):
         """Every optimizer step is local (see the module docstring)."""

@@ -1,0 +1,128 @@
+"""Hooks into Keras' train step and TF's input: a train step that stays on this worker.
+
+Two things make every step of a multi-worker ``fit`` wait for every peer, even when no
+weight moves: Keras 3 reduces each step's outputs (loss, metric results) across workers
+with ``strategy.reduce`` (the private
+``keras.src.backend.tensorflow.trainer._collective_all_reduce_multi_worker``, asked by
+``reduce_per_replica``), and TF's distributed iterator sums across workers whether any
+replica still has a batch (the private
+``tensorflow.python.distribute.input_lib._calculate_replicas_with_values``). For a
+strategy whose hand-off sets ``keras_local_step_outputs`` (model averaging), the train
+function Keras makes does both on this worker only; ``evaluate``/``predict`` and
+validation are unchanged. Every worker must then have the same number of batches per
+epoch (as Keras' arrays and TF's ``DATA`` auto-sharding give).
+The epoch's logs stay global: Keras' metric variables are on-read (``SUM``), so the read
+of ``get_metrics_result()`` after the epoch sums them over every worker, once.
+``tests/test_hooks_steps.py`` fails loudly when a Keras upgrade removes what it touches.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+_training = threading.local()          # .model: the model whose train function runs here
+_traced_steps = weakref.WeakKeyDictionary()   # model -> [FuncGraph of one train step]
+
+
+def install_local_step_outputs(handoff_of) -> None:
+    """Patches Keras once so that train steps of local-output strategies stay local.
+
+    Why: Keras' ``reduce_per_replica`` sends each step's loss and metrics across
+    workers and waits for every peer, so with model averaging every inner step pays for
+    the slowest worker although no weights move between averages. Keras has no public
+    switch for it: the train function (``TensorFlowTrainer.make_train_function``) is
+    wrapped to mark the model whose step is traced, and the trainer's private
+    ``_collective_all_reduce_multi_worker`` answers False for that model's strategy, so
+    ``reduce_per_replica`` takes its one-process path (mean over local replicas). TF's
+    iterator sums the replicas holding a batch over every worker (so workers with
+    uneven shards step together); for that model, only this worker's replicas count.
+
+    Args:
+        handoff_of: ``f(strategy)``: its `tfdist.keras.handoff.KerasHandoff`, or None.
+    """
+    from keras.src.backend.tensorflow import trainer
+    from tensorflow.python.distribute import input_lib
+
+    if getattr(trainer, "_tfdist_local_step_outputs", False):
+        return
+    original_check = trainer._collective_all_reduce_multi_worker
+    original_count = input_lib._calculate_replicas_with_values
+    original_make = trainer.TensorFlowTrainer.make_train_function
+
+    def _collective_all_reduce_multi_worker(strategy):
+        model = getattr(_training, "model", None)
+        if model is None or model.distribute_strategy is not strategy:
+            return original_check(strategy)
+        _record_step_graph(model)
+        return False
+
+    def _calculate_replicas_with_values(strategy, input_workers, optional_list):
+        model = getattr(_training, "model", None)
+        if model is None or model.distribute_strategy is not strategy:
+            return original_count(strategy, input_workers, optional_list)
+        _record_step_graph(model)
+        return _local_replicas_with_values(input_workers, optional_list)
+
+    def make_train_function(self, force=False):
+        result = original_make(self, force)
+        handoff = handoff_of(self.distribute_strategy)
+        function = self.train_function
+        if (function is None or getattr(function, "_tfdist_local", False)
+                or handoff is None or not handoff.keras_local_step_outputs):
+            return result
+        self.train_function = _local_train_function(self, function)
+        return None if result is None else self.train_function
+
+    trainer._collective_all_reduce_multi_worker = _collective_all_reduce_multi_worker
+    trainer.TensorFlowTrainer.make_train_function = make_train_function
+    input_lib._calculate_replicas_with_values = _calculate_replicas_with_values
+    trainer._tfdist_local_step_outputs = True
+
+
+def _local_train_function(model, function):
+    """``function`` (Keras' train function) run with ``model`` marked as training here."""
+
+    def train_function(iterator):
+        previous = getattr(_training, "model", None)
+        _training.model = model
+        try:
+            return function(iterator)
+        finally:
+            _training.model = previous
+
+    train_function._tfdist_local = True
+    return train_function
+
+
+def _local_replicas_with_values(input_workers, optional_list):
+    """How many of this worker's replicas got a batch (TF's count without the reduce)."""
+    import tensorflow as tf
+
+    per_device = []
+    for device, optionals in zip(input_workers.worker_devices, optional_list):
+        with tf.device(device):
+            per_device.append(tf.reduce_sum(
+                [tf.cast(o.has_value(), tf.int64) for o in optionals], keepdims=True))
+    return tf.reshape(tf.reduce_sum(per_device, keepdims=True), [])
+
+
+def _record_step_graph(model) -> None:
+    """Keeps the outermost graph being traced (the train function) for
+    `traced_train_steps`."""
+    import tensorflow as tf
+
+    if not tf.inside_function():
+        return  # run_eagerly: nothing traced
+    graph = tf.compat.v1.get_default_graph()
+    while hasattr(getattr(graph, "outer_graph", None), "outer_graph"):
+        graph = graph.outer_graph  # a function graph inside another
+    graphs = _traced_steps.setdefault(model, [])
+    if not any(g is graph for g in graphs):
+        graphs.append(graph)
+
+
+def traced_train_steps(model) -> list:
+    """The graphs of ``model``'s train function traced with local outputs (newest
+    last): each holds the input, the step (as a called function) and its loop."""
+    return list(_traced_steps.get(model, ()))
