@@ -1,0 +1,96 @@
+"""tfdist/_hooks/keras_steps.py: the Keras and TF internals that keep a train step local,
+and the collective count (tfdist/comm/collectives.py) the tests rely on.
+
+If one of these fails after an upgrade, model averaging would again wait for every peer
+at every step (or the count that shows it would not would be blind).
+"""
+
+import inspect
+
+
+def test_keras_and_tf_internals_of_the_per_step_reduce_exist():
+    from keras.src.backend.tensorflow import trainer
+    from tensorflow.python.distribute import input_lib
+
+    reduce_source = inspect.getsource(trainer.reduce_per_replica)
+    assert "_collective_all_reduce_multi_worker(strategy)" in reduce_source, (
+        "Keras' reduce_per_replica no longer asks _collective_all_reduce_multi_worker: "
+        "tfdist._hooks.keras_steps would not keep model averaging's step outputs local")
+    assert "self._make_function(self.train_step)" in inspect.getsource(
+        trainer.TensorFlowTrainer.make_train_function)
+    assert "get_next_as_optional()" in inspect.getsource(trainer.TensorFlowTrainer._make_function)
+    count_source = inspect.getsource(input_lib._calculate_replicas_with_values)
+    assert "strategy.reduce(" in count_source, (
+        "TF's iterator no longer reduces its has-a-batch count there: check where it "
+        "communicates now")
+    assert list(inspect.signature(input_lib._calculate_replicas_with_values).parameters) == [
+        "strategy", "input_workers", "optional_list"]
+    for method in ("get_next_as_optional", "get_next"):
+        source = inspect.getsource(getattr(input_lib.DistributedIteratorBase, method))
+        assert "_calculate_replicas_with_values(" in source
+    from keras.src.metrics import metric
+
+    assert 'synchronization="on_read"' in inspect.getsource(metric.Metric.add_variable), (
+        "Keras' metric variables are no longer on-read: model averaging's epoch logs "
+        "would be this worker's only")
+
+
+def test_hook_marks_only_local_output_strategies(logical_cpus):
+    """A local-output strategy's train function is wrapped and records its graph; the
+    mirrored strategy's is Keras' own."""
+    import keras
+    import numpy as np
+
+    import tfdist
+    from tfdist._hooks.keras_steps import traced_train_steps
+    from tfdist.comm.collectives import train_step_collectives
+
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+
+    def fit(strategy):
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+            model.compile("sgd", "mse")
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+        return model
+
+    local = fit(tfdist.ModelAverageStrategy(period=2))
+    assert getattr(local.train_function, "_tfdist_local", False)
+    assert traced_train_steps(local)
+    count = train_step_collectives(local)
+    assert count.every_step == 0
+    mirrored = fit(tfdist.MirroredStrategy())
+    assert not getattr(mirrored.train_function, "_tfdist_local", False)
+    assert traced_train_steps(mirrored) == []
+
+
+def test_count_collectives_separates_conditional_branches():
+    import tensorflow as tf
+
+    from tfdist.comm.collectives import count_collectives
+
+    def all_reduce(x, key):
+        return tf.raw_ops.CollectiveReduceV2(
+            input=x, group_size=tf.constant(2), group_key=tf.constant(1),
+            instance_key=tf.constant(key), ordering_token=[], merge_op="Add",
+            final_op="Id")
+
+    @tf.function
+    def step(x, average):
+        y = all_reduce(x, 1)
+        inner = tf.function(lambda v: all_reduce(v, 2))
+        y = inner(y)
+        return tf.cond(average, lambda: all_reduce(y, 3), lambda: y)
+
+    graph = step.get_concrete_function(tf.TensorSpec([2]), tf.TensorSpec([], tf.bool)).graph
+    count = count_collectives(graph)
+    assert (count.every_step, count.in_branches) == (2, 1)
+    assert count.op_types == ("CollectiveReduceV2",)
+
+    @tf.function
+    def quiet(x):
+        return x * 2
+
+    assert count_collectives(quiet.get_concrete_function(tf.TensorSpec([2])).graph
+                             ).every_step == 0
