@@ -95,6 +95,7 @@ def goal_rows(results: dict) -> tuple[list[list[str]], list[str]]:
     _slow_link(goals["slow_link"], analysis, data, results, rows, notes)
     _engines(goals["engines-fit"], goals["engines-allreduce"], analysis, data, results, rows,
              notes)
+    _straggler(goals["straggler"], analysis, data, results, rows, notes)
     _sharded_embedding(goals["sharded-embedding-ps"], goals["sharded-embedding-copy"],
                        analysis, data, results, rows, notes)
     return rows, notes
@@ -233,6 +234,19 @@ def _slow_link(goal_, analysis, data, results, rows, notes):
     if not measured:
         rows.append(["model average period=16 vs sync, 100 Mbit/s", f"{goal_.target}x",
                      "not measured", _why_missing(results, "slow_link")])
+
+
+def _straggler(goal_, analysis, data, results, rows, notes):
+    section = data.get("straggler") or {}
+    label = "straggler: fast worker's inner step with a 3x slower peer / alone, period=16"
+    ratio = section.get("ratio_period16")
+    if ratio is None:
+        rows.append([label, goal_.target, "not measured", _why_missing(results, "straggler")])
+        return
+    rows.append([label, goal_.target, f"{ratio:.2f}", goal_.status(ratio)])
+    if not goal_.is_met(ratio):
+        notes.append(f"- Straggler {ratio:.2f} (sync in the same run: "
+                     f"{section.get('ratio_sync', float('nan')):.2f}). " + analysis["straggler"])
 
 
 def _sharded_embedding(ps_goal, copy_goal, analysis, data, results, rows, notes):
