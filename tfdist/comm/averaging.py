@@ -12,22 +12,24 @@ from __future__ import annotations
 
 from tfdist.comm.accounting import ByteCounter
 from tfdist.comm.communicator import Accounted, StrategyCommunicator
+from tfdist.comm.fragments import fragment_offset
 
 
-def is_average_step(step, period: int, warmup_steps: int):
+def is_average_step(step, period: int, warmup_steps: int, offset: int = 0):
     """Whether the weights are averaged after local step number ``step`` (1-based).
 
     Post-local SGD: every step while ``step <= warmup_steps``, then every ``period``
-    steps counted from the end of the warm-up (as PyTorch's `PeriodicModelAverager`).
+    steps counted from the end of the warm-up (as PyTorch's `PeriodicModelAverager`),
+    ``offset`` steps into each period (a fragment's step, Streaming DiLoCo).
     Works on Python ints and on integer tensors.
     """
     if isinstance(step, int):
-        return step <= warmup_steps or (step - warmup_steps) % period == 0
+        return step <= warmup_steps or (step - warmup_steps) % period == offset
     import tensorflow as tf
 
     step = tf.cast(step, tf.int64)
     return tf.logical_or(step <= warmup_steps,
-                         tf.equal(tf.math.floormod(step - warmup_steps, period), 0))
+                         tf.equal(tf.math.floormod(step - warmup_steps, period), offset))
 
 
 class PeriodicAverager:
@@ -40,12 +42,15 @@ class PeriodicAverager:
         make_communicator: ``f(compression, counter, name)`` returning an `Accounted`
             communicator (an engine's `tfdist.engines.Engine.make_communicator`); by
             default one over the strategy's own cross-device ops.
+        fragments: Fragment ``f`` averages ``f * period / fragments`` steps into each
+            period (Streaming DiLoCo); ``period`` must be a multiple of it.
     """
 
     def __init__(self, period: int, warmup_steps: int = 0, compression=None,
-                 make_communicator=None):
+                 make_communicator=None, fragments: int = 1):
         self.period = period
         self.warmup_steps = warmup_steps
+        self.fragments = fragments
         make = make_communicator or _strategy_communicator
         counter = ByteCounter("tfdist_model_average_bytes")
         self.deltas = make(compression, counter, "tfdist_model_average")
@@ -56,9 +61,17 @@ class PeriodicAverager:
         """Bytes one replica contributed to averages, after compression."""
         return self.deltas.bytes
 
-    def should_average(self, step):
-        """`is_average_step` with this averager's schedule (int or tensor ``step``)."""
-        return is_average_step(step, self.period, self.warmup_steps)
+    def should_average(self, step, fragment=None):
+        """`is_average_step` with this averager's schedule (int or tensor ``step``).
+
+        ``fragment``: whether that fragment averages; None: whether every fragment does.
+        """
+        if fragment is not None:
+            return is_average_step(step, self.period, self.warmup_steps,
+                                   fragment_offset(fragment, self.period, self.fragments))
+        if self.fragments == 1:
+            return is_average_step(step, self.period, self.warmup_steps)
+        return step <= self.warmup_steps  # in the warm-up only
 
     def average(self, distribution, deltas, anchors, values, variables):
         """Means of per-replica ``deltas`` (to ``anchors``) and exact ``values``.

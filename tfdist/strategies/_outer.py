@@ -67,9 +67,11 @@ def make_outer(template):
     return outer
 
 
-def attach(model, outer) -> None:
-    """Makes ``outer`` an attribute of ``model``, so Keras saves and loads its state."""
-    setattr(model, OUTER_OPTIMIZER_ATTR, outer)
+def attach(model, outer, fragment: int = 0) -> None:
+    """Makes ``outer`` (of ``fragment``) an attribute of ``model``, so Keras saves and
+    loads its state."""
+    suffix = f"_{fragment}" if fragment else ""
+    setattr(model, OUTER_OPTIMIZER_ATTR + suffix, outer)
 
 
 def apply_outer_step(distribution, outer, anchors, mean_deltas) -> None:

@@ -35,63 +35,21 @@ The outer optimizer (checks, copy, step, saves) is in `tfdist.strategies._outer`
 from __future__ import annotations
 
 import functools
-import os
 
 import tensorflow as tf
 
 from tfdist._hooks import keras_optimizer
 from tfdist.checks import check_int
 from tfdist.comm.averaging import PeriodicAverager
+from tfdist.comm.fragments import split_fragments
 from tfdist.comm.options import merge_options
 from tfdist.keras import handoff
 from tfdist.strategies import _outer
 from tfdist.keras.optimizer import inner_optimizer
+from tfdist.strategies._average_state import (State, check_fragments, is_replicated_float,
+                                              scale, tf_variable, wants_multi_worker)
 from tfdist.strategies.mirrored import make_local_extended
 from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
-
-
-class _State:
-    """Per-optimizer averaging state, made on the first traced step."""
-
-    def __init__(self, optimizer, variables, anchors, slots, outer):
-        self.optimizer = optimizer
-        self.variables = variables    # the trainable keras Variables the optimizer updates
-        self.anchors = anchors        # keras Variables: the weights at the last average
-        self.slots = slots            # the optimizer's per-variable state (momentum, ...)
-        self.outer = outer            # the outer optimizer (a copy), or None
-        self.averaged_at = 0          # optimizer step of the last forced average
-        self.force_fns = {}           # forced-average tf.functions by variable set
-
-
-def _wants_multi_worker(cluster_resolver) -> bool:
-    if cluster_resolver is not None:
-        return True
-    if not os.environ.get("TF_CONFIG"):
-        return False
-    from tfdist.cluster import resolve_cluster
-
-    return resolve_cluster(None).num_workers > 1
-
-
-def _tf_variable(variable):
-    return variable.value if hasattr(variable, "path") and hasattr(variable, "value") \
-        else variable
-
-
-def _is_replicated_float(variable) -> bool:
-    """A floating variable whose per-replica copies may differ (mirrored, on write)."""
-    v = _tf_variable(variable)
-    return (isinstance(v, tf.distribute.DistributedValues) and v.dtype.is_floating
-            and v.synchronization != tf.VariableSynchronization.ON_READ)
-
-
-def _scale(grad, factor):
-    if grad is None or factor == 1:
-        return grad
-    if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(grad.values * tf.cast(factor, grad.values.dtype),
-                                grad.indices, grad.dense_shape)
-    return grad * tf.cast(factor, grad.dtype)
 
 
 class ModelAverageStrategy(MultiWorkerMirroredStrategy):
@@ -120,7 +78,7 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
             workers pass a function: making an optimizer starts TensorFlow, and the
             multi-worker strategy must come first.
         average_optimizer_state: Also average the optimizer's slots (momentum, Adam
-            moments) at each scheduled average.
+            moments) at each scheduled average (with ``fragments=1`` only).
         devices: Local devices, one replica each (single host only). Default: every
             GPU, or every logical CPU (`tfdist.devices.use_logical_cpus`).
         cluster_resolver: Anything `tfdist.MultiWorkerMirroredStrategy` takes; given
@@ -132,6 +90,12 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
             global batch and sharding with every engine.
         compression: None, ``"fp16"`` or ``"bf16"``: weight deltas are cast for the
             all-reduce (`bytes_communicated` shows the saving).
+        fragments: Streaming DiLoCo: the trainable variables are split, in layer order,
+            into ``fragments`` parts of about equal bytes; fragment ``f`` averages
+            ``f * period / fragments`` steps into each period (after the warm-up), with
+            its own outer optimizer, so the largest exchange is about ``1/fragments``
+            of the model. ``period`` must be a multiple of ``fragments``, which may not
+            exceed the number of trainable variables. ``fit`` ends with a full average.
         communication_options: A `tfdist.CommunicationOptions`: its ``compression``
             (as above) and ``timeout_seconds`` (collective timeout on several
             workers) apply; ``accumulate_steps`` > 1 is refused (no gradient all-reduce).
@@ -149,9 +113,10 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
 
     def __init__(self, period=1, warmup_steps=0, outer_optimizer=None,
                  average_optimizer_state=False, devices=None, cluster_resolver=None, *,
-                 compression=None, engine="auto", **base_kwargs):
+                 compression=None, engine="auto", fragments=1, **base_kwargs):
         self.period = check_int("period", period, 1)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
+        self.fragments = check_fragments(self.period, fragments, average_optimizer_state)
         _outer.check_template(outer_optimizer)
         self._outer_template = outer_optimizer
         self.average_optimizer_state = bool(average_optimizer_state)
@@ -165,7 +130,7 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
         if options.timeout_seconds is not None:
             base_kwargs.setdefault("collective_timeout", options.timeout_seconds)
         # One host: the local devices are the replicas, through TF's engine.
-        self._one_host = engine in ("tf", "auto") and not _wants_multi_worker(
+        self._one_host = engine in ("tf", "auto") and not wants_multi_worker(
             cluster_resolver)
         if devices is not None and not self._one_host:
             raise ValueError("devices is for one host; with several workers every local "
@@ -203,7 +168,8 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
         self.communication = self._options
         self.averager = PeriodicAverager(self.period, self.warmup_steps,
                                          compression=self.communication.compression_policy,
-                                         make_communicator=self._engine.make_communicator)
+                                         make_communicator=self._engine.make_communicator,
+                                         fragments=self.fragments)
 
     @property
     def cluster_resolver(self):
@@ -225,12 +191,13 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
 
     @property
     def outer_optimizers(self) -> list:
-        """The outer optimizers in use (one per trained optimizer)."""
-        return [s.outer for s in self._states.values() if s.outer is not None]
+        """The outer optimizers in use (per trained optimizer, one per fragment)."""
+        return [outer for s in self._states.values() for outer in s.outers]
 
-    def is_average_step(self, step: int) -> bool:
-        """Whether the weights are averaged after optimizer step ``step`` (1-based)."""
-        return bool(self.averager.should_average(int(step)))
+    def is_average_step(self, step: int, fragment=None) -> bool:
+        """Whether every fragment (or ``fragment``) is averaged after optimizer step
+        ``step`` (1-based)."""
+        return bool(self.averager.should_average(int(step), fragment))
 
     def average(self, model) -> bool:
         """Averages every per-replica variable of ``model`` and its optimizer now.
@@ -253,7 +220,7 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
             return False  # every per-replica variable is already one value
         anchored = {id(v) for v in state.variables}
         plain = [v for v in list(model.weights) + self._optimizer_slots(optimizer)
-                 if id(v) not in anchored and _is_replicated_float(v)]
+                 if id(v) not in anchored and is_replicated_float(v)]
         key = tuple(id(v) for v in plain)
         if key not in state.force_fns:
             state.force_fns[key] = self._make_force_fn(state, plain)
@@ -267,7 +234,7 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
         statistics). Saving then needs a forced average too, or a backup would keep
         only replica 0's copy and a resumed run would differ."""
         slots = [] if self.average_optimizer_state else self._optimizer_slots(optimizer)
-        return bool(slots) or any(_is_replicated_float(v) for v in model.non_trainable_weights)
+        return bool(slots) or any(is_replicated_float(v) for v in model.non_trainable_weights)
 
     # ---- the Keras hand-off (tfdist.keras.handoff.KerasHandoff) ---------------------------
 
@@ -282,6 +249,12 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
         reached while `keras_local_update` routes every step (fit checks that)."""
         return reduce(grads_and_vars)
 
+    def keras_check_call(self, model, method, arguments):
+        """Refuses ``fit`` before it runs when ``fragments`` exceeds the variables."""
+        del arguments
+        if method == "fit" and model.built and self.fragments > 1:
+            split_fragments([0] * len(model.trainable_variables), self.fragments)
+
     def keras_model_event(self, model, method, when):
         """``keras.Model`` calls this around fit and load_weights, and before
         evaluate/predict/save."""
@@ -294,7 +267,7 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
                 None if optimizer is None else int(optimizer.iterations.numpy()))
             if optimizer is not None:  # averaged with the weights (BatchNorm statistics)
                 self._model_state[id(optimizer)] = [
-                    v for v in model.non_trainable_weights if _is_replicated_float(v)]
+                    v for v in model.non_trainable_weights if is_replicated_float(v)]
             return
         if method == "fit":
             start = self._fit_start.pop(id(model), None)
@@ -313,8 +286,8 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
         """Makes the outer optimizer an attribute of ``model``, so Keras saves (and
         loads) its state (SlowMo's momentum, its step) with the model's."""
         state = self._states.get(id(optimizer))
-        if state is not None and state.outer is not None:
-            _outer.attach(model, state.outer)
+        for index, outer in enumerate(state.outers if state is not None else ()):
+            _outer.attach(model, outer, index)
 
     def _outer_around_load(self, model, optimizer, when) -> None:
         """Before ``load_weights``: the outer optimizer exists, for Keras to restore it.
@@ -329,7 +302,7 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
             return
         state = self._states[id(optimizer)]
         for anchor, variable in zip(state.anchors, state.variables):
-            anchor.assign(_tf_variable(variable).read_value())
+            anchor.assign(tf_variable(variable).read_value())
 
     def _local_apply(self, optimizer, apply_fn, grads, variables):
         """Replaces Keras' optimizer step in replica context (see module docstring)."""
@@ -338,7 +311,7 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
                              "Received: gradient_accumulation_steps="
                              f"{optimizer.gradient_accumulation_steps}")
         # Keras scaled the loss by 1/N for a SUM all-reduce that does not happen here.
-        grads = [_scale(g, self.num_replicas_in_sync) for g in grads]
+        grads = [scale(g, self.num_replicas_in_sync) for g in grads]
         result = apply_fn(optimizer, grads, variables)
         context = tf.distribute.get_replica_context()
         context.merge_call(functools.partial(self._ensure_state, optimizer, list(variables)))
@@ -347,7 +320,7 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
         # model's non-trainable floats (BatchNorm's moving statistics) under fit.
         plain_vars = ((state.slots if self.average_optimizer_state else [])
                       + self._model_state.get(id(optimizer), []))
-        plain = [tf.identity(_tf_variable(v)) for v in plain_vars]
+        plain = [tf.identity(tf_variable(v)) for v in plain_vars]
         context.merge_call(functools.partial(self._merge_step, state, plain_vars),
                            args=(self._local_deltas(state), plain))
         return result
@@ -359,7 +332,7 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
         learning_rate = keras_optimizer.learning_rate_variable(optimizer)
         if learning_rate is not None:
             skip.add(id(learning_rate))
-        return [v for v in optimizer.variables if id(v) not in skip and _is_replicated_float(v)]
+        return [v for v in optimizer.variables if id(v) not in skip and is_replicated_float(v)]
 
     def _ensure_state(self, optimizer, variables, distribution):
         """Creates the anchors (and outer optimizer) once, outside the traced step."""
@@ -368,47 +341,60 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
             return
         import keras
 
+        fragments = split_fragments([v.shape.num_elements() * v.dtype.size
+                                     for v in map(tf_variable, variables)], self.fragments)
         with tf.init_scope(), self.scope():
-            anchors = [keras.Variable(tf.identity(_tf_variable(v)), trainable=False,
+            anchors = [keras.Variable(tf.identity(tf_variable(v)), trainable=False,
                                       dtype=v.dtype, name=f"tfdist_anchor_{i}")
                        for i, v in enumerate(variables)]
-            outer = _outer.make_outer(self._outer_template)
-            if outer is not None:
-                outer.build(anchors)
-        self._states[id(optimizer)] = _State(optimizer, variables, anchors,
-                                             self._optimizer_slots(optimizer), outer)
+            outers = []
+            for indices in fragments if self._outer_template is not None else ():
+                outers.append(_outer.make_outer(self._outer_template))
+                outers[-1].build([anchors[i] for i in indices])
+        self._states[id(optimizer)] = State(optimizer, variables, anchors,
+                                             self._optimizer_slots(optimizer), outers,
+                                             fragments)
 
     @staticmethod
     def _local_deltas(state):
         """In replica context: ``anchor - w`` for this replica."""
-        return [_tf_variable(anchor) - _tf_variable(variable)
+        return [tf_variable(anchor) - tf_variable(variable)
                 for variable, anchor in zip(state.variables, state.anchors)]
 
     def _merge_step(self, state, plain_vars, distribution, deltas, plain):
-        """Cross-replica: average if the optimizer's step counter says so."""
-        step = tf.cast(_tf_variable(state.optimizer.iterations), tf.int64) + 1
+        """Cross-replica: average each fragment whose step the optimizer's counter is
+        (the values averaged as plain means go with every fragment's average)."""
+        step = tf.cast(tf_variable(state.optimizer.iterations), tf.int64) + 1
+        for fragment, indices in enumerate(state.fragments):
+            def average(fragment=fragment, indices=indices):
+                self._average_now(distribution, state, deltas, plain_vars, plain, outer=True,
+                                  fragment=fragment, indices=indices)
+                return tf.constant(True)
 
-        def average():
-            self._average_now(distribution, state, deltas, plain_vars, plain, outer=True)
-            return tf.constant(True)
+            tf.cond(self.averager.should_average(step, fragment), average,
+                    lambda: tf.constant(False))
 
-        return tf.cond(self.averager.should_average(step), average, lambda: tf.constant(False))
-
-    def _average_now(self, distribution, state, deltas, plain_vars, plain, outer):
-        """Cross-replica: all-reduce, then set anchors and every replica's weights."""
-        anchors = [_tf_variable(a) for a in state.anchors]
-        plain_tf = [_tf_variable(v) for v in plain_vars]
-        mean_deltas, mean_plain = self.averager.average(distribution, deltas, anchors, plain,
-                                                        plain_tf)
+    def _average_now(self, distribution, state, deltas, plain_vars, plain, outer,
+                     fragment=0, indices=None):
+        """Cross-replica: all-reduce, then set anchors and every replica's weights (of
+        the variables at ``indices``, default all)."""
+        if indices is None:
+            indices = range(len(state.variables))
+        anchors = [tf_variable(state.anchors[i]) for i in indices]
+        variables = [state.variables[i] for i in indices]
+        plain_tf = [tf_variable(v) for v in plain_vars]
+        mean_deltas, mean_plain = self.averager.average(
+            distribution, [deltas[i] for i in indices], anchors, plain, plain_tf)
         extended = distribution.extended
-        if outer and state.outer is not None:
-            _outer.apply_outer_step(distribution, state.outer, anchors, mean_deltas)
+        if outer and state.outers:
+            _outer.apply_outer_step(distribution, state.outers[fragment], anchors,
+                                    mean_deltas)
         else:
             for anchor, delta in zip(anchors, mean_deltas):
                 extended.update(anchor, lambda a, d: a.assign_sub(tf.cast(d, a.dtype)),
                                 args=(delta,), group=False)
-        for variable, anchor in zip(state.variables, anchors):
-            extended.update(_tf_variable(variable), lambda v, a: v.assign(a),
+        for variable, anchor in zip(variables, anchors):
+            extended.update(tf_variable(variable), lambda v, a: v.assign(a),
                             args=(anchor,), group=False)
         for variable, mean in zip(plain_tf, mean_plain):
             extended.update(variable, lambda v, m: v.assign(tf.cast(m, v.dtype)),
@@ -418,7 +404,7 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
         """A tf.function that averages every per-replica variable (no outer step)."""
 
         def replica_fn():
-            plain = [tf.identity(_tf_variable(v)) for v in plain_vars]
+            plain = [tf.identity(tf_variable(v)) for v in plain_vars]
             tf.distribute.get_replica_context().merge_call(
                 functools.partial(self._merge_force, state, plain_vars),
                 args=(self._local_deltas(state), plain))

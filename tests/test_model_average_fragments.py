@@ -1,0 +1,149 @@
+"""``ModelAverageStrategy(fragments=F)`` (Streaming DiLoCo, ``sync_delay=0``) against a
+numpy reference written from the algorithm, on 2 logical CPUs and on 2 workers.
+
+Fragment ``f`` of the trainable variables (split in layer order into parts of about
+equal bytes) averages ``f * H / F`` steps into each period of ``H`` steps, with its own
+outer optimizer; ``fit`` ends with a full plain average.
+"""
+
+import numpy as np
+import pytest
+
+from helpers import assert_weights_close, run_cluster
+from test_model_average import (LR, fit_linear, linear_data, mse_grads, numpy_local_sgd,
+                                replica_batches)
+
+
+def numpy_streaming_diloco(x, y, w0, b0, steps, period, fragments, warmup=0, replicas=2,
+                           lr=LR, outer=None):
+    """Streaming DiLoCo with ``sync_delay=0`` for the linear model (kernel, bias).
+
+    Each replica steps on its own data. After step ``s``, fragment ``f`` (its variables
+    ``parts[f]``) is averaged if ``s <= warmup`` or ``(s - warmup) % period == f *
+    period / fragments``; with ``outer=(lr, momentum)`` Keras' Nesterov SGD applies
+    ``anchor - mean`` to that fragment's anchor. A final plain average ends the run.
+    """
+    params = [[w0.astype("float64").copy(), b0.astype("float64").copy()]
+              for _ in range(replicas)]
+    anchor = [w0.astype("float64").copy(), b0.astype("float64").copy()]
+    momentum = [np.zeros_like(a) for a in anchor]
+    parts = [[0], [1]] if fragments == 2 else [[0, 1]]
+    for step in range(steps):
+        for r, (xr, yr) in enumerate(replica_batches(x, y, step, replicas)):
+            gw, gb = mse_grads(params[r][0], params[r][1], xr, yr)
+            params[r] = [params[r][0] - lr * gw, params[r][1] - lr * gb]
+        s = step + 1
+        for f, part in enumerate(parts):
+            if not (s <= warmup or (s - warmup) % period == f * period // fragments):
+                continue
+            for i in part:
+                mean = np.mean([p[i] for p in params], axis=0)
+                if outer is None:
+                    anchor[i] = mean
+                else:
+                    outer_lr, mu = outer
+                    g = anchor[i] - mean
+                    momentum[i] = mu * momentum[i] - outer_lr * g
+                    anchor[i] = anchor[i] + mu * momentum[i] - outer_lr * g
+                for p in params:
+                    p[i] = anchor[i].copy()
+    return [np.mean([p[i] for p in params], axis=0) for i in range(2)]
+
+
+def test_split_fragments_by_bytes_in_order():
+    from tfdist.comm.fragments import fragment_offset, split_fragments
+
+    assert split_fragments([12, 4], 2) == [[0], [1]]
+    assert split_fragments([10, 10, 10, 10], 2) == [[0, 1], [2, 3]]
+    assert split_fragments([100, 1, 1, 1], 3) == [[0], [1], [2, 3]]
+    assert split_fragments([1, 1, 1, 100], 2) == [[0, 1, 2], [3]]
+    assert split_fragments([5], 1) == [[0]]
+    with pytest.raises(ValueError, match="fragments=3"):
+        split_fragments([1, 1], 3)
+    assert [fragment_offset(f, 8, 4) for f in range(4)] == [0, 2, 4, 6]
+
+
+def test_bad_fragments_are_one_value_error_before_anything_runs(logical_cpus):
+    import keras
+
+    import tfdist
+
+    with pytest.raises(ValueError, match="fragments"):
+        tfdist.ModelAverageStrategy(period=4, fragments=0)
+    with pytest.raises(ValueError, match="period must be a multiple of fragments"):
+        tfdist.ModelAverageStrategy(period=6, fragments=4)
+    with pytest.raises(ValueError, match="average_optimizer_state"):
+        tfdist.ModelAverageStrategy(period=4, fragments=2, average_optimizer_state=True)
+    strategy = tfdist.ModelAverageStrategy(period=4, fragments=4)
+    x, y = linear_data(n=64)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])  # 2 variables
+        model.compile(keras.optimizers.SGD(LR), "mse")
+    with pytest.raises(ValueError, match=r"number of trainable variables \(2\)"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 0
+
+
+@pytest.mark.parametrize("outer", [False, True])
+def test_fragments_match_numpy_streaming_diloco(logical_cpus, outer):
+    import keras
+
+    import tfdist
+
+    x, y = linear_data(n=80)  # 5 steps an epoch, 10 steps
+    make = (lambda: keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)) if outer else None
+    strategy = tfdist.ModelAverageStrategy(period=4, fragments=2, outer_optimizer=make)
+    initial, model = fit_linear(strategy, x, y, epochs=2)
+    ref = numpy_streaming_diloco(x, y, initial[0], initial[1], steps=10, period=4,
+                                 fragments=2, outer=(0.7, 0.9) if outer else None)
+    assert_weights_close(model.get_weights(), ref, atol=1e-5)
+    one = numpy_streaming_diloco(x, y, initial[0], initial[1], steps=10, period=4,
+                                 fragments=1, outer=(0.7, 0.9) if outer else None)
+    assert np.abs(ref[1] - one[1]).max() > 1e-5  # the fragments make a difference
+    for variable in model.trainable_weights:  # one model after fit
+        copies = [c.numpy() for c in variable.value.values]
+        np.testing.assert_array_equal(copies[0], copies[1])
+    if outer:
+        assert [int(o.iterations.numpy()) for o in strategy.outer_optimizers] == [2, 3]
+
+
+def test_one_fragment_is_todays_algorithm_bit_for_bit(logical_cpus):
+    import tfdist
+
+    x, y = linear_data(n=80)
+    results = []
+    for kwargs in ({}, {"fragments": 1}):
+        _, model = fit_linear(tfdist.ModelAverageStrategy(period=4, **kwargs), x, y, epochs=2)
+        results.append(model.get_weights())
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+    initial = fit_linear(tfdist.ModelAverageStrategy(period=4), x, y, epochs=0)[0]
+    assert_weights_close(results[1], numpy_local_sgd(x, y, initial[0], initial[1],
+                                                     steps=10, period=4), atol=1e-5)
+
+
+def _worker_fragments(outer):
+    import keras
+
+    import tfdist
+
+    make = (lambda: keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)) if outer else None
+    strategy = tfdist.ModelAverageStrategy(period=4, fragments=2, outer_optimizer=make)
+    x, y = linear_data(n=80)
+    initial, model = fit_linear(strategy, x, y, epochs=2)
+    return {"initial": initial, "weights": model.get_weights()}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("outer", [False, True])
+def test_two_workers_fragments_match_numpy(outer):
+    results = run_cluster(_worker_fragments, outer, workers=2, timeout=240)
+    x, y = linear_data(n=80)
+    initial = results[0]["initial"]
+    ref = numpy_streaming_diloco(x, y, initial[0], initial[1], steps=10, period=4,
+                                 fragments=2, outer=(0.7, 0.9) if outer else None)
+    for result in results:
+        assert_weights_close(result["weights"], ref, atol=1e-5)
+    for a, b in zip(results[0]["weights"], results[1]["weights"]):
+        np.testing.assert_array_equal(a, b)  # every worker holds the same weights
