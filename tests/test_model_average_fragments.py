@@ -147,3 +147,9 @@ def test_two_workers_fragments_match_numpy(outer):
         assert_weights_close(result["weights"], ref, atol=1e-5)
     for a, b in zip(results[0]["weights"], results[1]["weights"]):
         np.testing.assert_array_equal(a, b)  # every worker holds the same weights
+
+
+def test_fragments_is_a_tfdist_train_config_key():
+    from tfdist.config import strategy_option_names
+
+    assert "fragments" in strategy_option_names("model_average")
