@@ -100,3 +100,30 @@ def test_straggler_costs_the_fast_worker_nothing_between_averages_tf():
 def test_straggler_costs_the_fast_worker_nothing_between_averages_horovod():
     require_horovod()
     _check(run_cluster(straggler_task, "horovod", workers=2, timeout=240), "horovod")
+
+
+def uneven_task(n):
+    """One worker of two: an epoch whose last global batch has one sample."""
+    import keras
+
+    import tfdist
+
+    strategy = tfdist.ModelAverageStrategy(period=4)
+    x, y = classification_data(n=n)
+    with strategy.scope():
+        model = mlp()
+        model.compile(keras.optimizers.SGD(0.1),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    return {"steps": int(model.optimizer.iterations.numpy()), "history": history.history}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_last_batch_for_one_worker_only_keeps_the_workers_in_step():
+    """241 samples, global batch 16: the last batch is one sample, so one worker gets an
+    empty batch; without the per-batch agreement both still take 16 steps an epoch."""
+    first, second = run_cluster(uneven_task, 241, workers=2, timeout=240)
+    assert first["steps"] == second["steps"] == 32
+    assert first["history"] == second["history"]
