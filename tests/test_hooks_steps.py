@@ -8,6 +8,11 @@ at every step (or the count that shows it would not would be blind).
 import inspect
 
 
+def _original(function):
+    """Keras' or TF's own function, when tfdist's hook already replaced it."""
+    return getattr(function, "_tfdist_original", function)
+
+
 def test_keras_and_tf_internals_of_the_per_step_reduce_exist():
     from keras.src.backend.tensorflow import trainer
     from tensorflow.python.distribute import input_lib
@@ -17,13 +22,16 @@ def test_keras_and_tf_internals_of_the_per_step_reduce_exist():
         "Keras' reduce_per_replica no longer asks _collective_all_reduce_multi_worker: "
         "tfdist._hooks.keras_steps would not keep model averaging's step outputs local")
     assert "self._make_function(self.train_step)" in inspect.getsource(
-        trainer.TensorFlowTrainer.make_train_function)
+        _original(trainer.TensorFlowTrainer.make_train_function))
+    assert "_in_multi_worker_mode()" in inspect.getsource(
+        _original(trainer._collective_all_reduce_multi_worker))
     assert "get_next_as_optional()" in inspect.getsource(trainer.TensorFlowTrainer._make_function)
-    count_source = inspect.getsource(input_lib._calculate_replicas_with_values)
+    count = _original(input_lib._calculate_replicas_with_values)
+    count_source = inspect.getsource(count)
     assert "strategy.reduce(" in count_source, (
         "TF's iterator no longer reduces its has-a-batch count there: check where it "
         "communicates now")
-    assert list(inspect.signature(input_lib._calculate_replicas_with_values).parameters) == [
+    assert list(inspect.signature(count).parameters) == [
         "strategy", "input_workers", "optional_list"]
     for method in ("get_next_as_optional", "get_next"):
         source = inspect.getsource(getattr(input_lib.DistributedIteratorBase, method))
@@ -33,6 +41,20 @@ def test_keras_and_tf_internals_of_the_per_step_reduce_exist():
     assert 'synchronization="on_read"' in inspect.getsource(metric.Metric.add_variable), (
         "Keras' metric variables are no longer on-read: model averaging's epoch logs "
         "would be this worker's only")
+
+
+def test_hooks_replace_the_functions_keras_and_tf_call(logical_cpus):
+    """After install, the names Keras and TF look up at call time are the hooks."""
+    from keras.src.backend.tensorflow import trainer
+    from tensorflow.python.distribute import input_lib
+
+    import tfdist
+
+    tfdist.ModelAverageStrategy(period=2)  # installs the hooks
+    for function in (trainer._collective_all_reduce_multi_worker,
+                     trainer.TensorFlowTrainer.make_train_function,
+                     input_lib._calculate_replicas_with_values):
+        assert hasattr(function, "_tfdist_original"), function
 
 
 def test_hook_marks_only_local_output_strategies(logical_cpus):

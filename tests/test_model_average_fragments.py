@@ -9,7 +9,7 @@ outer optimizer; ``fit`` ends with a full plain average.
 import numpy as np
 import pytest
 
-from helpers import assert_weights_close, run_cluster
+from helpers import assert_weights_close, require_horovod, run_cluster
 from test_model_average import (LR, fit_linear, linear_data, mse_grads, numpy_local_sgd,
                                 replica_batches)
 
@@ -122,13 +122,14 @@ def test_one_fragment_is_todays_algorithm_bit_for_bit(logical_cpus):
                                                      steps=10, period=4), atol=1e-5)
 
 
-def _worker_fragments(outer):
+def _worker_fragments(outer, engine="tf"):
     import keras
 
     import tfdist
 
     make = (lambda: keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)) if outer else None
-    strategy = tfdist.ModelAverageStrategy(period=4, fragments=2, outer_optimizer=make)
+    strategy = tfdist.ModelAverageStrategy(period=4, fragments=2, outer_optimizer=make,
+                                           engine=engine)
     x, y = linear_data(n=80)
     initial, model = fit_linear(strategy, x, y, epochs=2)
     return {"initial": initial, "weights": model.get_weights()}
@@ -136,9 +137,11 @@ def _worker_fragments(outer):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("outer", [False, True])
-def test_two_workers_fragments_match_numpy(outer):
-    results = run_cluster(_worker_fragments, outer, workers=2, timeout=240)
+@pytest.mark.parametrize("outer,engine", [(False, "tf"), (True, "tf"), (True, "horovod")])
+def test_two_workers_fragments_match_numpy(outer, engine):
+    if engine == "horovod":
+        require_horovod()
+    results = run_cluster(_worker_fragments, outer, engine, workers=2, timeout=240)
     x, y = linear_data(n=80)
     initial = results[0]["initial"]
     ref = numpy_streaming_diloco(x, y, initial[0], initial[1], steps=10, period=4,

@@ -74,6 +74,10 @@ def install_local_step_outputs(handoff_of) -> None:
         self.train_function = _local_train_function(self, function)
         return None if result is None else self.train_function
 
+    # The originals stay reachable (``_tfdist_original``) for tests/test_hooks_steps.py.
+    _collective_all_reduce_multi_worker._tfdist_original = original_check
+    make_train_function._tfdist_original = original_make
+    _calculate_replicas_with_values._tfdist_original = original_count
     trainer._collective_all_reduce_multi_worker = _collective_all_reduce_multi_worker
     trainer.TensorFlowTrainer.make_train_function = make_train_function
     input_lib._calculate_replicas_with_values = _calculate_replicas_with_values
