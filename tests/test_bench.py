@@ -178,3 +178,13 @@ def test_quick_bench_writes_a_report_with_every_section(tmp_path):
             f"{name} {section}", 3000)
     for heading in ("## Machine and versions", "## Goals", "## Sections"):
         assert heading in report
+
+
+def test_goals_read_the_straggler_ratio(tmp_path):
+    path = tmp_path / "straggler.json"
+    path.write_text(json.dumps({"ratio_period16": 1.32, "ratio_sync": 3.0}))
+    rows, notes = goal_rows({"straggler": {"status": "ok", "json": str(path)}})
+    label = "straggler: fast worker's inner step with a 3x slower peer / alone, period=16"
+    assert {row[0]: (row[2], row[3]) for row in rows}[label] == ("1.32", "missed by 1.20x")
+    assert any("sync in the same run: 3.00" in note for note in notes)
+    assert read_goals()["straggler"].target == "<= 1.1"
