@@ -156,3 +156,18 @@ def test_fragments_is_a_tfdist_train_config_key():
     from tfdist.config import strategy_option_names
 
     assert "fragments" in strategy_option_names("model_average")
+
+
+def test_fit_still_checks_the_global_batch(logical_cpus):
+    """keras_check_call keeps the data-parallel checks (a batch the replicas cannot split)."""
+    import keras
+
+    import tfdist
+
+    strategy = tfdist.ModelAverageStrategy(period=2, fragments=2)
+    x, y = linear_data(n=64)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(LR), "mse")
+    with pytest.raises(ValueError, match="batch"):
+        model.fit(x, y, batch_size=15, epochs=1, verbose=0)

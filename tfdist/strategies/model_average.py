@@ -250,8 +250,9 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
         return reduce(grads_and_vars)
 
     def keras_check_call(self, model, method, arguments):
-        """Refuses ``fit`` before it runs when ``fragments`` exceeds the variables."""
-        del arguments
+        """The base class's checks, and refuses ``fit`` before it runs when
+        ``fragments`` exceeds the trainable variables."""
+        super().keras_check_call(model, method, arguments)
         if method == "fit" and model.built and self.fragments > 1:
             split_fragments([0] * len(model.trainable_variables), self.fragments)
 
