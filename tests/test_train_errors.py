@@ -89,6 +89,12 @@ CSV_OK = "a,b,label\n" + "".join(f"{i},{i % 3},{i % 2}\n" for i in range(20))
      ["job.toml: train.learning_rate must be a finite number > 0. Received: inf"]),
     ("cnn on non-square data", lambda p: ['model.name="cnn"', *_data("csv", _csv(p, CSV_OK))],
      ["model.name = 'cnn' needs square images"]),
+    ("spark master of no known scheme",
+     ['strategy.name="multi_worker"', 'cluster.mode="spark"', 'cluster.master="nonsense://x"'],
+     ["job.toml: cluster.master must be a Spark master URL", "Received: 'nonsense://x'"]),
+    ("ray address without a port",
+     ['strategy.name="multi_worker"', 'cluster.mode="ray"', 'cluster.master="head node"'],
+     ["job.toml: cluster.master must be a Ray address", "Received: 'head node'"]),
 ])
 def test_config_error_is_one_line_before_anything_starts(tmp_path, capsys, nothing_starts,
                                                          case, sets, needles):
@@ -259,3 +265,33 @@ def test_backup_of_another_config_is_removed(tmp_path, capsys):
     outdir.prepare_backup(other, backup)
     assert not (backup / "state.json").exists()
     assert "a backup of another config" in capsys.readouterr().out
+
+
+# ---- an engine that cannot be reached -------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+def test_unreachable_ray_master_fails_in_one_line_leaving_nothing(tmp_path):
+    """Ray retries an unreachable GCS forever: tfdist fails at once, naming the address."""
+    config = tmp_path / "job.toml"
+    config.write_text("")
+    argv = [sys.executable, "-m", "tfdist.cli", "train", str(config),
+            "--set", f'train.output_dir="{tmp_path / "out"}"', *(
+                f"--set={item}" for item in [*SMALL, 'strategy.name="multi_worker"',
+                                             'cluster.mode="ray"',
+                                             'cluster.master="127.0.0.1:1"'])]
+    job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    try:
+        out, err = job.communicate(timeout=240)  # a hang guard: it used to hang forever
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, 9)
+            job.wait()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert job.returncode == 2, err
+    assert lines == [lines[-1]] and lines[0].startswith("tfdist train: error: cluster.master"), err
+    assert "127.0.0.1:1" in lines[0], err
+    left = subprocess.run(["ps", "-o", "pid=,stat=,args=", "-s", str(job.pid)],
+                          capture_output=True, text=True).stdout.strip()
+    assert not left, left

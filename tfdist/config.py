@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,11 @@ MULTI_PROCESS_STRATEGIES = tuple(name for name, entry in registry.STRATEGIES.ite
 # spark, ray: the tasks run on a Spark barrier stage / Ray actors (tfdist.spark, tfdist.ray).
 CLUSTER_MODES = ("local", "env", "nodes", "spark", "ray")
 ENGINE_MODES = ("spark", "ray")
+# The Spark master URLs Spark itself accepts (SparkContext's master parsing).
+_SPARK_MASTER = re.compile(r"local(\[(\*|\d+)(,\d+)?\])?|local-cluster\[\d+,\d+,\d+\]|yarn"
+                           r"|(spark|k8s|mesos)://\S+")
+# Ray addresses: auto, local, HOST:PORT, ray://HOST:PORT.
+_RAY_ADDRESS = re.compile(r"auto|local|(ray://)?\S+:\d{1,5}")
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     "strategy": {"name": "mirrored", "options": {}},
@@ -273,6 +279,15 @@ def _check_engine(config: dict[str, Any], source: str) -> None:
             raise ConfigError(f"{source}: cluster.{key} is not supported with cluster.mode = "
                               f"{mode!r} (its tasks are workers only, not restarted). "
                               f"Received: {key}={cluster[key]!r}")
+    master = cluster["master"]
+    if mode == "spark" and master and not _SPARK_MASTER.fullmatch(master):
+        raise ConfigError(f"{source}: cluster.master must be a Spark master URL (local, "
+                          f"local[N], local[*], spark://HOST:PORT, yarn, k8s://..., "
+                          f"mesos://...) with cluster.mode = 'spark'. Received: {master!r}")
+    if mode == "ray" and master and not _RAY_ADDRESS.fullmatch(master):
+        raise ConfigError(f"{source}: cluster.master must be a Ray address (auto, "
+                          f"HOST:PORT or ray://HOST:PORT) with cluster.mode = 'ray'. "
+                          f"Received: {master!r}")
 
 
 def _names_where(attribute: str) -> list[str]:

@@ -15,6 +15,7 @@ its public name.
 from __future__ import annotations
 
 import contextlib
+import socket
 import sys
 import uuid
 from typing import Any, Callable
@@ -81,14 +82,23 @@ def run(fn: Callable, *args: Any, workers: int = 1, num_cpus: float = 1,
     return load_results(blobs)
 
 
+CONNECT_TIMEOUT = 30.0
+
+
 @contextlib.contextmanager
-def connect(address: str | None = None, **init_kwargs: Any):
+def connect(address: str | None = None, connect_timeout: float = CONNECT_TIMEOUT,
+            **init_kwargs: Any):
     """This process's Ray connection, or a new one to ``address``, shut down on exit.
 
     Args:
         address: A Ray cluster (``auto``, ``HOST:6379``, ``ray://HOST:10001``); default:
             $RAY_ADDRESS, else a new local instance.
+        connect_timeout: Seconds to reach a ``HOST:PORT`` address before giving up (Ray
+            itself retries an unreachable address forever).
         **init_kwargs: More arguments of ``ray.init`` (``num_cpus=``, ...).
+
+    Raises:
+        ConnectionError: nothing answers at ``address`` within ``connect_timeout``.
 
     A new local instance is started again (up to 3 times) when its node does not
     register in time, as happens on a heavily loaded host.
@@ -98,6 +108,8 @@ def connect(address: str | None = None, **init_kwargs: Any):
     if ray.is_initialized():
         yield
         return
+    if address:
+        check_reachable(address, connect_timeout)
     for attempt in range(3):
         try:
             ray.init(address=address, **init_kwargs)
@@ -111,6 +123,25 @@ def connect(address: str | None = None, **init_kwargs: Any):
         yield
     finally:
         ray.shutdown()
+
+
+def check_reachable(address: str, timeout: float) -> None:
+    """Fails when a ``HOST:PORT`` or ``ray://HOST:PORT`` Ray address does not accept a
+    TCP connection within ``timeout`` seconds; ``auto`` and ``local`` are not checked.
+
+    Raises:
+        ConnectionError: names the address, the reason and how long it waited.
+    """
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as error:
+        reason = "timed out" if isinstance(error, TimeoutError) else (
+            error.strerror or str(error))
+        raise ConnectionError(f"no Ray cluster reachable at {address} ({reason}; waited up "
+                              f"to {timeout:g}s)") from None
 
 
 class _TaskActor:

@@ -123,6 +123,9 @@ def session(master: str | None = None, app_name: str = "tfdist"):
 
     Yields:
         The `pyspark.sql.SparkSession`.
+
+    Raises:
+        ConnectionError: Spark could not start a session on ``master``.
     """
     from pyspark.sql import SparkSession
 
@@ -136,7 +139,12 @@ def session(master: str | None = None, app_name: str = "tfdist"):
         builder = builder.config("spark.driver.host", "127.0.0.1").config(
             "spark.driver.bindAddress", "127.0.0.1")
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # read by SparkContext
-    created = builder.getOrCreate()
+    try:
+        created = builder.getOrCreate()
+    except Exception as error:  # e.g. JAVA_GATEWAY_EXITED: Spark refused the master
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        raise ConnectionError(f"Spark could not start a session on master {master!r}: "
+                              f"{reason}") from None
     try:
         yield created
     finally:

@@ -73,8 +73,8 @@ def _engine_job(cluster: dict[str, Any], snapshot: dict[str, Any]) -> int:
         if cluster["mode"] == "spark":
             from tfdist import spark
 
-            with spark.session(cluster["master"] or f"local[{cluster['workers']}]",
-                               "tfdist train") as session:
+            master = cluster["master"] or f"local[{cluster['workers']}]"
+            with spark.session(master, "tfdist train") as session:
                 spark.run(snapshot_task, snapshot, spark=session, **options)
         else:
             from tfdist import ray
@@ -84,6 +84,9 @@ def _engine_job(cluster: dict[str, Any], snapshot: dict[str, Any]) -> int:
     except LaunchError as error:
         print(f"tfdist train: FAILED: {error}", file=sys.stderr, flush=True)
         return 1
+    except ConnectionError as error:  # nothing started: a bad or unreachable master
+        print(f"tfdist train: error: cluster.master: {error}", file=sys.stderr, flush=True)
+        return 2
     return 0
 
 
