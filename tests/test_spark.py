@@ -138,3 +138,52 @@ def test_import_tfdist_loads_neither_spark_nor_ray():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[]"
+
+
+# A user's own session whose executors run another Python (as from a Jupyter kernel).
+OTHER_PYTHON_JOB = """
+import os, sys
+from pyspark.sql import SparkSession
+import tfdist
+
+marker = sys.argv[2]
+
+def train():
+    open(marker, "w").close()  # a task started
+    return 1
+
+os.environ["PYSPARK_PYTHON"] = sys.argv[1]  # what the executors run
+session = (SparkSession.builder.master("local[2]")
+           .config("spark.driver.host", "127.0.0.1")
+           .config("spark.driver.bindAddress", "127.0.0.1")
+           .config("spark.ui.enabled", "false").getOrCreate())
+session.sparkContext.setLogLevel("OFF")
+try:
+    print("RESULT", tfdist.spark.run(train, workers=2))
+except RuntimeError as error:
+    print("ERROR", error)
+finally:
+    session.stop()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_executors_on_a_python_without_tfdist_fail_before_any_task(tmp_path):
+    python = "/usr/bin/python3"
+    probe = subprocess.run([python, "-c", "import cloudpickle"], capture_output=True)
+    if probe.returncode == 0:
+        pytest.skip(f"{python} has cloudpickle: not a Python without tfdist's needs")
+    import_engine("pyspark")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON") and "proxy" not in k.lower()}
+    marker = tmp_path / "task-started"
+    job = subprocess.run([sys.executable, "-c", OTHER_PYTHON_JOB, python, str(marker)],
+                         capture_output=True, text=True, env=env, timeout=240)
+    assert job.returncode == 0, job.stderr[-3000:]
+    error = next((line for line in job.stdout.splitlines() if line.startswith("ERROR")), None)
+    assert error is not None, job.stdout + job.stderr[-3000:]
+    for needle in (f"Spark's executors run Python {python}", "which lacks cloudpickle",
+                   f"this driver runs {sys.executable}", f"PYSPARK_PYTHON={sys.executable}",
+                   "spark.pyspark.python"):
+        assert needle in error, error
+    assert not marker.exists()  # the check came before any of the job's tasks

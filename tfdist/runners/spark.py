@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 from tfdist.cluster import ClusterSpec
 from tfdist.launch import LaunchError
 from tfdist.launch.output import TAIL_LINES
+from tfdist.runners import interpreter
 from tfdist.runners.remote_task import (check_run_options, load_results, make_payload,
                                         read_failure, reserve_port, run_task)
 
@@ -57,7 +58,9 @@ def run(fn: Callable, *args: Any, workers: int = 1, spark=None, timeout: float |
     Raises:
         LaunchError: a task failed, was killed or timed out; names it, with the end of
             its output. Spark stops the other tasks of the stage.
-        RuntimeError: no active SparkSession, or a Spark Connect one (no barrier mode).
+        RuntimeError: no active SparkSession, or a Spark Connect one (no barrier mode),
+            or the executors' Python lacks tfdist, cloudpickle or TensorFlow (checked
+            with a one-task probe before the stage starts, once per SparkContext).
         ValueError: bad arguments.
     """
     check_run_options(workers, timeout)
@@ -71,6 +74,7 @@ def run(fn: Callable, *args: Any, workers: int = 1, spark=None, timeout: float |
                            f"{type(session).__module__}.{type(session).__name__} ({error})"
                            ) from None
     _check_task_gpus(context, gpus_per_task)
+    _check_executor_python(context)
     options = {"env": dict(env or {}), "timeout": timeout, "gpus_per_task": gpus_per_task}
     payload = make_payload(fn, args, kwargs)
     stage = context.parallelize(range(workers), workers).barrier().mapPartitions(
@@ -187,6 +191,35 @@ def _active_session():
         raise RuntimeError("tfdist.spark.run needs an active SparkSession: create one with "
                            "SparkSession.builder...getOrCreate() or pass spark=. Received none.")
     return session
+
+
+# (application id, executors' Python) already probed and found able to run tasks.
+_PYTHONS_CHECKED: set[tuple[str, str]] = set()
+
+
+def _check_executor_python(context) -> None:
+    """Fails before the stage when the executors' Python cannot run a task."""
+    key = (context.applicationId, context.pythonExec)
+    if key in _PYTHONS_CHECKED:
+        return
+    from py4j.protocol import Py4JJavaError
+
+    how = (f"Set PYSPARK_PYTHON={sys.executable} before the SparkSession is created, or "
+           f"its spark.pyspark.python to a Python with tfdist installed.")
+    try:
+        facts = context.parallelize([0], 1).map(interpreter.make_probe()).collect()[0]
+    except Py4JJavaError as error:
+        lines = [line for line in str(error).splitlines() if "Error" in line]
+        raise RuntimeError(
+            f"tfdist.spark.run: Spark's executors could not run their Python "
+            f"{context.pythonExec} ({lines[-1].strip() if lines else 'it failed'}); this "
+            f"driver runs {interpreter.driver()}. {how}") from None
+    why = interpreter.problem(facts)
+    if why is not None:
+        raise RuntimeError(
+            f"tfdist.spark.run: Spark's executors run Python {facts['python']} "
+            f"({facts['version']}), {why}; this driver runs {interpreter.driver()}. {how}")
+    _PYTHONS_CHECKED.add(key)
 
 
 def _check_gpus_per_task(gpus_per_task) -> None:
