@@ -108,6 +108,22 @@ def test_failed_task_is_named_and_nothing_is_left(spark, tmp_path, mode, expecte
     wait_gone(tmp_path)
 
 
+@pytest.mark.timeout(400)
+def test_large_results_fail_that_run_and_leave_the_session_usable(spark):
+    """Two tasks returning 200 MB each used to run Spark's JVM out of heap for good."""
+    import tfdist
+
+    with pytest.raises(tfdist.LaunchError, match=r"^worker-[01] returned 190\.7 MiB "
+                       r"\(pickled\), more than tfdist.spark.run's limit of 64\.0 MiB "
+                       r"per task \(128\.0 MiB per run over 2 tasks\)") as caught:
+        tfdist.spark.run(lambda n: b"\0" * n, 200_000_000, workers=2, timeout=240)
+    assert caught.value.task in ("worker-0", "worker-1")
+    size = tfdist.spark.MAX_RESULT_BYTES // 2 - 1000  # just within the limit
+    assert tfdist.spark.run(lambda n: len(b"\0" * n), size, workers=2) == [size, size]
+    assert [len(r) for r in tfdist.spark.run(lambda n: b"\0" * n, size, workers=2)] == \
+        [size, size]
+
+
 def test_cuda_visible_devices_from_spark_resources():
     from tfdist.spark import cuda_visible_devices
 

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from tfdist.cluster import ClusterSpec
 from tfdist.launch import LaunchError
+from tfdist.runners import interpreter
 from tfdist.runners.remote_task import (TaskFailedError, check_run_options, load_results,
                                         make_payload, reserve_port, run_task)
 
@@ -54,6 +55,8 @@ def run(fn: Callable, *args: Any, workers: int = 1, num_cpus: float = 1,
     Raises:
         LaunchError: a task failed, was killed or timed out, or its actor died or could
             not be placed; names the task. The other actors are stopped.
+        RuntimeError: Ray's workers run a Python without tfdist, cloudpickle or
+            TensorFlow (checked with a one-task probe before the actors start).
         ValueError: bad arguments.
     """
     import ray
@@ -65,6 +68,7 @@ def run(fn: Callable, *args: Any, workers: int = 1, num_cpus: float = 1,
     payload = make_payload(fn, args, kwargs)
     if not ray.is_initialized():
         ray.init()
+    _check_worker_python(ray, startup_timeout)
     actor_class = ray.remote(_TaskActor)
     tag = uuid.uuid4().hex[:8]
     names = [f"tfdist-{tag}-worker-{index}" for index in range(workers)]
@@ -123,6 +127,29 @@ def connect(address: str | None = None, connect_timeout: float = CONNECT_TIMEOUT
         yield
     finally:
         ray.shutdown()
+
+
+def _check_worker_python(ray, timeout: float) -> None:
+    """Fails before any actor starts when Ray's workers run a Python that cannot run a
+    task; a probe that cannot be placed within ``timeout`` is left to the actors' check."""
+    probe = ray.remote(num_cpus=0, max_retries=0)(interpreter.make_probe()).remote()
+    if not ray.wait([probe], timeout=timeout)[0]:
+        ray.cancel(probe, force=True)
+        return
+    how = ("Install tfdist and TensorFlow in the Python Ray runs on every node, or pass "
+           "ray.init(runtime_env={'pip': ['tfdist[ray]']}).")
+    try:
+        facts = ray.get(probe)
+    except ray.exceptions.RayError as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        raise RuntimeError(f"tfdist.ray.run: Ray's workers could not run a probe task "
+                           f"({first}); this driver runs {interpreter.driver()}. {how}"
+                           ) from None
+    why = interpreter.problem(facts)
+    if why is not None:
+        raise RuntimeError(f"tfdist.ray.run: Ray's workers run Python {facts['python']} "
+                           f"({facts['version']}), {why}; this driver runs "
+                           f"{interpreter.driver()}. {how}")
 
 
 def check_reachable(address: str, timeout: float) -> None:

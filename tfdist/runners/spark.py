@@ -22,10 +22,13 @@ from tfdist.cluster import ClusterSpec
 from tfdist.launch import LaunchError
 from tfdist.launch.output import TAIL_LINES
 from tfdist.runners import interpreter
-from tfdist.runners.remote_task import (check_run_options, load_results, make_payload,
-                                        read_failure, reserve_port, run_task)
+from tfdist.runners.remote_task import (TaskFailedError, check_run_options, load_results,
+                                        make_payload, read_failure, reserve_port, run_task)
 
 # "...barrier task ResultTask(3, 1) finished unsuccessfully" / "Lost task 1.0 in stage 3.0"
+# The pickled return values of one run, all tasks together, that Spark's driver JVM
+# collects (its default heap is 1 GiB; 2 x 200 MB ran it out of memory for good).
+MAX_RESULT_BYTES = 128 * 2**20
 _SPARK_TASK = re.compile(r"barrier task ResultTask\(\d+, (\d+)\)|Lost task (\d+)\.\d+ in stage")
 
 
@@ -53,11 +56,14 @@ def run(fn: Callable, *args: Any, workers: int = 1, spark=None, timeout: float |
         **kwargs: Keyword arguments of ``fn``.
 
     Returns:
-        The return value of every task, in task order.
+        The return value of every task, in task order. Pickled, they may total at most
+        `MAX_RESULT_BYTES` (128 MiB; ``MAX_RESULT_BYTES // workers`` per task): Spark
+        collects them in its driver's JVM.
 
     Raises:
-        LaunchError: a task failed, was killed or timed out; names it, with the end of
-            its output. Spark stops the other tasks of the stage.
+        LaunchError: a task failed, was killed or timed out, or returned more than its
+            share of `MAX_RESULT_BYTES`; names it, with the end of its output. Spark
+            stops the other tasks of the stage.
         RuntimeError: no active SparkSession, or a Spark Connect one (no barrier mode),
             or the executors' Python lacks tfdist, cloudpickle or TensorFlow (checked
             with a one-task probe before the stage starts, once per SparkContext).
@@ -75,7 +81,8 @@ def run(fn: Callable, *args: Any, workers: int = 1, spark=None, timeout: float |
                            ) from None
     _check_task_gpus(context, gpus_per_task)
     _check_executor_python(context)
-    options = {"env": dict(env or {}), "timeout": timeout, "gpus_per_task": gpus_per_task}
+    options = {"env": dict(env or {}), "timeout": timeout, "gpus_per_task": gpus_per_task,
+               "max_result_bytes": MAX_RESULT_BYTES // workers, "workers": workers}
     payload = make_payload(fn, args, kwargs)
     stage = context.parallelize(range(workers), workers).barrier().mapPartitions(
         lambda _: _barrier_task(payload, options))
@@ -178,7 +185,18 @@ def _barrier_task(payload: bytes, options: dict) -> list[tuple[int, bytes]]:
         raise
     blob = run_task(payload, ClusterSpec(worker=addresses), index, env=env,
                     timeout=options["timeout"], reserved=reserved, stream=sys.stderr)
+    if len(blob) > options["max_result_bytes"]:  # it would go through the driver's JVM
+        raise TaskFailedError(
+            f"worker-{index}", 0, "", f"worker-{index} returned {_mib(len(blob))} "
+            f"(pickled), more than tfdist.spark.run's limit of "
+            f"{_mib(options['max_result_bytes'])} per task ({_mib(MAX_RESULT_BYTES)} per run "
+            f"over {options['workers']} tasks); write large results to shared storage "
+            f"and return their path")
     return [(index, blob)]
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"
 
 
 # ---- on the driver -------------------------------------------------------------------------
