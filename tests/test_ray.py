@@ -87,6 +87,33 @@ def test_horovod_engine(ray):
     _check(tfdist.ray.run(engine_task, 0, False, workers=2, timeout=280), full=False)
 
 
+def tf_log_job():
+    """Makes a MultiWorkerMirroredStrategy(engine="horovod"); returns TF's log lines."""
+    import logging
+
+    import tfdist
+
+    lines = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("tensorflow")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    tfdist.MultiWorkerMirroredStrategy(engine="horovod")
+    return lines
+
+
+@pytest.mark.timeout(400)
+def test_horovod_engine_does_not_say_tf_config_is_ignored(ray):
+    """TF's MirroredExtended logs "TF_CONFIG will be ignored"; tfdist reads TF_CONFIG."""
+    import tfdist
+    from helpers import require_horovod
+
+    require_horovod()
+    for lines in tfdist.ray.run(tf_log_job, workers=2, timeout=280):
+        assert not [line for line in lines if "TF_CONFIG will be ignored" in line], lines
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode, expected", [
     ("raise", "worker-1 exited with code 1"),

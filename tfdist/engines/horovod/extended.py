@@ -12,6 +12,8 @@ variables are created.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
 
 import tensorflow as tf
@@ -96,6 +98,25 @@ def _shape_of(shape, initial_value) -> str:
     return "[" + ",".join(str(d) for d in tf.TensorShape(shape).as_list()) + "]"
 
 
+@contextlib.contextmanager
+def _without_tf_config_note():
+    """Drops TF's "TF_CONFIG will be ignored" line while `MirroredExtended` starts.
+
+    TF logs it whenever TF_CONFIG names a cluster, but under the Horovod engine tfdist
+    reads that TF_CONFIG to bring up Horovod (`tfdist.engines.horovod`), so the line
+    would mislead.
+    """
+    def keep(record: logging.LogRecord) -> bool:
+        return "TF_CONFIG will be ignored" not in record.getMessage()
+
+    logger = logging.getLogger("tensorflow")
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
+
+
 class HorovodExtended(_tf.MirroredExtended):
     """`MirroredExtended` whose replicas span every Horovod process.
 
@@ -112,7 +133,9 @@ class HorovodExtended(_tf.MirroredExtended):
         self._hvd_size = comm.size()
         self._hvd_ops = cross_device_ops or HorovodCrossDeviceOps(devices[0])
         self._communicator = communicator
-        super().__init__(container_strategy, devices=devices, cross_device_ops=self._hvd_ops)
+        with _without_tf_config_note():
+            super().__init__(container_strategy, devices=devices,
+                             cross_device_ops=self._hvd_ops)
         self.set_cluster_resolver(None)
 
     def set_cluster_resolver(self, resolver):
