@@ -16,8 +16,10 @@ import logging
 import os
 import re
 
+from tfdist import env
+
 AUTO = "auto"
-ENV_VAR = "TFDIST_ENGINE"
+ENV_VAR = env.ENGINE
 logger = logging.getLogger("tfdist")
 _logged = set()
 

@@ -23,13 +23,14 @@ import shutil
 
 import keras
 
+from tfdist import env
 from tfdist._hooks.keras_trainer import set_initial_epoch
 from tfdist.cluster import ClusterSpec
 from tfdist.files import commit, private_temp_dir, temp_path_for, write_text_atomic
 from tfdist.keras.guards import StopOnNaN  # noqa: F401  (re-exported)
 from tfdist.keras.warmup import LinearScalingWarmup  # noqa: F401  (re-exported)
 
-BACKUP_DIR_ENV = "TFDIST_BACKUP_DIR"
+BACKUP_DIR_ENV = env.BACKUP_DIR
 # Written by the chief's `ModelCheckpoint` next to its checkpoints when training ends;
 # `tfdist.keras.SidecarEvaluator` stops once it has seen it.
 TRAINING_DONE_FILE = "tfdist_training_done.json"

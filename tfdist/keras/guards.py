@@ -7,6 +7,8 @@ import os
 
 import keras
 
+from tfdist import env
+
 
 class StopOnNaN(keras.callbacks.Callback):
     """Stops training with `FloatingPointError` when the loss is NaN or infinite, or at
@@ -29,7 +31,7 @@ class StopOnNaN(keras.callbacks.Callback):
 
         bad = non_finite_weights(self.model)
         if bad:
-            task = os.environ.get("TFDIST_TASK", "this process")
+            task = os.environ.get(env.TASK, "this process")
             raise FloatingPointError(
                 f"weights {bad[:5]} became NaN or infinite in epoch {epoch + 1} on {task} "
                 "(the loss was finite); training stopped. Lower the learning rate or check "
@@ -38,7 +40,7 @@ class StopOnNaN(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         loss = (logs or {}).get("loss")
         if loss is not None and not math.isfinite(float(loss)):
-            task = os.environ.get("TFDIST_TASK", "this process")
+            task = os.environ.get(env.TASK, "this process")
             raise FloatingPointError(
                 f"loss became {float(loss)} at epoch {self._epoch + 1}, step {batch + 1} on "
                 f"{task}; training stopped on every worker. Lower the learning rate or check "

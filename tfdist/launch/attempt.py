@@ -11,6 +11,7 @@ import sys
 import time
 from typing import Callable, Sequence
 
+from tfdist import env
 from tfdist.cluster import TRAINING_TASK_TYPES, ClusterSpec, TaskSpec
 from tfdist.launch.options import LaunchOptions
 from tfdist.launch.process import TaskProcess, command_env, stop_tasks
@@ -22,11 +23,11 @@ def task_env(cluster: ClusterSpec, spec: TaskSpec, env: dict[str, str] | None,
              attempt: int, backup_dir: str | None) -> dict[str, str]:
     """The environment of task ``spec``: ``env`` plus its TF_CONFIG and tfdist's variables."""
     environ = command_env(env)
-    environ["TF_CONFIG"] = cluster.with_task(spec).to_tf_config()
-    environ["TFDIST_TASK"] = spec.name
-    environ["TFDIST_RESTART"] = str(attempt)
+    environ[env.TF_CONFIG] = cluster.with_task(spec).to_tf_config()
+    environ[env.TASK] = spec.name
+    environ[env.RESTART] = str(attempt)
     if backup_dir:
-        environ["TFDIST_BACKUP_DIR"] = str(backup_dir)
+        environ[env.BACKUP_DIR] = str(backup_dir)
     return environ
 
 

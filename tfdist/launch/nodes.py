@@ -11,6 +11,7 @@ import sys
 import time
 from typing import Sequence
 
+from tfdist import env
 from tfdist.checks import check_int
 from tfdist.cluster import TaskSpec
 from tfdist.launch.attempt import run_attempt
@@ -74,8 +75,8 @@ def run_node(argv: Sequence[str], options: LaunchOptions) -> LaunchResult:
             pins = gpu_env(link.tasks, command_env(options.env), options.gpus_per_task)
 
             def extra_env(spec: TaskSpec) -> dict[str, str]:
-                return {"TFDIST_NODE_RANK": str(node_rank), "TFDIST_NNODES": str(nnodes),
-                        "TFDIST_LOCAL_RANK": str(link.local_ranks[spec.name]),
+                return {env.NODE_RANK: str(node_rank), env.NNODES: str(nnodes),
+                        env.LOCAL_RANK: str(link.local_ranks[spec.name]),
                         **pins[spec.name]}
 
             started = time.monotonic()

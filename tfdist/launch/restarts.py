@@ -16,13 +16,14 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
+from tfdist import env
 from tfdist.cluster import TaskSpec
 from tfdist.launch.results import announce_restart
 
 # A parameter-server chief asks the launcher to restart a worker by creating the file
 # ``<TFDIST_CONTROL_DIR>/restart-<task>`` (its text: why). See `PsWorkerRestarts`.
-CONTROL_DIR_ENV = "TFDIST_CONTROL_DIR"
-TASK_RESTART_ENV = "TFDIST_TASK_RESTART"
+CONTROL_DIR_ENV = env.CONTROL_DIR
+TASK_RESTART_ENV = env.TASK_RESTART
 
 
 class JobRestarts:

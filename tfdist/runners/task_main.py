@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from tfdist import env
+
 
 def main() -> None:
     import cloudpickle
@@ -15,7 +17,7 @@ def main() -> None:
     payload, result_dir = sys.argv[1], sys.argv[2]
     fn, args, kwargs = cloudpickle.loads(Path(payload).read_bytes())
     value = fn(*args, **kwargs)
-    task = os.environ.get("TFDIST_TASK", "task")
+    task = os.environ.get(env.TASK, "task")
     tmp = Path(result_dir, f"{task}.result.pkl.tmp")
     tmp.write_bytes(cloudpickle.dumps(value))
     tmp.replace(Path(result_dir, f"{task}.result.pkl"))

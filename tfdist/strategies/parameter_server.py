@@ -26,6 +26,7 @@ import time
 
 import tensorflow as tf
 
+from tfdist import env
 from tfdist._hooks import coordinator as coordinator_hooks
 from tfdist._hooks.sharded import (embedding, gradients, initialization, optimizer_state,
                                    row_blocks, saving)
@@ -37,8 +38,6 @@ from tfdist.keras import handoff
 
 MODES = ("async", "sync")
 DEFAULT_STEP_TIMEOUT = 600.0
-# Set by `tfdist launch`: the chief asks it to restart a worker by creating a file here.
-CONTROL_DIR_ENV = "TFDIST_CONTROL_DIR"
 # Dotted path of the module with fit/evaluate/predict for models of this strategy: a name,
 # so that the PS driver (and Keras' training code it imports) loads only when a model fits.
 FIT_DRIVER = "tfdist.keras.ps_fit"  # its fit/evaluate/predict replace Keras' own
@@ -265,7 +264,7 @@ def serve_until_chief_done(spec: ClusterSpec, poll_seconds: float = 1.0,
         task_index=spec.task.index, protocol="grpc", start=True)
     print(f"tfdist: {spec.task.name} serving on {spec.task_address}; waiting for the chief "
           f"at {spec.chief[0]} to finish", flush=True)
-    restarted = os.environ.get("TFDIST_TASK_RESTART", "0") not in ("", "0")
+    restarted = os.environ.get(env.TASK_RESTART, "0") not in ("", "0")
     try:
         wait_for_chief(spec.chief[0], poll_seconds, seen=restarted,
                        startup_timeout=None if startup_timeout is None else 2 * startup_timeout)
@@ -411,7 +410,7 @@ class ParameterServerStrategy(handoff.KerasHandoff, tf.distribute.ParameterServe
         self.update_block_bytes = update_block_bytes
         self._watchdog = None if step_timeout is None else _StepWatchdog(
             self._coordinator, spec.worker, step_timeout, startup_timeout,
-            os.environ.get(CONTROL_DIR_ENV) or None)
+            os.environ.get(env.CONTROL_DIR) or None)
         self.push_counter = ByteCounter("tfdist_ps_bytes_pushed")  # the step driver adds
         handoff.install_keras_hooks()
         saving.install_sharded_saving()  # save/restore models with sharded variables

@@ -11,12 +11,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tfdist import env
 from tfdist.config import ConfigError, is_multi_process
 from tfdist.strategies import registry
 
 # Where a process started by horovodrun or mpirun finds its rank.
 HOROVOD_RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
-SLURM_PORT_ENV = "TFDIST_SLURM_PORT"
+SLURM_PORT_ENV = env.SLURM_PORT
 
 
 def slurm_port() -> int:

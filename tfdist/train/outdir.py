@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from tfdist import env
 from tfdist.config import ConfigError, is_multi_process
 from tfdist.strategies import registry
 from tfdist.train.checks import HOROVOD_RANK_VARIABLES
@@ -79,7 +80,7 @@ def holds_lock(config: dict[str, Any]) -> bool:
 
 def backup_dir(config: dict[str, Any]) -> Path:
     """Where a task backs up and resumes: ``$TFDIST_BACKUP_DIR`` or ``OUTPUT_DIR/backup``."""
-    from_launcher = os.environ.get("TFDIST_BACKUP_DIR")
+    from_launcher = os.environ.get(env.BACKUP_DIR)
     return Path(from_launcher) if from_launcher else Path(config["train"]["output_dir"]) / "backup"
 
 

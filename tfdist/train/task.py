@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tfdist import env
 from tfdist.config import ConfigError, is_multi_process
 from tfdist.strategies import registry
 from tfdist.train.checks import slurm_port
@@ -26,7 +27,7 @@ from tfdist.train.report import format_table, plot_history
 
 # Test hook: "TASK:K" or "K" makes that task SIGKILL itself after epoch K (after its
 # backup is written), on the first attempt only. For tests of resuming.
-KILL_AFTER_EPOCH_ENV = "TFDIST_TEST_KILL_AFTER_EPOCH"
+KILL_AFTER_EPOCH_ENV = env.TEST_KILL_AFTER_EPOCH
 
 
 def build_strategy(config: dict[str, Any]):
@@ -119,8 +120,8 @@ def _task_callbacks(history_path: Path, start_epoch: int, write_history: bool):
     callbacks = [KeepHistory()]
     spec = os.environ.get(KILL_AFTER_EPOCH_ENV, "")
     task, _, epoch = spec.rpartition(":")
-    if spec and os.environ.get("TFDIST_RESTART", "0") == "0" and \
-            task in ("", os.environ.get("TFDIST_TASK", "worker-0")):
+    if spec and os.environ.get(env.RESTART, "0") == "0" and \
+            task in ("", os.environ.get(env.TASK, "worker-0")):
 
         class KillAfterEpoch(keras.callbacks.Callback):
             def on_epoch_end(self, index, logs=None):

@@ -14,7 +14,9 @@ import secrets
 import socket
 import threading
 
-TOKEN_ENV = "TFDIST_TOKEN"
+from tfdist import env
+
+TOKEN_ENV = env.TOKEN
 MAX_LINE = 1 << 20  # a longer message is refused
 
 
