@@ -19,10 +19,10 @@ from tfdist.launch.restarts import JobRestarts
 from tfdist.launch.results import exit_cause
 
 
-def task_env(cluster: ClusterSpec, spec: TaskSpec, env: dict[str, str] | None,
+def task_env(cluster: ClusterSpec, spec: TaskSpec, base: dict[str, str] | None,
              attempt: int, backup_dir: str | None) -> dict[str, str]:
-    """The environment of task ``spec``: ``env`` plus its TF_CONFIG and tfdist's variables."""
-    environ = command_env(env)
+    """The environment of task ``spec``: ``base`` plus its TF_CONFIG and tfdist's variables."""
+    environ = command_env(base)
     environ[env.TF_CONFIG] = cluster.with_task(spec).to_tf_config()
     environ[env.TASK] = spec.name
     environ[env.RESTART] = str(attempt)
