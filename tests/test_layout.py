@@ -87,3 +87,19 @@ def test_environment_variable_names_are_written_once():
     assert not {path: names for path, names in found.items()
                 if any(n.startswith("TFDIST_") for n in names)}, \
         f"TFDIST_* names outside tfdist/env.py: {found}"
+
+
+def test_no_module_hides_tfdist_env_behind_a_local_name():
+    """A parameter or variable called ``env`` in a module that imports `tfdist.env` makes
+    ``env.TASK`` an AttributeError at run time (seen: every launched task failed)."""
+    hidden = []
+    for path in ROOT.rglob("*.py"):
+        text = path.read_text()
+        if "from tfdist import env" not in text:
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if (isinstance(node, ast.arg) and node.arg == "env") or (
+                    isinstance(node, ast.Name) and node.id == "env"
+                    and isinstance(node.ctx, ast.Store)):
+                hidden.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}")
+    assert not hidden, f"'env' rebound where tfdist.env is imported: {hidden}"
