@@ -74,10 +74,14 @@ def name_user_path(error: BaseException, temp, path) -> None:
         return value.replace(temp, path).replace(temp_name, name)
 
     if isinstance(error, OSError):
-        error.filename = fix(error.filename)
-        if error.filename2 is not None:  # a None set here would be printed
-            error.filename2 = fix(error.filename2)
-    error.args = tuple(fix(arg) for arg in error.args)
+        # Only set what changes: any filename set, even None, changes how it prints.
+        for attr in ("filename", "filename2"):
+            value = getattr(error, attr)
+            if fix(value) is not value:
+                setattr(error, attr, fix(value))
+    args = tuple(fix(arg) for arg in error.args)
+    if args != error.args:
+        error.args = args
     if isinstance(getattr(error, "_message", None), str):  # TensorFlow's OpError
         error._message = fix(error._message)
 
