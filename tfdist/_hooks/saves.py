@@ -15,15 +15,15 @@ from tfdist._hooks.sharded.parts import sharded_parts
 SAVE_METHODS = ("save", "save_weights")
 
 
-def non_finite_weights(model) -> list[str]:
-    """Paths of the model's floating weights holding NaN or infinity.
+def non_finite_weights(model, variables=None) -> list[str]:
+    """Paths of the model's floating weights (or of ``variables``) holding NaN or infinity.
 
     Why: safe saves refuse such weights. Each variable, and each shard of one a
     partitioner split (a private ``ShardedVariable``, see `sharded_parts`), is checked
     where it lives (on its ps): one boolean per variable or shard comes to this process,
     not the values.
     """
-    return [v.path for v in model.weights
+    return [v.path for v in (model.weights if variables is None else variables)
             if "float" in str(v.dtype) and not _is_finite(v)]
 
 

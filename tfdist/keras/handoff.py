@@ -23,6 +23,9 @@ What Keras then does, per member of `KerasHandoff`:
 - ``keras_local_step_outputs``: the train step's loss and metrics stay on this worker
   (per-step logs are local; Keras' on-read metric variables still give global epoch
   logs): a non-averaging step of model averaging sends nothing.
+- ``keras_agreed_variables(model)``: None when every step is synchronous; else the
+  variables every worker holds equal after the step just run (those a model average
+  just averaged), for callbacks that must decide the same on every worker (`StopOnNaN`).
 - ``keras_safe_saves``, ``keras_global_finite_check``, ``keras_atomic_updates``: atomic
   saves that refuse NaN weights; one loss-scale decision for all replicas; atomic
   ``assign_add``/``assign_sub``.
@@ -87,6 +90,15 @@ class KerasHandoff:
 
     def keras_model_event(self, model, method, when):
         """Told ``"before"`` and ``"after"`` fit, and ``"before"`` the other `MODEL_EVENTS`."""
+
+    def keras_agreed_variables(self, model):
+        """None: every train step is synchronous, so its logs agree on every worker.
+
+        A strategy with local steps returns the variables of ``model`` that every worker
+        holds equal after the step just run (empty between averages).
+        """
+        del model
+        return None
 
 
 def handoff_of(strategy) -> KerasHandoff | None:

@@ -283,6 +283,18 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
         if method in ("save", "save_weights"):
             self._attach_outer(model, optimizer)
 
+    def keras_agreed_variables(self, model):
+        """The trainable variables averaged after the step just run (empty between
+        averages): every worker holds them equal, so a check on them decides the same
+        everywhere (`tfdist.keras.guards.StopOnNaN`)."""
+        optimizer = inner_optimizer(getattr(model, "optimizer", None))
+        state = self._states.get(id(optimizer))
+        if state is None:
+            return []
+        step = int(optimizer.iterations.numpy())
+        return [state.variables[i] for fragment, indices in enumerate(state.fragments)
+                if self.is_average_step(step, fragment) for i in indices]
+
     def _attach_outer(self, model, optimizer) -> None:
         """Makes the outer optimizer an attribute of ``model``, so Keras saves (and
         loads) its state (SlowMo's momentum, its step) with the model's."""
