@@ -93,6 +93,7 @@ def goal_rows(results: dict) -> tuple[list[list[str]], list[str]]:
     _overhead(goals["overhead"], analysis, data, results, rows, notes)
     _allreduce(goals["allreduce"], analysis, data, results, rows, notes)
     _slow_link(goals["slow_link"], analysis, data, results, rows, notes)
+    _diloco(goals, analysis, data, results, rows, notes)
     _engines(goals["engines-fit"], goals["engines-allreduce"], analysis, data, results, rows,
              notes)
     _straggler(goals["straggler"], analysis, data, results, rows, notes)
@@ -234,6 +235,34 @@ def _slow_link(goal_, analysis, data, results, rows, notes):
     if not measured:
         rows.append(["model average period=16 vs sync, 100 Mbit/s", f"{goal_.target}x",
                      "not measured", _why_missing(results, "slow_link")])
+
+
+def _diloco(goals, analysis, data, results, rows, notes):
+    """Streaming DiLoCo on the slow link: bytes, accuracy, largest exchange, hidden sync."""
+    res = (data.get("slow_link") or {}).get("results") or {}
+    sync, int4 = res.get("sync", {}), res.get("streaming int4", {})
+    p16, streaming, local = (res.get("period=16", {}), res.get("streaming", {}),
+                             res.get("local", {}))
+    measured = {
+        "diloco-wire": ("wire_tx_bytes_per_step", sync, int4,
+                        lambda a, b: a / b, "{:.0f}x"),
+        "diloco-accuracy": ("test_accuracy", sync, int4,
+                            lambda a, b: 100 * (a - b), "{:.1f} points"),
+        "diloco-largest": ("payload_max_step_bytes", streaming, p16,
+                           lambda a, b: a / b, "{:.2f}"),
+        "diloco-hidden": ("epoch_seconds", streaming, local, lambda a, b: a / b, "{:.2f}"),
+    }
+    for goal_id, (key, top, bottom, ratio, fmt) in measured.items():
+        goal_ = goals[goal_id]
+        label = f"slow link, {goal_id}: {goal_.what.split(' (section')[0]}"
+        if key not in top or key not in bottom:
+            rows.append([label, goal_.target, "not measured",
+                         _why_missing(results, "slow_link")])
+            continue
+        value = ratio(top[key], bottom[key])
+        rows.append([label, goal_.target, fmt.format(value), goal_.status(value)])
+        if not goal_.is_met(value) and goal_id in analysis:
+            notes.append(f"- {goal_id}: {fmt.format(value)}. " + analysis[goal_id])
 
 
 def _straggler(goal_, analysis, data, results, rows, notes):

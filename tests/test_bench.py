@@ -97,7 +97,11 @@ def test_goals_compare_the_measured_ratios_with_the_targets(tmp_path):
         "slow_link": section("slow_link", {"results": {
             "speedup_period16": 3.0, "sync": {"epoch_seconds": 1.8,
                                               "wire_tx_bytes_per_step": 550e3},
-            "period=16": {"epoch_seconds": 0.6, "wire_tx_bytes_per_step": 40e3},
+            "period=16": {"epoch_seconds": 0.6, "wire_tx_bytes_per_step": 40e3,
+                          "payload_max_step_bytes": 500e3},
+            "streaming": {"epoch_seconds": 0.5, "payload_max_step_bytes": 140e3},
+            "streaming int4": {"wire_tx_bytes_per_step": 5e3, "test_accuracy": 0.9},
+            "local": {"epoch_seconds": 0.4},
             "wide_speedup_period16": 8.0}}),
         "gpu": {"status": "skipped", "why": "no GPU"},
     }
@@ -114,6 +118,12 @@ def test_goals_compare_the_measured_ratios_with_the_targets(tmp_path):
         "3.00x", "missed by 1.67x")
     wide = "model average period=16 vs sync, 100 Mbit/s (wide digits CNN, dense 512)"
     assert status[wide] == ("8.00x", "met")
+    diloco = {key.split(",")[1].split(":")[0].strip(): value for key, value in status.items()
+              if key.startswith("slow link, diloco-")}
+    assert diloco == {"diloco-wire": ("110x", "met"),
+                      "diloco-accuracy": ("not measured", "not in the section's results"),
+                      "diloco-largest": ("0.28", "met"),
+                      "diloco-hidden": ("1.25", "missed by 1.09x")}
     assert status["(overhead: MultiWorkerMirroredStrategy(collective_timeout=None))"] == (
         "1.000", "met")
     text = "\n".join(notes)
