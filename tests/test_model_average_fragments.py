@@ -15,24 +15,37 @@ from test_model_average import (LR, fit_linear, linear_data, mse_grads, numpy_lo
 
 
 def numpy_streaming_diloco(x, y, w0, b0, steps, period, fragments, warmup=0, replicas=2,
-                           lr=LR, outer=None):
-    """Streaming DiLoCo with ``sync_delay=0`` for the linear model (kernel, bias).
+                           lr=LR, outer=None, delay=0, mix=1.0, average_every=None):
+    """Streaming DiLoCo for the linear model (kernel, bias).
 
     Each replica steps on its own data. After step ``s``, fragment ``f`` (its variables
-    ``parts[f]``) is averaged if ``s <= warmup`` or ``(s - warmup) % period == f *
-    period / fragments``; with ``outer=(lr, momentum)`` Keras' Nesterov SGD applies
-    ``anchor - mean`` to that fragment's anchor. A final plain average ends the run.
+    ``parts[f]``) is exchanged if ``s <= warmup`` or ``(s - warmup) % period == f *
+    period / fragments``: its anchor takes the mean, or with ``outer=(lr, momentum)``
+    Keras' Nesterov SGD step with ``anchor - mean`` as gradient. The result is applied
+    ``delay`` steps later as ``w = mix * anchor + (1 - mix) * w`` on every replica.
+    Every ``average_every`` steps (a save), and at the end, an exchange in flight is
+    applied at once, then every variable is averaged plainly (anchor = mean).
     """
     params = [[w0.astype("float64").copy(), b0.astype("float64").copy()]
               for _ in range(replicas)]
     anchor = [w0.astype("float64").copy(), b0.astype("float64").copy()]
     momentum = [np.zeros_like(a) for a in anchor]
     parts = [[0], [1]] if fragments == 2 else [[0, 1]]
+    pending = None  # (step that applies it, variable indices)
+
+    def apply(part):
+        for i in part:
+            for p in params:
+                p[i] = mix * anchor[i] + (1 - mix) * p[i]
+
     for step in range(steps):
         for r, (xr, yr) in enumerate(replica_batches(x, y, step, replicas)):
             gw, gb = mse_grads(params[r][0], params[r][1], xr, yr)
             params[r] = [params[r][0] - lr * gw, params[r][1] - lr * gb]
         s = step + 1
+        if pending is not None and pending[0] == s:
+            apply(pending[1])
+            pending = None
         for f, part in enumerate(parts):
             if not (s <= warmup or (s - warmup) % period == f * period // fragments):
                 continue
@@ -45,8 +58,20 @@ def numpy_streaming_diloco(x, y, w0, b0, steps, period, fragments, warmup=0, rep
                     g = anchor[i] - mean
                     momentum[i] = mu * momentum[i] - outer_lr * g
                     anchor[i] = anchor[i] + mu * momentum[i] - outer_lr * g
+            pending = (s + delay, part)
+            if delay == 0:
+                apply(part)
+                pending = None
+        if average_every and s % average_every == 0 and s < steps:
+            if pending is not None:
+                apply(pending[1])
+                pending = None
+            for i in range(2):
+                anchor[i] = np.mean([p[i] for p in params], axis=0)
                 for p in params:
                     p[i] = anchor[i].copy()
+    if pending is not None:
+        apply(pending[1])
     return [np.mean([p[i] for p in params], axis=0) for i in range(2)]
 
 

@@ -32,7 +32,8 @@ def install_local_step_outputs(handoff_of) -> None:
     workers and waits for every peer, so with model averaging every inner step pays for
     the slowest worker although no weights move between averages. Keras has no public
     switch for it: the train function (``TensorFlowTrainer.make_train_function``) is
-    wrapped to mark the model whose step is traced, and the trainer's private
+    wrapped to mark the model whose step is traced (and to call the hand-off's
+    ``keras_after_train_step`` after each call), and the trainer's private
     ``_collective_all_reduce_multi_worker`` answers False for that model's strategy, so
     ``reduce_per_replica`` takes its one-process path (mean over local replicas). TF's
     iterator sums the replicas holding a batch over every worker (so workers with
@@ -71,7 +72,7 @@ def install_local_step_outputs(handoff_of) -> None:
         if (function is None or getattr(function, "_tfdist_local", False)
                 or handoff is None or not handoff.keras_local_step_outputs):
             return result
-        self.train_function = _local_train_function(self, function)
+        self.train_function = _local_train_function(self, function, handoff)
         return None if result is None else self.train_function
 
     # The originals stay reachable (``_tfdist_original``) for tests/test_hooks_steps.py.
@@ -84,16 +85,19 @@ def install_local_step_outputs(handoff_of) -> None:
     trainer._tfdist_local_step_outputs = True
 
 
-def _local_train_function(model, function):
-    """``function`` (Keras' train function) run with ``model`` marked as training here."""
+def _local_train_function(model, function, handoff):
+    """``function`` (Keras' train function) run with ``model`` marked as training here,
+    then ``handoff.keras_after_train_step(model)``."""
 
     def train_function(iterator):
         previous = getattr(_training, "model", None)
         _training.model = model
         try:
-            return function(iterator)
+            result = function(iterator)
         finally:
             _training.model = previous
+        handoff.keras_after_train_step(model)
+        return result
 
     train_function._tfdist_local = True
     return train_function

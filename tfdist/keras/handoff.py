@@ -23,6 +23,8 @@ What Keras then does, per member of `KerasHandoff`:
 - ``keras_local_step_outputs``: the train step's loss and metrics stay on this worker
   (per-step logs are local; Keras' on-read metric variables still give global epoch
   logs): a non-averaging step of model averaging sends nothing.
+- ``keras_after_train_step(model)``: called after each call of such a strategy's train
+  function (one step unless ``steps_per_execution`` > 1): delayed model averages.
 - ``keras_agreed_variables(model)``: None when every step is synchronous; else the
   variables every worker holds equal after the step just run (those a model average
   just averaged), for callbacks that must decide the same on every worker (`StopOnNaN`).
@@ -90,6 +92,11 @@ class KerasHandoff:
 
     def keras_model_event(self, model, method, when):
         """Told ``"before"`` and ``"after"`` fit, and ``"before"`` the other `MODEL_EVENTS`."""
+
+    def keras_after_train_step(self, model):
+        """Called after each call of the train function of a `keras_local_step_outputs`
+        strategy (on the calling thread, before the batch's callbacks)."""
+        del model
 
     def keras_agreed_variables(self, model):
         """None: every train step is synchronous, so its logs agree on every worker.

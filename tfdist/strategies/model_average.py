@@ -44,7 +44,7 @@ from tfdist.comm.averaging import PeriodicAverager
 from tfdist.comm.fragments import split_fragments
 from tfdist.comm.options import merge_options
 from tfdist.keras import handoff
-from tfdist.strategies import _outer
+from tfdist.strategies import _delayed, _outer
 from tfdist.keras.optimizer import inner_optimizer
 from tfdist.strategies._average_state import (State, check_fragments, is_replicated_float,
                                               scale, tf_variable, wants_multi_worker)
@@ -96,6 +96,10 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
             its own outer optimizer, so the largest exchange is about ``1/fragments``
             of the model. ``period`` must be a multiple of ``fragments``, which may not
             exceed the number of trainable variables. ``fit`` ends with a full average.
+        sync_delay: Overlapped syncs: a fragment's exchange starts at its step and is
+            applied ``sync_delay`` inner steps later (0 <= it < ``period/fragments``),
+            while the worker trains on (`tfdist.strategies._delayed`).
+        mix: The applied fragment is ``mix * global + (1 - mix) * local`` (0..1).
         communication_options: A `tfdist.CommunicationOptions`: its ``compression``
             (as above) and ``timeout_seconds`` (collective timeout on several
             workers) apply; ``accumulate_steps`` > 1 is refused (no gradient all-reduce).
@@ -113,10 +117,17 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
 
     def __init__(self, period=1, warmup_steps=0, outer_optimizer=None,
                  average_optimizer_state=False, devices=None, cluster_resolver=None, *,
-                 compression=None, engine="auto", fragments=1, **base_kwargs):
+                 compression=None, engine="auto", fragments=1, sync_delay=0, mix=1.0,
+                 **base_kwargs):
         self.period = check_int("period", period, 1)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
         self.fragments = check_fragments(self.period, fragments, average_optimizer_state)
+        self.sync_delay, self.mix = _delayed.check_delay(
+            self.period, self.fragments, self.warmup_steps, average_optimizer_state,
+            sync_delay, mix)
+        # Exchanges after the train step (None: averaged inside it, sync_delay=0, mix=1).
+        self._delayed = (_delayed.DelayedSyncs(self, self.sync_delay, self.mix)
+                         if self.sync_delay or self.mix != 1 else None)
         _outer.check_template(outer_optimizer)
         self._outer_template = outer_optimizer
         self.average_optimizer_state = bool(average_optimizer_state)
@@ -214,9 +225,12 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
         state = self._states.get(id(optimizer))
         if state is None:
             return False
+        if self._delayed is not None:
+            self._delayed.finish(state)  # an exchange in flight is applied first
         step = int(optimizer.iterations.numpy())
         if step == 0 or state.averaged_at == step or (
-                self.is_average_step(step) and not self._differs_after_average(model, optimizer)):
+                self._delayed is None and self.is_average_step(step)
+                and not self._differs_after_average(model, optimizer)):
             return False  # every per-replica variable is already one value
         anchored = {id(v) for v in state.variables}
         plain = [v for v in list(model.weights) + self._optimizer_slots(optimizer)
@@ -255,6 +269,15 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
         super().keras_check_call(model, method, arguments)
         if method == "fit" and model.built and self.fragments > 1:
             split_fragments([0] * len(model.trainable_variables), self.fragments)
+        if method == "fit" and self._delayed is not None:
+            _delayed.check_steps_per_execution(model, self.sync_delay, self.mix)
+
+    def keras_after_train_step(self, model):
+        """Delayed syncs: applies a due exchange and starts a scheduled one."""
+        optimizer = inner_optimizer(getattr(model, "optimizer", None))
+        state = self._states.get(id(optimizer))
+        if self._delayed is not None and state is not None:
+            self._delayed.after_step(state, self._model_state.get(id(optimizer), []))
 
     def keras_model_event(self, model, method, when):
         """``keras.Model`` calls this around fit and load_weights, and before
@@ -292,6 +315,10 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
         if state is None:
             return []
         step = int(optimizer.iterations.numpy())
+        if self._delayed is not None:  # equal on every worker only with mix=1
+            fragment = self._delayed.applied_now(state) if self.mix == 1 else None
+            return [] if fragment is None else [state.variables[i]
+                                               for i in state.fragments[fragment]]
         return [state.variables[i] for fragment, indices in enumerate(state.fragments)
                 if self.is_average_step(step, fragment) for i in indices]
 
@@ -329,6 +356,8 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
         context = tf.distribute.get_replica_context()
         context.merge_call(functools.partial(self._ensure_state, optimizer, list(variables)))
         state = self._states[id(optimizer)]
+        if self._delayed is not None:
+            return result  # averaged after the step (keras_after_train_step)
         # Averaged as values with the weights: the optimizer slots when asked, and the
         # model's non-trainable floats (BatchNorm's moving statistics) under fit.
         plain_vars = ((state.slots if self.average_optimizer_state else [])
@@ -396,22 +425,32 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
         anchors = [tf_variable(state.anchors[i]) for i in indices]
         variables = [state.variables[i] for i in indices]
         plain_tf = [tf_variable(v) for v in plain_vars]
-        mean_deltas, mean_plain = self.averager.average(
-            distribution, [deltas[i] for i in indices], anchors, plain, plain_tf)
+        mean_plain = self._exchange(distribution, state, deltas, plain, plain_tf, fragment,
+                                    indices, outer)
         extended = distribution.extended
-        if outer and state.outers:
-            _outer.apply_outer_step(distribution, state.outers[fragment], anchors,
-                                    mean_deltas)
-        else:
-            for anchor, delta in zip(anchors, mean_deltas):
-                extended.update(anchor, lambda a, d: a.assign_sub(tf.cast(d, a.dtype)),
-                                args=(delta,), group=False)
         for variable, anchor in zip(variables, anchors):
             extended.update(tf_variable(variable), lambda v, a: v.assign(a),
                             args=(anchor,), group=False)
         for variable, mean in zip(plain_tf, mean_plain):
             extended.update(variable, lambda v, m: v.assign(tf.cast(m, v.dtype)),
                             args=(mean,), group=False)
+
+    def _exchange(self, distribution, state, deltas, plain, plain_tf, fragment, indices,
+                  outer=True):
+        """Cross-replica: the mean of ``deltas`` (at ``indices``) steps those anchors
+        (outer step or plain mean); returns the means of ``plain`` (to ``plain_tf``)."""
+        anchors = [tf_variable(state.anchors[i]) for i in indices]
+        mean_deltas, mean_plain = self.averager.average(
+            distribution, [deltas[i] for i in indices], anchors, plain, plain_tf)
+        if outer and state.outers:
+            _outer.apply_outer_step(distribution, state.outers[fragment], anchors,
+                                    mean_deltas)
+        else:
+            for anchor, delta in zip(anchors, mean_deltas):
+                distribution.extended.update(
+                    anchor, lambda a, d: a.assign_sub(tf.cast(d, a.dtype)), args=(delta,),
+                    group=False)
+        return mean_plain
 
     def _make_force_fn(self, state, plain_vars):
         """A tf.function that averages every per-replica variable (no outer step)."""
