@@ -15,7 +15,7 @@ from test_model_average import (LR, fit_linear, linear_data, mse_grads, numpy_lo
 
 
 def numpy_streaming_diloco(x, y, w0, b0, steps, period, fragments, warmup=0, replicas=2,
-                           lr=LR, outer=None, delay=0, mix=1.0, average_every=None):
+                           lr=LR, outer=None, delay=0, mix=1.0, saves=()):
     """Streaming DiLoCo for the linear model (kernel, bias).
 
     Each replica steps on its own data. After step ``s``, fragment ``f`` (its variables
@@ -23,7 +23,7 @@ def numpy_streaming_diloco(x, y, w0, b0, steps, period, fragments, warmup=0, rep
     period / fragments``: its anchor takes the mean, or with ``outer=(lr, momentum)``
     Keras' Nesterov SGD step with ``anchor - mean`` as gradient. The result is applied
     ``delay`` steps later as ``w = mix * anchor + (1 - mix) * w`` on every replica.
-    Every ``average_every`` steps (a save), and at the end, an exchange in flight is
+    After each step in ``saves`` (a save), and at the end, an exchange in flight is
     applied at once, then every variable is averaged plainly (anchor = mean).
     """
     params = [[w0.astype("float64").copy(), b0.astype("float64").copy()]
@@ -62,7 +62,7 @@ def numpy_streaming_diloco(x, y, w0, b0, steps, period, fragments, warmup=0, rep
             if delay == 0:
                 apply(part)
                 pending = None
-        if average_every and s % average_every == 0 and s < steps:
+        if s in saves and s < steps:
             if pending is not None:
                 apply(pending[1])
                 pending = None

@@ -1,0 +1,154 @@
+"""``ModelAverageStrategy(fragments=F, sync_delay=τ, mix=α)`` (Streaming DiLoCo's
+overlapped syncs) against the numpy reference of tests/test_model_average_fragments.py,
+on 2 logical CPUs and on 2 workers with each engine; its bad input; the count of
+collectives (none in the traced step) and of exchanges (by their bytes).
+
+A fragment's exchange starts at its step, runs on a thread while the worker takes τ
+more steps, and is applied after step s + τ as ``α * global + (1 - α) * local``.
+"""
+
+import numpy as np
+import pytest
+
+from helpers import assert_weights_close, require_horovod, run_cluster
+from test_model_average import LR, fit_linear, linear_data
+from test_model_average_fragments import numpy_streaming_diloco
+
+STEPS = 10  # 80 samples, global batch 16: 5 steps an epoch, 2 epochs
+KERNEL_BYTES, BIAS_BYTES = 12, 4  # the linear model's fragments (float32 [3, 1] and [1])
+
+
+def _outer():
+    import keras
+
+    return keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)
+
+
+def expected_bytes(steps, period, fragments):
+    """One payload per fragment exchange (2 fragments: kernel, bias; 1: both), plus the
+    final forced average of both variables."""
+    sizes = [KERNEL_BYTES, BIAS_BYTES] if fragments == 2 else [KERNEL_BYTES + BIAS_BYTES]
+    exchanges = sum(size for s in range(1, steps + 1) for f, size in enumerate(sizes)
+                    if s % period == f * period // fragments)
+    return exchanges + KERNEL_BYTES + BIAS_BYTES
+
+
+def _reference(initial, period, fragments, delay, mix, outer):
+    x, y = linear_data(n=80)
+    return numpy_streaming_diloco(x, y, initial[0], initial[1], steps=STEPS, period=period,
+                                  fragments=fragments, delay=delay, mix=mix,
+                                  outer=(0.7, 0.9) if outer else None)
+
+
+def test_bad_delay_and_mix_are_one_value_error_before_anything_runs(logical_cpus):
+    import keras
+
+    import tfdist
+
+    bad = [({"period": 4, "fragments": 2, "sync_delay": 2}, "sync_delay=2, period=4"),
+           ({"period": 4, "sync_delay": -1}, "sync_delay=-1"),
+           ({"period": 4, "sync_delay": 1.5}, "sync_delay=1.5"),
+           ({"period": 4, "mix": 1.5}, "mix=1.5"),
+           ({"period": 4, "mix": -0.1}, "mix=-0.1"),
+           ({"period": 4, "mix": "half"}, "mix='half'"),
+           ({"period": 4, "sync_delay": 1, "warmup_steps": 2}, "warmup_steps=2"),
+           ({"period": 4, "mix": 0.5, "average_optimizer_state": True},
+            "average_optimizer_state=True")]
+    for kwargs, message in bad:
+        with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+            tfdist.ModelAverageStrategy(**kwargs)
+    strategy = tfdist.ModelAverageStrategy(period=4, fragments=2, sync_delay=1)
+    x, y = linear_data(n=64)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(LR), "mse", steps_per_execution=2)
+    with pytest.raises(ValueError, match="steps_per_execution=2, sync_delay=1"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 0
+
+
+@pytest.mark.parametrize("period,fragments,delay,mix,outer", [
+    (4, 2, 1, 1.0, False), (4, 2, 1, 0.5, True), (8, 2, 3, 0.5, False),
+    (4, 1, 2, 1.0, True), (4, 2, 0, 0.5, False)])
+def test_delay_and_mix_match_numpy_streaming_diloco(logical_cpus, period, fragments, delay,
+                                                     mix, outer):
+    import tfdist
+    from tfdist.comm.collectives import train_step_collectives
+
+    x, y = linear_data(n=80)
+    strategy = tfdist.ModelAverageStrategy(period=period, fragments=fragments,
+                                           sync_delay=delay, mix=mix,
+                                           outer_optimizer=_outer if outer else None)
+    initial, model = fit_linear(strategy, x, y, epochs=2)
+    ref = _reference(initial, period, fragments, delay, mix, outer)
+    assert_weights_close(model.get_weights(), ref, atol=1e-5)
+    today = _reference(initial, period, fragments, 0, 1.0, outer)
+    assert max(np.abs(a - b).max() for a, b in zip(ref, today)) > 1e-4  # they differ
+    for variable in model.trainable_weights:  # one model after fit
+        copies = [c.numpy() for c in variable.value.values]
+        np.testing.assert_array_equal(copies[0], copies[1])
+    assert strategy.bytes_communicated == expected_bytes(STEPS, period, fragments)
+    count = train_step_collectives(model)
+    assert (count.every_step, count.in_branches) == (0, 0)  # nothing in the traced step
+
+
+def test_a_save_completes_the_exchange_in_flight(logical_cpus, tmp_path):
+    """Saving at a step whose exchange is in flight applies it first, then averages:
+    the reference with a forced average at that step."""
+    import keras
+
+    import tfdist
+
+    class SaveAt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations.numpy()) in (2, 4):  # both starts
+                self.model.save_weights(str(tmp_path / "w.weights.h5"))
+
+    x, y = linear_data(n=80)
+    strategy = tfdist.ModelAverageStrategy(period=4, fragments=2, sync_delay=1, mix=0.5)
+    initial, model = fit_linear(strategy, x, y, epochs=2, callbacks=[SaveAt()])
+    ref = numpy_streaming_diloco(x, y, initial[0], initial[1], steps=STEPS, period=4,
+                                 fragments=2, delay=1, mix=0.5, saves=(2, 4))
+    assert_weights_close(model.get_weights(), ref, atol=1e-5)
+    no_saves = _reference(initial, 4, 2, 1, 0.5, False)
+    assert max(np.abs(a - b).max() for a, b in zip(ref, no_saves)) > 1e-4
+
+
+def _worker_delay(engine, period, fragments, delay, mix, outer):
+    import tfdist
+    from tfdist.comm.collectives import train_step_collectives
+
+    strategy = tfdist.ModelAverageStrategy(period=period, fragments=fragments,
+                                           sync_delay=delay, mix=mix, engine=engine,
+                                           outer_optimizer=_outer if outer else None)
+    x, y = linear_data(n=80)
+    initial, model = fit_linear(strategy, x, y, epochs=2)
+    count = train_step_collectives(model)
+    return {"initial": initial, "weights": model.get_weights(), "engine": strategy.engine,
+            "bytes": strategy.bytes_communicated,
+            "count": (count.every_step, count.in_branches)}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("engine,period,fragments,delay,mix,outer", [
+    ("tf", 4, 2, 1, 0.5, True), ("horovod", 8, 2, 2, 1.0, False)])
+def test_two_workers_delay_and_mix_match_numpy(engine, period, fragments, delay, mix, outer):
+    if engine == "horovod":
+        require_horovod()
+    results = run_cluster(_worker_delay, engine, period, fragments, delay, mix, outer,
+                          workers=2, timeout=240)
+    ref = _reference(results[0]["initial"], period, fragments, delay, mix, outer)
+    for result in results:
+        assert result["engine"] == engine
+        assert_weights_close(result["weights"], ref, atol=1e-5)
+        assert result["count"] == (0, 0)
+        assert result["bytes"] == expected_bytes(STEPS, period, fragments)
+    for a, b in zip(results[0]["weights"], results[1]["weights"]):
+        np.testing.assert_array_equal(a, b)  # every worker holds the same weights
+
+
+def test_delay_and_mix_are_tfdist_train_config_keys():
+    from tfdist.config import strategy_option_names
+
+    assert {"sync_delay", "mix"} <= strategy_option_names("model_average")
