@@ -152,3 +152,54 @@ def test_delay_and_mix_are_tfdist_train_config_keys():
     from tfdist.config import strategy_option_names
 
     assert {"sync_delay", "mix"} <= strategy_option_names("model_average")
+
+
+def _resume_task(result_dir, kill_at):
+    """3 epochs of 5 steps with BackupAndRestore; worker-1 SIGKILLs itself after step
+    ``kill_at`` of the first attempt, with its fragment's exchange in flight."""
+    import os
+    import signal
+
+    import keras
+
+    import tfdist
+    from tfdist.keras import callbacks as cbs
+
+    me, attempt = os.environ["TFDIST_TASK"], int(os.environ["TFDIST_RESTART"])
+    strategy = tfdist.ModelAverageStrategy(period=4, fragments=2, sync_delay=1, mix=0.5,
+                                           startup_timeout=60, collective_timeout=60)
+
+    class Kill(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if (attempt == 0 and me == "worker-1"
+                    and int(self.model.optimizer.iterations.numpy()) == kill_at):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    x, y = linear_data(n=80)
+    initial, model = fit_linear(strategy, x, y, epochs=3,
+                                callbacks=[cbs.BackupAndRestore(), Kill()])
+    return {"task": me, "attempt": attempt, "initial": initial,
+            "weights": model.get_weights(),
+            "iterations": int(model.optimizer.iterations.numpy())}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_kill_with_an_exchange_in_flight_resumes_to_uninterrupted_weights(tmp_path, capfd):
+    """Worker-1 dies after step 6 (fragment 1's exchange started there, due after step
+    7); the restarted job resumes from the backup of epoch 1 (step 5, saved after the
+    exchange then in flight was applied) and ends at the uninterrupted run's weights,
+    whose saves at steps 5 and 10 apply the exchange in flight and average."""
+    results = run_cluster(_resume_task, str(tmp_path), 6, timeout=280, stream=None,
+                          max_restarts=1, backup_dir=str(tmp_path / "backup"))
+    log = capfd.readouterr().err
+    assert "restart 1/1: worker-1 exited with code -9 (signal SIGKILL)" in log, log[-2000:]
+    x, y = linear_data(n=80)
+    initial = results[0]["initial"]
+    ref = numpy_streaming_diloco(x, y, initial[0], initial[1], steps=15, period=4,
+                                 fragments=2, delay=1, mix=0.5, saves=(5, 10))
+    for result in results:
+        assert result["attempt"] == 1 and result["iterations"] == 15, result
+        assert_weights_close(result["weights"], ref, atol=1e-5)
+    for a, b in zip(results[0]["weights"], results[1]["weights"]):
+        np.testing.assert_array_equal(a, b)
