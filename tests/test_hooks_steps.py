@@ -87,6 +87,28 @@ def test_hook_marks_only_local_output_strategies(logical_cpus):
     assert traced_train_steps(mirrored) == []
 
 
+def test_after_train_step_follows_every_train_function_call(logical_cpus):
+    """The wrapped train function tells the hand-off after each call, once the step's
+    optimizer update is done (model averaging's delayed syncs run there)."""
+    import keras
+    import numpy as np
+
+    import tfdist
+
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    strategy = tfdist.ModelAverageStrategy(period=2)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+    seen = []
+    strategy.keras_after_train_step = (
+        lambda m: seen.append(int(m.optimizer.iterations.numpy())))
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    model.train_on_batch(x[:8], y[:8])
+    assert seen == list(range(1, 10)), seen
+
+
 def test_count_collectives_separates_conditional_branches():
     import tensorflow as tf
 

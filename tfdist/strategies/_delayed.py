@@ -139,13 +139,16 @@ class DelayedSyncs:
         self._complete(buffers, int(state.optimizer.iterations.numpy()))
         return True
 
-    def applied_now(self, state):
-        """The fragment applied after the step just run, or None."""
+    def agreed_variables(self, state) -> list:
+        """The variables of the fragment applied after the step just run, when every
+        worker holds them equal (``mix=1``); else none."""
         buffers = self._buffers.get(id(state.optimizer))
-        if buffers is None or buffers.applied_at is None:
-            return None
+        if self.mix != 1 or buffers is None or buffers.applied_at is None:
+            return []
         step, fragment = buffers.applied_at
-        return fragment if step == int(state.optimizer.iterations.numpy()) else None
+        if step != int(state.optimizer.iterations.numpy()):
+            return []
+        return [state.variables[i] for i in state.fragments[fragment]]
 
     # ---- internals -------------------------------------------------------------------
 

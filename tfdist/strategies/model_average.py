@@ -315,10 +315,8 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
         if state is None:
             return []
         step = int(optimizer.iterations.numpy())
-        if self._delayed is not None:  # equal on every worker only with mix=1
-            fragment = self._delayed.applied_now(state) if self.mix == 1 else None
-            return [] if fragment is None else [state.variables[i]
-                                               for i in state.fragments[fragment]]
+        if self._delayed is not None:
+            return self._delayed.agreed_variables(state)
         return [state.variables[i] for fragment, indices in enumerate(state.fragments)
                 if self.is_average_step(step, fragment) for i in indices]
 
