@@ -127,16 +127,19 @@ class DelayedSyncs:
             self._complete(buffers, step)
         for fragment in range(len(state.fragments)):
             if self.strategy.is_average_step(step, fragment):
+                if buffers.pending is not None:  # not due yet (the step counter moved)
+                    self._complete(buffers, step)
                 self._start(buffers, fragment, step)
                 if self.sync_delay == 0:
                     self._complete(buffers, step)
 
-    def finish(self, state) -> bool:
-        """Joins and applies the exchange in flight now, if any. Returns whether one was."""
-        buffers = self._buffers.get(id(state.optimizer))
+    def finish(self, state, apply=True) -> bool:
+        """Joins the exchange in flight, if any, and applies it now (or drops it: the
+        weights are about to be loaded). Returns whether there was one."""
+        buffers = None if state is None else self._buffers.get(id(state.optimizer))
         if buffers is None or buffers.pending is None:
             return False
-        self._complete(buffers, int(state.optimizer.iterations.numpy()))
+        self._complete(buffers, int(state.optimizer.iterations.numpy()), apply)
         return True
 
     def agreed_variables(self, state) -> list:
@@ -178,13 +181,14 @@ class DelayedSyncs:
         thread.start()
         buffers.pending = _Pending(fragment, step + self.sync_delay, thread, errors)
 
-    def _complete(self, buffers, step) -> None:
+    def _complete(self, buffers, step, apply=True) -> None:
         pending, buffers.pending = buffers.pending, None
         pending.thread.join()
         if pending.errors:
             raise pending.errors[0]
-        self._functions(buffers, pending.fragment)[2]()
-        buffers.applied_at = (step, pending.fragment)
+        if apply:
+            self._functions(buffers, pending.fragment)[2]()
+            buffers.applied_at = (step, pending.fragment)
 
     def _functions(self, buffers, fragment):
         """The fragment's snapshot, exchange (traced here, run on a thread) and apply."""

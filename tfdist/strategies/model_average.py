@@ -284,6 +284,8 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
         evaluate/predict/save."""
         optimizer = inner_optimizer(getattr(model, "optimizer", None))
         if method == "load_weights":
+            if self._delayed is not None and when == "before":  # the load replaces it
+                self._delayed.finish(self._states.get(id(optimizer)), apply=False)
             self._outer_around_load(model, optimizer, when)
             return
         if method == "fit" and when == "before":
