@@ -92,17 +92,20 @@ def test_delay_and_mix_match_numpy_streaming_diloco(logical_cpus, period, fragme
     assert (count.every_step, count.in_branches) == (0, 0)  # nothing in the traced step
 
 
-def test_a_save_completes_the_exchange_in_flight(logical_cpus, tmp_path):
-    """Saving at a step whose exchange is in flight applies it first, then averages:
-    the reference with a forced average at that step."""
+def test_a_save_or_evaluate_completes_the_exchange_in_flight(logical_cpus, tmp_path):
+    """A save or an evaluate at a step whose exchange is in flight applies it first,
+    then averages: the reference with a forced average at that step."""
     import keras
 
     import tfdist
 
     class SaveAt(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            if int(self.model.optimizer.iterations.numpy()) in (2, 4):  # both starts
+            step = int(self.model.optimizer.iterations.numpy())
+            if step == 2:  # fragment 1 starts
                 self.model.save_weights(str(tmp_path / "w.weights.h5"))
+            if step == 4:  # fragment 0 starts
+                self.model.evaluate(x[:16], y[:16], batch_size=16, verbose=0)
 
     x, y = linear_data(n=80)
     strategy = tfdist.ModelAverageStrategy(period=4, fragments=2, sync_delay=1, mix=0.5)
