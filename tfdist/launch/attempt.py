@@ -1,8 +1,8 @@
 """One attempt of a job: start its tasks, poll them until it ends, stop them.
 
 An attempt ends when the chief and workers have exited 0 (and the evaluator had its
-time), when a task fails (unless the restart policy replaces it), when the deadline
-passes, or, on a node of a multi-node job, when node 0 says so.
+time), when a task fails (unless the restart policy replaces it, or goes on without
+it), when the deadline passes, or, on a node of a multi-node job, when node 0 says so.
 """
 
 from __future__ import annotations
@@ -78,7 +78,8 @@ def run_attempt(argv: list[str], cluster: ClusterSpec, options: LaunchOptions, a
             while True:
                 policy.check(tasks)
                 _report_evaluator_exit(tasks, reported, log)
-                failed = first_failed(tasks)
+                counted = [t for t in tasks if not policy.is_lost(t)]
+                failed = first_failed(counted)
                 if failed is not None and policy.replace(tasks, failed, start):
                     continue
                 if failed is not None:
@@ -87,7 +88,8 @@ def run_attempt(argv: list[str], cluster: ClusterSpec, options: LaunchOptions, a
                     stop_tasks([t for t in tasks if t is not failed], grace)
                     failed.finish_output()
                     return tasks, failed, False
-                done = all(t.poll() == 0 for t in tasks if t.spec.type in TRAINING_TASK_TYPES)
+                done = all(t.poll() == 0 for t in counted
+                           if t.spec.type in TRAINING_TASK_TYPES)
                 if done and peers is not None:
                     peers.report_done()  # ps tasks serve on until every node is done
                 if done and trained_at is None:

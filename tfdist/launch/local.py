@@ -14,11 +14,9 @@ from tfdist.launch.options import LaunchOptions, resolve_options
 from tfdist.launch.process import TaskProcess, command_env
 from tfdist.launch.restarts import JobRestarts
 from tfdist.launch.results import (LaunchError, LaunchResult, announce_restart,
-                                   failure_cause, launch_result)
+                                   failure_cause, is_port_clash, launch_result)
 
 MAX_PORT_RETRIES = 3
-_PORT_IN_USE_MARKERS = ("Address already in use", "address already in use",
-                        "Could not start gRPC server", "Failed to add port")
 
 
 def run(argv: Sequence[str], options: LaunchOptions | None = None, *,
@@ -70,8 +68,9 @@ def run(argv: Sequence[str], options: LaunchOptions | None = None, *,
                                                       for t in tasks))
         else:
             code = failed.poll()
-            cause = failure_cause(failed.name, code, failed.tail_text())
-            clash = _is_port_clash(failed)
+            cause = failure_cause(failed.name, code, failed.tail_text()) + \
+                policy.failure_note(failed)
+            clash = is_port_clash(failed.tail_text())
             if clash:
                 cause += (f": it could not bind its port "
                           f"{cluster.with_task(failed.spec).task_address} (in use?)")
@@ -93,6 +92,3 @@ def run(argv: Sequence[str], options: LaunchOptions | None = None, *,
         attempt += 1
         announce_restart(log, restart, options.max_restarts, cause)
 
-
-def _is_port_clash(task: TaskProcess) -> bool:
-    return any(marker in task.tail_text() for marker in _PORT_IN_USE_MARKERS)

@@ -2,7 +2,7 @@
 
 `JobRestarts` stops every task and starts the whole job again, while ``max_restarts``
 allow. `PsWorkerRestarts` also restarts a dead parameter-server worker alone, at its
-address, while the chief runs. The launcher calls a policy's hooks; it does not know
+address, while the chief runs, and with no restart left carries on without it. The launcher calls a policy's hooks; it does not know
 which strategy the tasks run: `tfdist.launch` and ``tfdist train`` choose the policy.
 """
 
@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 
 from tfdist import env
 from tfdist.cluster import TaskSpec
-from tfdist.launch.results import announce_restart
+from tfdist.launch.results import announce_restart, exit_cause, is_port_clash
 
 # A parameter-server chief asks the launcher to restart a worker by creating the file
 # ``<TFDIST_CONTROL_DIR>/restart-<task>`` (its text: why). See `PsWorkerRestarts`.
@@ -29,8 +29,9 @@ TASK_RESTART_ENV = env.TASK_RESTART
 class JobRestarts:
     """Restarts of the whole job: a failed task ends the attempt, then the job starts again.
 
-    Subclasses restart single tasks through the per-attempt hooks (`attempt`,
-    `task_env`, `check`, `replace`), which do nothing here.
+    Subclasses restart single tasks, or go on without them, through the per-attempt
+    hooks (`attempt`, `task_env`, `check`, `replace`, `is_lost`, `failure_note`), which
+    do nothing here.
 
     Args:
         max_restarts: Restarts allowed, of the job and of single tasks together.
@@ -67,24 +68,38 @@ class JobRestarts:
         """Called with the attempt's running `TaskProcess` list on every poll."""
 
     def replace(self, tasks: list, failed, start: Callable[[TaskSpec, int], object]) -> bool:
-        """Restarts ``failed`` alone in ``tasks`` with ``start(spec, n)``; False if not."""
+        """Restarts ``failed`` alone in ``tasks`` with ``start(spec, n)``, or lets the job
+        go on without it (`is_lost`); False if its failure ends the attempt."""
         return False
+
+    def is_lost(self, task) -> bool:
+        """Whether the attempt goes on without ``task`` (its exit no longer counts)."""
+        return False
+
+    def failure_note(self, failed) -> str:
+        """Words added to the error of ``failed``, the task that ended the attempt."""
+        return ""
 
 
 class PsWorkerRestarts(JobRestarts):
-    """Restarts a dead parameter-server worker alone, at its address, while the chief runs.
+    """A parameter-server job's policy: a dead worker is restarted alone, or left out.
 
     In a cluster with a chief and ps tasks the chief's `ClusterCoordinator` reschedules
-    a dead worker's steps and takes a restarted worker back, so the job goes on. Each
-    restart uses one of ``max_restarts`` (shared with whole-job restarts); when none
-    is left, the worker's death fails the job as before. A worker the chief names in a
-    restart request (a frozen one) is SIGKILLed first.
+    a dead worker's steps on the others and takes a restarted worker back, so the job
+    goes on. While ``max_restarts`` allow (shared with whole-job restarts), a dead
+    worker is restarted alone, at its address. With none left the job carries on with
+    the workers that remain, as TF's coordinator does; once every worker is gone the
+    attempt fails, naming them all (the coordinator would wait for a worker forever).
+    Either way the launcher says so. A worker the chief names in a restart request (a
+    frozen one) is SIGKILLed first. The chief and ps tasks stay fatal.
     """
 
     def __init__(self, max_restarts: int, log):
         super().__init__(max_restarts, log)
         self.used = 0  # worker restarts so far
         self.control_dir: str | None = None  # one per attempt
+        self.lost: dict[str, str] = {}  # worker left out in this attempt -> how it ended
+        self.last: str | None = None  # the worker whose death left none
 
     @property
     def spent(self) -> int:
@@ -93,6 +108,7 @@ class PsWorkerRestarts(JobRestarts):
     @contextlib.contextmanager
     def attempt(self) -> Iterator[None]:
         self.control_dir = tempfile.mkdtemp(prefix="tfdist-control-")
+        self.lost, self.last = {}, None
         try:
             yield
         finally:
@@ -116,16 +132,42 @@ class PsWorkerRestarts(JobRestarts):
 
     def replace(self, tasks: list, failed, start: Callable[[TaskSpec, int], object]) -> bool:
         chief = next((t for t in tasks if t.spec.type == "chief"), None)
-        spent = self.spent
         if failed.spec.type != "worker" or chief is None or chief.poll() is not None or \
-                spent >= self.max_restarts:
+                is_port_clash(failed.tail_text()):  # the job is retried on new ports
             return False
-        self.used += 1
-        code = failed.poll()
+        left = [t for t in tasks if t.spec.type == "worker" and t is not failed
+                and not self.is_lost(t)]
+        spent, code = self.spent, failed.poll()
+        if spent >= self.max_restarts and not left:
+            self.last = failed.name  # every worker is gone: `failure_note` says so
+            return False
         failed.signal_group(signal.SIGKILL)  # whatever it started goes too
         failed.finish_output()
-        announce_restart(self.log, spent + 1, self.max_restarts,
-                         f"{failed.name} exited with code {code}",
-                         f"; restarting {failed.name} alone (parameter-server job)")
-        tasks[tasks.index(failed)] = start(failed.spec, self.used)
+        if spent < self.max_restarts:
+            self.used += 1
+            announce_restart(self.log, spent + 1, self.max_restarts,
+                             f"{failed.name} exited with code {code}",
+                             f"; restarting {failed.name} alone (parameter-server job)")
+            tasks[tasks.index(failed)] = start(failed.spec, self.used)
+            return True
+        self.lost[failed.name] = exit_cause(failed.name, code)
+        print(f"tfdist launch: {self.lost[failed.name]}; the parameter-server job carries "
+              f"on with {len(left)} worker{'s' if len(left) > 1 else ''} "
+              f"({self._none_left()})\n", end="", file=self.log, flush=True)
         return True
+
+    def is_lost(self, task) -> bool:
+        return task.name in self.lost
+
+    def failure_note(self, failed) -> str:
+        if failed.name != self.last:
+            return ""
+        earlier = f" ({', '.join(self.lost.values())} earlier)" if self.lost else ""
+        return (f": every worker of the parameter-server job is gone{earlier}, with "
+                f"{self._none_left()}, so nothing can run the chief's steps (TF's "
+                "coordinator would wait for a worker forever)")
+
+    def _none_left(self) -> str:
+        if self.max_restarts == 0:
+            return "no restarts left: --max-restarts 0"
+        return f"no restarts left: {self.spent}/{self.max_restarts} used"

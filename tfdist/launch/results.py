@@ -60,6 +60,15 @@ def exit_cause(name: str, code: int) -> str:
         signal.valid_signals() else "")
 
 
+_PORT_IN_USE_MARKERS = ("Address already in use", "address already in use",
+                        "Could not start gRPC server", "Failed to add port")
+
+
+def is_port_clash(tail: str) -> bool:
+    """Whether a task's last lines (``tail``) say it could not bind its port."""
+    return any(marker in tail for marker in _PORT_IN_USE_MARKERS)
+
+
 # TensorFlow's words for an error it received from another task over gRPC.
 _REMOTE = re.compile(r"from remote target /job:(\w+)/replica:\d+/task:(\d+)")
 _ERROR = re.compile(r"\w+(?:Error|Exception): .*")
