@@ -602,3 +602,103 @@ def test_failure_cause_names_only_another_task():
     other = own.replace("task:1", "task:0")
     assert failure_cause("worker-1", 1, other) == \
         "worker-1 exited with code 1: its error came from worker-0 (UnavailableError: x)"
+
+
+# A parameter-server job of fake tasks. A worker named in argv[2] SIGKILLs itself once
+# (on its first start), the next victim only after the launcher said it carries on
+# without the previous one. The chief ends (0) once the launcher has said everything
+# argv[3] lists; a live worker then ends (0) after the chief, as a real one does.
+_PS_WORKERS_DIE = """
+    import os, signal, sys, time
+    me, work = os.environ["TFDIST_TASK"], sys.argv[1]
+    victims, waits = sys.argv[2].split(","), [w for w in sys.argv[3].split("|") if w]
+    log = os.path.join(work, "launcher.log")
+
+    def said(text):
+        return os.path.exists(log) and text in open(log).read()
+
+    def wait(predicate):
+        deadline = time.monotonic() + 60  # hang guard
+        while not predicate() and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    if me in victims and os.environ.get("TFDIST_TASK_RESTART", "0") == "0":
+        wait(lambda: all(said(f"{v} exited") for v in victims[:victims.index(me)]))
+        os.kill(os.getpid(), signal.SIGKILL)
+    if me == "chief-0":
+        wait(lambda: all(said(w) for w in waits))
+        open(os.path.join(work, "chief-done"), "w").close()
+        sys.exit(0)
+    if me.startswith("worker"):
+        wait(lambda: os.path.exists(os.path.join(work, "chief-done")))
+        sys.exit(0)
+    time.sleep(600)  # ps
+"""
+
+
+class _LogFile:
+    """The launcher's log, appended to a file the tasks read."""
+
+    def __init__(self, path):
+        self.path, self.text = path, ""
+
+    def write(self, text):
+        self.text += text
+        with open(self.path, "a") as f:
+            f.write(text)
+
+    def flush(self):
+        pass
+
+
+def _ps_workers_die(tmp_path, victims, waits, **options):
+    from tfdist.launch import LaunchError, run
+    from tfdist.launch.api import restarts_for
+
+    script = _script(tmp_path, _PS_WORKERS_DIE)
+    log = _LogFile(tmp_path / "launcher.log")
+    try:
+        result = run([sys.executable, str(script), str(tmp_path), ",".join(victims),
+                      "|".join(waits)], chief=True, ps=1, workers=2, grace_period=1,
+                     timeout=90, stream=None, log=log, restarts=restarts_for(True, 1),
+                     **options)
+    except LaunchError as error:
+        return error, log.text
+    return result, log.text
+
+
+@pytest.mark.multiprocess
+def test_a_ps_job_carries_on_without_a_dead_worker_by_default(tmp_path):
+    carry_on = ("tfdist launch: worker-1 exited with code -9 (signal SIGKILL); the "
+                "parameter-server job carries on with 1 worker (no restarts left: "
+                "--max-restarts 0)")
+    result, log = _ps_workers_die(tmp_path, ["worker-1"], [carry_on])
+    assert isinstance(result, tfdist.LaunchResult), result
+    assert carry_on in log, log
+    codes = {t.name: t.returncode for t in result.tasks}
+    assert codes["chief-0"] == 0 and codes["worker-0"] == 0 and codes["worker-1"] == -9
+
+
+@pytest.mark.multiprocess
+def test_a_dead_ps_worker_is_restarted_while_restarts_are_left(tmp_path):
+    restart = ("tfdist launch: restart 1/1: worker-1 exited with code -9; restarting "
+               "worker-1 alone (parameter-server job)")
+    result, log = _ps_workers_die(tmp_path, ["worker-1"], [restart], max_restarts=1)
+    assert isinstance(result, tfdist.LaunchResult), result
+    assert restart in log and "carries on" not in log, log
+    assert all(t.returncode == 0 for t in result.tasks if t.name != "ps-0"), result
+
+
+@pytest.mark.multiprocess
+def test_a_ps_job_whose_workers_are_all_gone_fails_naming_them(tmp_path):
+    # worker-1 dies, then worker-0 after the launcher carried on without worker-1; the
+    # chief would wait forever (hang guard: 60 s), so only the launcher can end it.
+    error, log = _ps_workers_die(tmp_path, ["worker-1", "worker-0"], ["never said"])
+    assert isinstance(error, tfdist.LaunchError), error
+    assert error.task == "worker-0", error
+    assert "carries on with 1 worker" in log, log
+    assert str(error).startswith(
+        "worker-0 exited with code -9 (signal SIGKILL): every worker of the "
+        "parameter-server job is gone (worker-1 exited with code -9 (signal SIGKILL) "
+        "earlier), with no restarts left: --max-restarts 0, so nothing can run the "
+        "chief's steps (TF's coordinator would wait for a worker forever) after "), error

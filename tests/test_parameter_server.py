@@ -280,6 +280,74 @@ def test_worker_killed_mid_fit_still_completes(tmp_path):
     assert all(np.isfinite(w).all() for w in chief["weights"])
 
 
+# ---- a worker killed under `tfdist launch` with no restart: the job carries on -------------
+
+CARRY_ON_STEPS = 3 * 24  # 3 epochs of 24 steps
+
+
+def _carry_on_task(pid_dir):
+    """The counting model of benchmarks.ps_exactly_once (each applied update lowers
+    every weight by 1); the chief SIGKILLs worker-1's own process after its first
+    dispatch, and nothing restarts it."""
+    import keras
+    import tensorflow as tf
+
+    import tfdist
+    from benchmarks.ps_exactly_once import counting_model
+
+    with open(os.path.join(pid_dir, f"{os.environ['TFDIST_TASK']}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    strategy = tfdist.ParameterServerStrategy()
+    with strategy.scope():
+        seen = tf.Variable(0, dtype=tf.int64)
+        by_worker = tf.Variable(tf.zeros([2], tf.int64))
+        model = counting_model(seen, by_worker, period=10**6, crashes=0)
+
+    def dataset_fn(context):
+        tag = float(context.input_pipeline_id)
+        return tf.data.Dataset.from_tensors((tf.ones([4, 2]), tf.fill([4, 1], tag))).repeat()
+
+    class KillWorker1(keras.callbacks.Callback):
+        killed_at = None
+
+        def on_train_batch_end(self, batch, logs=None):
+            if KillWorker1.killed_at is None:
+                KillWorker1.killed_at = by_worker.numpy().tolist()
+                with open(os.path.join(pid_dir, "worker-1.pid")) as f:
+                    os.kill(int(f.read()), signal.SIGKILL)
+
+    model.fit(dataset_fn, epochs=3, steps_per_epoch=CARRY_ON_STEPS // 3, verbose=0,
+              callbacks=[KillWorker1()])
+    return {"iterations": int(model.optimizer.iterations.numpy()),
+            "applied": -float(model.layers[-1].bias.numpy()[0]),
+            "kernel": model.layers[-1].kernel.numpy().ravel().tolist(),
+            "by_worker": by_worker.numpy().tolist(), "killed_at": KillWorker1.killed_at,
+            "weights": model.get_weights()}
+
+
+@pytest.mark.multiprocess
+def test_worker_killed_with_no_restart_left_the_job_carries_on_and_applies_each_step_once(
+        tmp_path, capfd):
+    # The default max_restarts=0: tfdist.launch returns, with the chief's result.
+    results = run_cluster(_carry_on_task, str(tmp_path), workers=2, chief=True, ps=1,
+                          stream=None)
+    chief, worker1 = results[0], results[2]
+    log = capfd.readouterr().err
+    assert worker1 is None  # killed: it returned nothing
+    assert ("tfdist launch: worker-1 exited with code -9 (signal SIGKILL); the "
+            "parameter-server job carries on with 1 worker (no restarts left: "
+            "--max-restarts 0)") in log, log
+    assert "restart 1/" not in log, log
+    # Exactly once: every requested step updated the weights once, and only once.
+    assert chief["iterations"] == CARRY_ON_STEPS, str(chief)
+    assert chief["applied"] == CARRY_ON_STEPS, str(chief)
+    assert chief["kernel"] == [-CARRY_ON_STEPS] * 2, str(chief)
+    assert all(np.isfinite(w).all() for w in chief["weights"])
+    # worker-0 took the steps that were left after the kill.
+    assert chief["by_worker"][0] > chief["killed_at"][0], str(chief)
+    assert sum(chief["by_worker"]) >= CARRY_ON_STEPS, str(chief)
+
+
 # ---- clusters that cannot run parameter-server training ----------------------------------
 
 _NO_PS = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}
