@@ -702,3 +702,50 @@ def test_a_ps_job_whose_workers_are_all_gone_fails_naming_them(tmp_path):
         "parameter-server job is gone (worker-1 exited with code -9 (signal SIGKILL) "
         "earlier), with no restarts left: --max-restarts 0, so nothing can run the "
         "chief's steps (TF's coordinator would wait for a worker forever) after "), error
+
+
+class _FakeTask:
+    def __init__(self, name, code=None):
+        from tfdist.cluster import TaskSpec
+
+        kind, index = name.rsplit("-", 1)
+        self.spec, self.name, self.code = TaskSpec(kind, int(index)), name, code
+
+    def poll(self):
+        return self.code
+
+    def signal_group(self, signum):
+        pass
+
+    def finish_output(self):
+        pass
+
+    def tail_text(self):
+        return ""
+
+
+def test_a_node_of_a_ps_job_carries_on_while_other_nodes_have_workers():
+    """Unit: on a node without the chief, a dead worker is left out while any worker of
+    the cluster may run (those of other nodes count as alive); the last one fails."""
+    import io
+
+    from tfdist.launch.restarts import NodePsWorkers
+
+    log = io.StringIO()
+    policy = NodePsWorkers(1, log, restarts_done=1, other_workers=1)
+    worker = _FakeTask("worker-1", -9)
+    tasks = [worker, _FakeTask("ps-1")]
+    with policy.attempt():
+        assert policy.task_env(0) == {}
+        assert policy.replace(tasks, worker, start=None) and policy.is_lost(worker)
+        assert log.getvalue() == (
+            "tfdist launch: worker-1 exited with code -9 (signal SIGKILL); the parameter-"
+            "server job carries on with 1 worker (no restarts left: 1/1 used)\n")
+    alone = NodePsWorkers(0, log, restarts_done=0, other_workers=0)
+    with alone.attempt():
+        assert not alone.replace(tasks, worker, start=None)
+        assert alone.failure_note(worker).startswith(
+            ": every worker of the parameter-server job is gone, with no restarts left: "
+            "--max-restarts 0")
+        ps = _FakeTask("ps-1", 1)
+        assert not alone.replace(tasks, ps, start=None) and alone.failure_note(ps) == ""

@@ -599,3 +599,48 @@ def test_each_task_gets_its_own_gpus(tmp_path):
     if shutil.which("nvidia-smi") is None and "CUDA_VISIBLE_DEVICES" not in os.environ:
         tfdist.launch(script, tmp_path, workers=2, stream=None, timeout=60)
         assert seen() == ["<unset>", "<unset>"]  # no GPUs: nothing set
+
+
+# ---- a parameter-server job carries on without a dead worker: two launchers on loopback ---
+
+_PS_WORKER_DIES = """
+    import os, signal, sys, time
+    out, me = sys.argv[1], os.environ["TFDIST_TASK"]
+    done = os.path.join(out, "chief-done")
+
+    def wait(predicate):
+        deadline = time.monotonic() + 60  # hang guard
+        while not predicate() and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    if me == "worker-1":  # on node 1
+        open(os.path.join(out, "worker-1-dies"), "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    if me == "chief-0":
+        wait(lambda: os.path.exists(os.path.join(out, "worker-1-dies")))
+        open(done, "w").close()
+    elif me == "worker-0":
+        wait(lambda: os.path.exists(done))
+    else:
+        time.sleep(600)  # ps-0: stopped when training is done
+"""
+
+
+def test_a_ps_job_carries_on_when_a_worker_of_another_node_dies(tmp_path):
+    script = _script(tmp_path, _PS_WORKER_DIES)
+    port = find_free_ports(1)[0]
+    common = ("--token", TOKEN, "--grace-period", "1", "--join-timeout", "60")
+    nodes = [_start_node(None, 0, script, tmp_path, master_port=port,
+                         options=(*common, "--chief", "--ps", "1")),
+             _start_node(None, 1, script, tmp_path, master_port=port, options=common)]
+    try:
+        results = [_finish(n, 120) for n in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    for rank, (code, output) in enumerate(results):
+        assert code == 0, f"node {rank}:\n{output[-3000:]}"
+    assert ("tfdist launch: worker-1 exited with code -9 (signal SIGKILL); the parameter-"
+            "server job carries on with 1 worker (no restarts left: --max-restarts 0)"
+            ) in results[1][1], results[1][1]

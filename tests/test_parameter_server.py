@@ -524,6 +524,37 @@ def test_watchdog_fails_when_no_worker_is_left(servers, tmp_path):
         watchdog.stop()
 
 
+def test_watchdog_fails_when_no_worker_runs_and_not_while_one_does(servers):
+    """Every worker killed and none restarted (e.g. on other nodes of a multi-node job,
+    which no local launcher watches): the chief fails, naming them, instead of waiting
+    in TF's coordinator forever. One worker still running: it goes on."""
+    import time
+
+    from tfdist.strategies.parameter_server import StepTimeoutError
+
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        servers = dict(servers, dead="127.0.0.1:%d" % unused.getsockname()[1])
+    watchdog, _ = _watchdog(servers, ["dead", "dead"], 4, startup_timeout=0.5)
+    try:
+        assert _eventually(lambda: watchdog.error is not None)
+        with pytest.raises(StepTimeoutError, match=r"^no worker is left: nothing has listened "
+                           r"at the address of worker-0, worker-1 for startup_timeout=0\.5s "
+                           r"\(killed, and not restarted\)") as info:
+            watchdog.raise_if_failed()
+        assert info.value.tasks == ["worker-0", "worker-1"]
+    finally:
+        watchdog.stop()
+    watchdog, _ = _watchdog(servers, ["dead", "answering"], 4, startup_timeout=0.5)
+    try:
+        assert _eventually(lambda: 0 in watchdog._dead)
+        watchdog._dead[0] = time.monotonic() - 100  # long dead
+        watchdog.check()
+        assert watchdog.error is None and 1 not in watchdog._dead
+    finally:
+        watchdog.stop()
+
+
 def test_step_timeout_is_validated():
     import tfdist
 

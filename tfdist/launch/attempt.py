@@ -84,7 +84,8 @@ def run_attempt(argv: list[str], cluster: ClusterSpec, options: LaunchOptions, a
                     continue
                 if failed is not None:
                     if peers is not None:
-                        peers.report_failure(failed.name, exit_cause(failed.name, failed.poll()))
+                        peers.report_failure(failed.name, exit_cause(
+                            failed.name, failed.poll()) + policy.failure_note(failed))
                     stop_tasks([t for t in tasks if t is not failed], grace)
                     failed.finish_output()
                     return tasks, failed, False

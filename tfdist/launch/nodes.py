@@ -22,6 +22,7 @@ from tfdist.launch.process import command_env
 from tfdist.launch.rendezvous import (NodeLink, RendezvousServer, join, parse_master,
                                       resolve_token)
 from tfdist.launch.rendezvous.wire import describe_stop
+from tfdist.launch.restarts import NodePsWorkers
 from tfdist.launch.results import (LaunchError, LaunchResult, announce_restart,
                                    failure_cause, launch_result)
 
@@ -80,14 +81,16 @@ def run_node(argv: Sequence[str], options: LaunchOptions) -> LaunchResult:
                         **pins[spec.name]}
 
             started = time.monotonic()
+            policy = _ps_policy(link, options, log)
             tasks, failed, timed_out = run_attempt(
-                list(argv), link.cluster, options, link.round, specs=link.tasks,
+                list(argv), link.cluster, options, link.round, policy, specs=link.tasks,
                 extra_env=extra_env, peers=link)
             if failed is not None or timed_out:
                 link.wait_for_decision(_DECISION_SECONDS)  # our own failure: node 0 decides
             if link.restart is None:
+                note = "" if policy is None or failed is None else policy.failure_note(failed)
                 return _outcome(link, tasks, failed, timed_out, node_rank,
-                                time.monotonic() - started, options)
+                                time.monotonic() - started, options, note)
             note = "; restarting every task on every node"
             if link.stop.get("lost"):
                 note += (f" once node {link.stop['node']} rejoins (start its launcher again "
@@ -101,6 +104,17 @@ def run_node(argv: Sequence[str], options: LaunchOptions) -> LaunchResult:
             link.close()
         if server is not None:
             server.close()
+
+
+def _ps_policy(link: NodeLink, options: LaunchOptions, log) -> NodePsWorkers | None:
+    """A parameter-server job with no restart left carries on without a dead worker
+    (`NodePsWorkers`); otherwise (None) any failure stops every node, as node 0 decides."""
+    cluster = link.cluster
+    if not (cluster.chief and cluster.ps) or link.round < options.max_restarts:
+        return None
+    here = sum(spec.type == "worker" for spec in link.tasks)
+    return NodePsWorkers(options.max_restarts, log, restarts_done=link.round,
+                         other_workers=len(cluster.worker) - here)
 
 
 def _restart_cause(stop: dict) -> str:
@@ -145,7 +159,7 @@ def _check(options: LaunchOptions) -> None:
 
 
 def _outcome(link: NodeLink, tasks, failed, timed_out, node_rank, spent,
-             options: LaunchOptions) -> LaunchResult:
+             options: LaunchOptions, note: str = "") -> LaunchResult:
     """This node's `LaunchResult`, or the `LaunchError` that names what failed where."""
     def error(message, task=None, code=None, tail=""):
         return LaunchError(message, task=task, returncode=code, output_tail=tail,
@@ -156,7 +170,7 @@ def _outcome(link: NodeLink, tasks, failed, timed_out, node_rank, spent,
     spent_all = f"; no restart left ({link.round}/{max_restarts} used)" if max_restarts else ""
     if failed is not None:
         code = failed.poll()
-        reason = failure_cause(failed.name, code, failed.tail_text())
+        reason = failure_cause(failed.name, code, failed.tail_text()) + note
         raise error(f"{reason} on node {node_rank} after {spent:.1f}s; {stopped}{spent_all}. "
                     f"Last output of {failed.name}:\n{failed.tail_text()}",
                     failed.name, code, failed.tail_text())

@@ -131,12 +131,11 @@ class PsWorkerRestarts(JobRestarts):
             task.signal_group(signal.SIGKILL)
 
     def replace(self, tasks: list, failed, start: Callable[[TaskSpec, int], object]) -> bool:
-        chief = next((t for t in tasks if t.spec.type == "chief"), None)
-        if failed.spec.type != "worker" or chief is None or chief.poll() is not None or \
+        if failed.spec.type != "worker" or not self._chief_runs(tasks) or \
                 is_port_clash(failed.tail_text()):  # the job is retried on new ports
             return False
-        left = [t for t in tasks if t.spec.type == "worker" and t is not failed
-                and not self.is_lost(t)]
+        left = len([t for t in tasks if t.spec.type == "worker" and t is not failed
+                    and not self.is_lost(t)]) + self._other_workers
         spent, code = self.spent, failed.poll()
         if spent >= self.max_restarts and not left:
             self.last = failed.name  # every worker is gone: `failure_note` says so
@@ -152,9 +151,15 @@ class PsWorkerRestarts(JobRestarts):
             return True
         self.lost[failed.name] = exit_cause(failed.name, code)
         print(f"tfdist launch: {self.lost[failed.name]}; the parameter-server job carries "
-              f"on with {len(left)} worker{'s' if len(left) > 1 else ''} "
+              f"on with {left} worker{'s' if left > 1 else ''} "
               f"({self._none_left()})\n", end="", file=self.log, flush=True)
         return True
+
+    _other_workers = 0  # workers of other nodes, counted as alive
+
+    def _chief_runs(self, tasks: list) -> bool:
+        chief = next((t for t in tasks if t.spec.type == "chief"), None)
+        return chief is not None and chief.poll() is None
 
     def is_lost(self, task) -> bool:
         return task.name in self.lost
@@ -171,3 +176,40 @@ class PsWorkerRestarts(JobRestarts):
         if self.max_restarts == 0:
             return "no restarts left: --max-restarts 0"
         return f"no restarts left: {self.spent}/{self.max_restarts} used"
+
+
+class NodePsWorkers(PsWorkerRestarts):
+    """One node's share of a multi-node parameter-server job with no restart left.
+
+    Node 0 counts a multi-node job's restarts, and each restarts the whole job, so no
+    worker is restarted alone here. A dead worker is left out while workers remain,
+    those of other nodes counted as alive, and this node carries on instead of stopping
+    every node; the chief (on node 0) fails when it finds no worker running
+    (`tfdist.ParameterServerStrategy`, ``startup_timeout``).
+
+    Args:
+        max_restarts: The job's ``max_restarts`` (for the words only).
+        log: Where the launcher's messages go.
+        restarts_done: The job's restarts so far (node 0's round).
+        other_workers: Workers of the cluster that run on other nodes.
+    """
+
+    def __init__(self, max_restarts: int, log, *, restarts_done: int, other_workers: int):
+        super().__init__(max_restarts, log)
+        self.job_restarts = restarts_done
+        self._other_workers = other_workers
+
+    @contextlib.contextmanager
+    def attempt(self) -> Iterator[None]:
+        self.lost, self.last = {}, None
+        yield
+
+    def task_env(self, task_restart: int) -> dict[str, str]:
+        return {}  # no control directory: the chief's frozen workers may be elsewhere
+
+    def check(self, tasks: list) -> None:
+        pass
+
+    def _chief_runs(self, tasks: list) -> bool:
+        chief = next((t for t in tasks if t.spec.type == "chief"), None)
+        return chief is None or chief.poll() is None  # elsewhere: node 0 says when it ends

@@ -68,7 +68,8 @@ class _StepWatchdog:
     asked to SIGKILL and restart it: its death lets TF's coordinator run the step on
     another worker and take the restarted one back. Otherwise nothing can, and `error`
     names it; it also does when every worker has been overdue for longer than
-    ``step_timeout + startup_timeout``. If ``fit`` does not raise `error` within
+    ``step_timeout + startup_timeout``, or when no worker's server has been running
+    (nothing listens: killed, and not restarted) for ``startup_timeout``. If ``fit`` does not raise `error` within
     `EXIT_GRACE_SECONDS` (the chief is blocked inside TF), the process exits with 1.
     """
 
@@ -86,6 +87,8 @@ class _StepWatchdog:
         self._control_dir = control_dir
         self._workers = len(addresses)
         self._silent = {}  # worker index -> when its server stopped answering
+        self._dead = {}  # worker index -> since when nothing listens at its address
+        self._startup_timeout = startup_timeout
         self._flagged = {}  # overdue key (a step's token, or a silence) -> (index, when)
         for index, address in enumerate(addresses):
             threading.Thread(target=self._probe, args=(index, address), daemon=True,
@@ -94,10 +97,12 @@ class _StepWatchdog:
 
     def _probe(self, index, address):
         while self.error is None and not self._stopped:
-            if is_responsive(address, self._probe_timeout) is False:
-                self._silent.setdefault(index, time.monotonic())
-            else:
-                self._silent.pop(index, None)
+            answer = is_responsive(address, self._probe_timeout)
+            for state, since in ((False, self._silent), (None, self._dead)):
+                if answer is state:
+                    since.setdefault(index, time.monotonic())
+                else:
+                    since.pop(index, None)
             time.sleep(self._interval)
 
     def _watch(self):
@@ -132,6 +137,14 @@ class _StepWatchdog:
                 f"restarted within {self._grace - self._step_timeout:g}s "
                 f"(step_timeout + startup_timeout). Received: "
                 f"step_timeout={self._step_timeout:g}", names))
+        dead = dict(self._dead)
+        if self.error is None and len(dead) == self._workers and \
+                now - max(dead.values()) > self._startup_timeout:
+            names = [f"worker-{i}" for i in sorted(dead)]
+            self._fail(StepTimeoutError(
+                f"no worker is left: nothing has listened at the address of "
+                f"{', '.join(names)} for startup_timeout={self._startup_timeout:g}s "
+                "(killed, and not restarted); nothing can run the chief's steps", names))
 
     def _on_overdue(self, name, why):
         if self._control_dir is None:
