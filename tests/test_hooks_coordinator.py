@@ -27,6 +27,11 @@ def test_cluster_coordinator_internals_for_per_worker_inputs_and_pinned_steps():
     assert get.index("self._tagged_queue[tag].get") < get.index("inflight_closure_count += 1")
     assert "assert closure.tag is None" in inspect.getsource(cc._CoordinatedClosureQueue.put_back)
     assert "mark_finished()" in inspect.getsource(cc.Worker._process_closure)
+    # ... and a worker known dead gets nothing pinned: it is scheduled as usual.
+    assert "self._is_dead_with_error = e" in inspect.getsource(cc.Worker._on_closure_failure)
+    assert "self._is_dead_with_error = False" in inspect.getsource(
+        cc.Worker._on_worker_recovery)
+    assert "self._is_dead_with_error = None" in inspect.getsource(cc.Worker.__init__)
     assert list(inspect.signature(cc.Closure.__init__).parameters)[:3] == \
         ["self", "function", "cancellation_mgr"]
 

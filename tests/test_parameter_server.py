@@ -285,10 +285,11 @@ def test_worker_killed_mid_fit_still_completes(tmp_path):
 CARRY_ON_STEPS = 3 * 24  # 3 epochs of 24 steps
 
 
-def _carry_on_task(pid_dir):
+def _carry_on_task(pid_dir, mode):
     """The counting model of benchmarks.ps_exactly_once (each applied update lowers
     every weight by 1); the chief SIGKILLs worker-1's own process after its first
-    dispatch, and nothing restarts it."""
+    dispatch, and nothing restarts it. In sync mode worker-0 then computes both of each
+    step's gradients."""
     import keras
     import tensorflow as tf
 
@@ -297,7 +298,7 @@ def _carry_on_task(pid_dir):
 
     with open(os.path.join(pid_dir, f"{os.environ['TFDIST_TASK']}.pid"), "w") as f:
         f.write(str(os.getpid()))
-    strategy = tfdist.ParameterServerStrategy()
+    strategy = tfdist.ParameterServerStrategy(mode=mode)
     with strategy.scope():
         seen = tf.Variable(0, dtype=tf.int64)
         by_worker = tf.Variable(tf.zeros([2], tf.int64))
@@ -326,10 +327,11 @@ def _carry_on_task(pid_dir):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", ["async", "sync"])
 def test_worker_killed_with_no_restart_left_the_job_carries_on_and_applies_each_step_once(
-        tmp_path, capfd):
+        tmp_path, capfd, mode):
     # The default max_restarts=0: tfdist.launch returns, with the chief's result.
-    results = run_cluster(_carry_on_task, str(tmp_path), workers=2, chief=True, ps=1,
+    results = run_cluster(_carry_on_task, str(tmp_path), mode, workers=2, chief=True, ps=1,
                           stream=None)
     chief, worker1 = results[0], results[2]
     log = capfd.readouterr().err
@@ -345,7 +347,8 @@ def test_worker_killed_with_no_restart_left_the_job_carries_on_and_applies_each_
     assert all(np.isfinite(w).all() for w in chief["weights"])
     # worker-0 took the steps that were left after the kill.
     assert chief["by_worker"][0] > chief["killed_at"][0], str(chief)
-    assert sum(chief["by_worker"]) >= CARRY_ON_STEPS, str(chief)
+    batches_per_step = 1 if mode == "async" else 2
+    assert sum(chief["by_worker"]) >= batches_per_step * CARRY_ON_STEPS, str(chief)
 
 
 # ---- clusters that cannot run parameter-server training ----------------------------------

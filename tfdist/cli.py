@@ -89,7 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds before every task is killed")
     launch.add_argument("--max-restarts", type=int, default=DEFAULTS.max_restarts,
                         help="restart the whole job up to N times after a failure (with "
-                             "--nnodes: on every node, which must all give the same N)")
+                             "--nnodes: on every node, which must all give the same N). In a "
+                             "parameter-server job (--chief --ps P) a dead worker is restarted "
+                             "alone while restarts are left (one each; with --nnodes: the "
+                             "whole job), and with none left the job carries on without it "
+                             "(it fails once no worker is left)")
     launch.add_argument("--backup-dir", default=DEFAULTS.backup_dir,
                         help="exported as TFDIST_BACKUP_DIR; restarts resume from it "
                              "(with --nnodes: put it on storage every node reads)")

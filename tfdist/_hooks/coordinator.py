@@ -53,11 +53,17 @@ def schedule_on_worker(coordinator, worker_index: int, fn, args=()):
     queue has per-worker tagged queues (used to build resources); a normal `Closure` is
     put there and counted in flight, so ``join()`` waits for it and the worker marks it
     finished. Its tag is then cleared: if the worker dies, the coordinator puts the
-    closure back on the shared queue and another worker runs it.
+    closure back on the shared queue and another worker runs it. A worker already
+    known dead (``Worker._is_dead_with_error``, set when one of its closures failed,
+    cleared when it is back) gets nothing pinned: its thread only waits for it to come
+    back, so the closure is scheduled as usual, for any worker (a parameter-server job
+    that carries on without a worker would wait for it forever).
     """
     from tensorflow.python.distribute.coordinator import cluster_coordinator
 
     cluster = coordinator._cluster
+    if cluster.workers[worker_index]._is_dead_with_error:
+        return coordinator.schedule(fn, args=args)
     closure_queue = cluster.closure_queue
     strategy = coordinator.strategy
     with strategy.scope():

@@ -84,7 +84,8 @@ def launch(target: str | os.PathLike | Callable | None = None, *args: Any,
         ps: Number of parameter-server tasks.
         timeout: Seconds before the whole job is killed.
         max_restarts: Restarts of the whole job after a failure (multi-node: on every
-            node; give every node the same number).
+            node; give every node the same number), or in a parameter-server job of a
+            dead worker alone (see ``restart_ps_workers``).
         env: Extra environment variables.
         backup_dir: Directory exported as ``TFDIST_BACKUP_DIR`` for resuming.
         grace_period: Seconds between SIGTERM and SIGKILL.
@@ -92,8 +93,9 @@ def launch(target: str | os.PathLike | Callable | None = None, *args: Any,
         isolate_network: Run the job in a private network namespace (needs root): TF's
             servers listen on 0.0.0.0, and this keeps them unreachable from outside.
         restart_ps_workers: With a chief and ps tasks, restart a dead (or frozen)
-            worker alone while the chief runs, one of ``max_restarts`` each
-            (`PsWorkerRestarts`).
+            worker alone while the chief runs, one of ``max_restarts`` each, and with
+            none left carry on without it, as TF's coordinator does; the job fails once
+            no worker is left (`PsWorkerRestarts`). False: any failure ends the job.
         gpus_per_task: GPUs pinned per task with CUDA_VISIBLE_DEVICES (`LaunchOptions`).
         nnodes: Nodes in a multi-node job; every node makes the same call.
         node_rank: This node's rank (node 0 hosts the rendezvous at ``master``).
@@ -129,7 +131,8 @@ def restarts_for(chief: bool, ps: int) -> type[JobRestarts]:
     """The restart policy `launch` and ``tfdist launch`` give a job of these tasks.
 
     Only a parameter-server job (a chief and ps tasks) goes on without a worker, so
-    its workers restart alone (`PsWorkerRestarts`); any other job restarts whole.
+    its workers restart alone, or are left out (`PsWorkerRestarts`); any other job
+    restarts whole.
     """
     return PsWorkerRestarts if chief and ps else JobRestarts
 

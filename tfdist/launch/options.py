@@ -36,7 +36,9 @@ class LaunchOptions:
         timeout: Seconds before every task is killed; None for no deadline.
         max_restarts: How often a failed job is stopped and started again. In a
             multi-node job every node stops and rejoins node 0, which counts the
-            restarts for all (every node must give the same number).
+            restarts for all (every node must give the same number). In a
+            parameter-server job a dead worker is restarted alone while restarts are
+            left, and left out once none is (`tfdist.launch.restarts.PsWorkerRestarts`).
         env: Extra environment variables for every task.
         backup_dir: Exported as ``TFDIST_BACKUP_DIR`` so restarts resume from it.
         grace_period: Seconds between SIGTERM and SIGKILL when stopping tasks.
