@@ -94,6 +94,8 @@ class PsWorkerRestarts(JobRestarts):
     frozen one) is SIGKILLed first. The chief and ps tasks stay fatal.
     """
 
+    _other_workers = 0  # workers of other nodes, counted as alive (`NodePsWorkers`)
+
     def __init__(self, max_restarts: int, log):
         super().__init__(max_restarts, log)
         self.used = 0  # worker restarts so far
@@ -154,8 +156,6 @@ class PsWorkerRestarts(JobRestarts):
               f"on with {left} worker{'s' if left > 1 else ''} "
               f"({self._none_left()})\n", end="", file=self.log, flush=True)
         return True
-
-    _other_workers = 0  # workers of other nodes, counted as alive
 
     def _chief_runs(self, tasks: list) -> bool:
         chief = next((t for t in tasks if t.spec.type == "chief"), None)
