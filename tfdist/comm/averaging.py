@@ -3,9 +3,10 @@
 `PeriodicAverager` is the whole algorithm of local SGD's synchronisation, after
 PyTorch's ``PeriodicModelAverager``: when to average (`should_average`), and the mean
 over every replica of every worker (`average`). Weight *deltas* against an anchor go
-through a communicator that may compress them; exact values (optimizer slots,
-BatchNorm statistics) through one that does not, and both count their bytes in one
-counter.
+through a communicator that may compress them (a cast, or with ``outer_compression``
+a quantised all-gather with error feedback, `tfdist.comm.quantize`); exact values
+(optimizer slots, BatchNorm statistics) through one that does not, and both count their
+bytes in one counter.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from tfdist.comm.accounting import ByteCounter
 from tfdist.comm.communicator import Accounted, StrategyCommunicator
 from tfdist.comm.fragments import fragment_offset
+from tfdist.comm.quantize import check_outer_compression, get_quantizer, quantized_mean
 
 
 def is_average_step(step, period: int, warmup_steps: int, offset: int = 0):
@@ -44,13 +46,21 @@ class PeriodicAverager:
             default one over the strategy's own cross-device ops.
         fragments: Fragment ``f`` averages ``f * period / fragments`` steps into each
             period (Streaming DiLoCo); ``period`` must be a multiple of it.
+        outer_compression: None, ``"fp16"``, ``"bf16"``, ``"int8"`` or ``"int4"``: the
+            deltas are quantised with error feedback and all-gathered
+            (`tfdist.comm.quantize`); not with ``compression``.
+
+    Raises:
+        ValueError: an unknown ``outer_compression``, or both compressions.
     """
 
     def __init__(self, period: int, warmup_steps: int = 0, compression=None,
-                 make_communicator=None, fragments: int = 1):
+                 make_communicator=None, fragments: int = 1, outer_compression=None):
         self.period = period
         self.warmup_steps = warmup_steps
         self.fragments = fragments
+        self.quantizer = get_quantizer(check_outer_compression(outer_compression,
+                                                               compression))
         make = make_communicator or _strategy_communicator
         counter = ByteCounter("tfdist_model_average_bytes")
         self.deltas = make(compression, counter, "tfdist_model_average")
@@ -73,14 +83,47 @@ class PeriodicAverager:
             return is_average_step(step, self.period, self.warmup_steps)
         return step <= self.warmup_steps  # in the warm-up only
 
-    def average(self, distribution, deltas, anchors, values, variables):
+    def average(self, distribution, deltas, anchors, values, variables, residuals=None,
+                flush=False):
         """Means of per-replica ``deltas`` (to ``anchors``) and exact ``values``.
 
-        Call in cross-replica context. Returns ``(mean_deltas, mean_values)``.
+        Call in cross-replica context. With ``outer_compression``, ``residuals`` are
+        the deltas' error-feedback variables (per replica): the deltas go quantised
+        (`tfdist.comm.quantize.quantized_mean`), or with ``flush`` (a forced average)
+        ``delta + residual`` goes exactly and the residuals become zero.
+
+        Returns:
+            ``(mean_deltas, mean_values)``.
         """
-        mean_deltas = self.deltas.all_reduce(distribution, list(deltas), list(anchors))
+        if self.quantizer is not None and residuals is not None:
+            mean_deltas = (self._flush(distribution, deltas, anchors, residuals) if flush
+                           else quantized_mean(self.deltas, distribution, self.quantizer,
+                                               list(deltas), list(residuals)))
+        else:
+            mean_deltas = self.deltas.all_reduce(distribution, list(deltas), list(anchors))
         mean_values = self.exact.all_reduce(distribution, list(values), list(variables))
         return mean_deltas, mean_values
+
+    def _flush(self, distribution, deltas, anchors, residuals):
+        """Cross-replica: the exact mean of ``delta + residual``; zeroes the residuals."""
+        import tensorflow as tf
+
+        from tfdist._hooks import tf as tf_hooks
+
+        regroup = tf_hooks.tf_distribute_internals().regroup
+        local = distribution.experimental_local_results
+        totals = []
+        for delta, residual in zip(deltas, residuals):
+            parts = []
+            for part, copy in zip(local(delta), local(residual)):
+                with tf.device(part.device):
+                    parts.append(part + tf.cast(copy.read_value(), part.dtype))
+            totals.append(regroup(parts) if len(parts) > 1 else parts[0])
+        means = self.deltas.all_reduce(distribution, totals, list(anchors))
+        for residual in residuals:
+            distribution.extended.update(residual, lambda r: r.assign(tf.zeros_like(r)),
+                                         group=False)
+        return means
 
 
 def _strategy_communicator(compression, counter, name) -> Accounted:

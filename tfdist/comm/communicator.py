@@ -1,7 +1,7 @@
 """Communicators: how a strategy's tensors move between replicas and workers.
 
-A `Communicator` all-reduces (sum or mean), called in cross-replica context with
-per-replica values (what ``merge_call`` hands over). `StrategyCommunicator` uses the
+A `Communicator` all-reduces (sum or mean) and all-gathers, called in cross-replica
+context with per-replica values (what ``merge_call`` hands over). `StrategyCommunicator` uses the
 strategy's own cross-device ops: TF's collectives (gRPC ring on CPU, NCCL on GPU),
 ReductionToOneDevice on one host, or whatever cross-device ops an engine's
 ``extended`` reduces with (`tfdist.engines`).
@@ -9,7 +9,9 @@ ReductionToOneDevice on one host, or whatever cross-device ops an engine's
 `Accounted` wraps any communicator once: it casts floating payloads for the wire
 (`tfdist.comm.compression`) and counts the bytes one replica contributes
 (`tfdist.comm.accounting.payload_bytes`). Every strategy that compresses or counts
-(the synchronous ones for gradients, model averaging for weights) does so only here.
+(the synchronous ones for gradients, model averaging for weights) does so only here;
+all-gathers (model averaging's quantised outer gradients, `tfdist.comm.quantize`) are
+counted there too, as sent.
 IndexedSlices (embedding gradients) travel uncompressed. An engine that moves tensors
 another way gives its own `Communicator` subclass (`tfdist.engines.Engine.make_inner_communicator`).
 """
@@ -42,6 +44,22 @@ class Communicator(abc.ABC):
             One reduced value per input (mirrored, or a plain tensor).
         """
 
+    def all_gather(self, distribution, value):
+        """Concatenates every replica's ``value`` along axis 0, in replica order
+        (cross-replica context).
+
+        Args:
+            distribution: The strategy.
+            value: A per-replica value (or a plain tensor: this worker's value); every
+                replica's has the same shape.
+
+        Returns:
+            One tensor on the current device, the same on every worker.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot all-gather (needed by ModelAverageStrategy's "
+            "outer_compression); implement Communicator.all_gather")
+
 
 def _check_op(op: str) -> str:
     if op not in OPS:
@@ -73,6 +91,11 @@ class StrategyCommunicator(Communicator):
         if self._cross_device_ops is not None:
             return self._cross_device_ops.batch_reduce(reduce_op, pairs)
         return distribution.extended.batch_reduce_to(reduce_op, pairs)
+
+    def all_gather(self, distribution, value):
+        """The strategy's own gather (TF's collective all-gather across workers,
+        Horovod's ``allgather`` under the Horovod engine, a concat on one host)."""
+        return distribution.gather(value, axis=0)
 
 
 def _destination(value):
@@ -131,6 +154,12 @@ class Accounted(Communicator):
         reduced = self.inner.all_reduce(distribution, wire, destinations, op)
         return [r if dtype is None else self._decompress(distribution, r, dtype)
                 for r, dtype in zip(reduced, dtypes)]
+
+    def all_gather(self, distribution, value):
+        """The inner communicator's all-gather, sent as it is (a quantised payload),
+        counting one replica's bytes."""
+        self.counter.add(payload_bytes(distribution.experimental_local_results(value)[0]))
+        return self.inner.all_gather(distribution, value)
 
     def _decompress(self, distribution, value, dtype):
         import tensorflow as tf

@@ -17,7 +17,8 @@ from tfdist.checks import check_int
 class State:
     """Per-optimizer averaging state, made on the first traced step."""
 
-    def __init__(self, optimizer, variables, anchors, slots, outers, fragments):
+    def __init__(self, optimizer, variables, anchors, slots, outers, fragments,
+                 residuals=None):
         self.optimizer = optimizer
         self.variables = variables    # the trainable keras Variables the optimizer updates
         self.anchors = anchors        # keras Variables: the weights at the last average
@@ -25,8 +26,20 @@ class State:
         self.outers = outers          # one outer optimizer (a copy) per fragment, or []
         self.outer = outers[0] if outers else None
         self.fragments = fragments    # variable indices of each fragment, in order
+        self.residuals = residuals    # error feedback of outer_compression (per replica), or None
         self.averaged_at = 0          # optimizer step of the last forced average
         self.force_fns = {}           # forced-average tf.functions by variable set
+
+
+def make_residuals(variables):
+    """Zero error-feedback residuals (float32, local to each replica), one per variable.
+
+    Call in the strategy's scope, outside any traced function."""
+    import keras
+
+    return [keras.Variable(tf.zeros(v.shape, tf.float32), trainable=False,
+                           dtype="float32", name=f"tfdist_residual_{i}")
+            for i, v in enumerate(variables)]
 
 
 def wants_multi_worker(cluster_resolver) -> bool:

@@ -43,11 +43,13 @@ from tfdist.checks import check_int
 from tfdist.comm.averaging import PeriodicAverager
 from tfdist.comm.fragments import split_fragments
 from tfdist.comm.options import merge_options
+from tfdist.comm.quantize import check_outer_compression
 from tfdist.keras import handoff
 from tfdist.strategies import _delayed, _outer
 from tfdist.keras.optimizer import inner_optimizer
 from tfdist.strategies._average_state import (State, check_fragments, is_replicated_float,
-                                              scale, tf_variable, wants_multi_worker)
+                                              make_residuals, scale, tf_variable,
+                                              wants_multi_worker)
 from tfdist.strategies.mirrored import make_local_extended
 from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 
@@ -100,6 +102,9 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
             applied ``sync_delay`` inner steps later (0 <= it < ``period/fragments``),
             while the worker trains on (`tfdist.strategies._delayed`).
         mix: The applied fragment is ``mix * global + (1 - mix) * local`` (0..1).
+        outer_compression: None, ``"fp16"``, ``"bf16"``, ``"int8"`` or ``"int4"``: each
+            replica's outer gradient plus its error-feedback residual is quantised and
+            all-gathered (`tfdist.comm.quantize`); not with ``compression``.
         communication_options: A `tfdist.CommunicationOptions`: its ``compression``
             (as above) and ``timeout_seconds`` (collective timeout on several
             workers) apply; ``accumulate_steps`` > 1 is refused (no gradient all-reduce).
@@ -118,6 +123,7 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
     def __init__(self, period=1, warmup_steps=0, outer_optimizer=None,
                  average_optimizer_state=False, devices=None, cluster_resolver=None, *,
                  compression=None, engine="auto", fragments=1, sync_delay=0, mix=1.0,
+                 outer_compression=None,
                  **base_kwargs):
         self.period = check_int("period", period, 1)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
@@ -138,6 +144,8 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
                              "accumulate_steps is for the synchronous strategies. Received: "
                              f"accumulate_steps={options.accumulate_steps}")
         self._options = options
+        self.outer_compression = check_outer_compression(outer_compression,
+                                                         options.compression)
         if options.timeout_seconds is not None:
             base_kwargs.setdefault("collective_timeout", options.timeout_seconds)
         # One host: the local devices are the replicas, through TF's engine.
@@ -180,7 +188,8 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
         self.averager = PeriodicAverager(self.period, self.warmup_steps,
                                          compression=self.communication.compression_policy,
                                          make_communicator=self._engine.make_communicator,
-                                         fragments=self.fragments)
+                                         fragments=self.fragments,
+                                         outer_compression=self.outer_compression)
 
     @property
     def cluster_resolver(self):
@@ -228,8 +237,8 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
         if self._delayed is not None:
             self._delayed.finish(state)  # an exchange in flight is applied first
         step = int(optimizer.iterations.numpy())
-        if step == 0 or state.averaged_at == step or (
-                self._delayed is None and self.is_average_step(step)
+        if step == 0 or state.averaged_at == step or (  # residuals are flushed even then
+                self._delayed is None and self.is_average_step(step) and state.residuals is None
                 and not self._differs_after_average(model, optimizer)):
             return False  # every per-replica variable is already one value
         anchored = {id(v) for v in state.variables}
@@ -393,9 +402,10 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
             for indices in fragments if self._outer_template is not None else ():
                 outers.append(_outer.make_outer(self._outer_template))
                 outers[-1].build([anchors[i] for i in indices])
+            residuals = make_residuals(anchors) if self.outer_compression else None
         self._states[id(optimizer)] = State(optimizer, variables, anchors,
                                              self._optimizer_slots(optimizer), outers,
-                                             fragments)
+                                             fragments, residuals)
 
     @staticmethod
     def _local_deltas(state):
@@ -440,8 +450,11 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
         """Cross-replica: the mean of ``deltas`` (at ``indices``) steps those anchors
         (outer step or plain mean); returns the means of ``plain`` (to ``plain_tf``)."""
         anchors = [tf_variable(state.anchors[i]) for i in indices]
+        residuals = None if state.residuals is None else [
+            tf_variable(state.residuals[i]) for i in indices]
         mean_deltas, mean_plain = self.averager.average(
-            distribution, [deltas[i] for i in indices], anchors, plain, plain_tf)
+            distribution, [deltas[i] for i in indices], anchors, plain, plain_tf,
+            residuals=residuals, flush=not outer)
         if outer and state.outers:
             _outer.apply_outer_step(distribution, state.outers[fragment], anchors,
                                     mean_deltas)
