@@ -251,7 +251,7 @@ def test_quantized_diloco_matches_numpy(logical_cpus, name, fragments, outer):
     assert_weights_close(model.get_weights(), ref, atol=1e-5)
     exact = numpy_streaming_diloco(x, y, initial[0], initial[1], steps=10, period=4,
                                    fragments=fragments, outer=(0.7, 0.9) if outer else None)
-    assert max(np.abs(a - b).max() for a, b in zip(ref, exact)) > 1e-4  # it quantised
+    assert max(np.abs(a - b).max() for a, b in zip(ref, exact)) > 1e-5  # it quantised
     assert strategy.bytes_communicated == expected_bytes(name, 1500, 10, 4, fragments)
     state = strategy._states[id(model.optimizer)]
     for variable in model.trainable_weights + state.residuals:  # one model, flushed
