@@ -323,3 +323,61 @@ def test_two_workers_quantized_match_numpy(name, fragments, engine):
         assert result["bytes"] == expected_bytes(name, 1500, 10, 4, fragments)
     for a, b in zip(results[0]["weights"], results[1]["weights"]):
         np.testing.assert_array_equal(a, b)  # every worker holds the same weights
+
+
+def test_backup_resumes_exactly_with_int4_fragments(logical_cpus, tmp_path):
+    """Every backup flushes the residuals: a resume equals the uninterrupted run."""
+    import keras
+
+    import tfdist
+    from test_model_average import GLOBAL_BATCH, _StopAfterEpoch, linear_model
+    from tfdist.keras.callbacks import BackupAndRestore
+
+    x, y = wide_data(n=64)  # 4 steps an epoch, epochs end mid-period
+
+    def run(backup_dir, interrupt_after=None):
+        strategy = tfdist.ModelAverageStrategy(period=8, fragments=2,
+                                               outer_compression="int4",
+                                               outer_optimizer=_outer)
+        with strategy.scope():
+            model = linear_model(x.shape[1])
+            model.compile(keras.optimizers.SGD(LR), "mse")
+        callbacks = [BackupAndRestore(str(backup_dir))]
+        if interrupt_after is not None:
+            callbacks.append(_StopAfterEpoch(interrupt_after))
+        model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=3, shuffle=False, verbose=0,
+                  callbacks=callbacks)
+        return model
+
+    straight = run(tmp_path / "straight")
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "resumed", interrupt_after=1)
+    resumed = run(tmp_path / "resumed")
+    assert int(resumed.optimizer.iterations.numpy()) == 12
+    assert_weights_close(resumed.get_weights(), straight.get_weights(), atol=1e-5)
+
+
+def test_accounted_all_gather_counts_one_replica_part(logical_cpus):
+    import tensorflow as tf
+
+    import tfdist
+    from tfdist.comm.communicator import Accounted, Communicator, StrategyCommunicator
+
+    strategy = tfdist.MirroredStrategy()
+    communicator = Accounted(StrategyCommunicator())
+    value = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.fill([3], ctx.replica_id_in_sync_group + 1))
+
+    @tf.function
+    def gather():
+        return communicator.all_gather(strategy, value)
+
+    np.testing.assert_array_equal(gather().numpy(), [1, 1, 1, 2, 2, 2])
+    assert communicator.bytes == 12  # one replica's int32[3]
+
+    class ReduceOnly(Communicator):
+        def all_reduce(self, distribution, values, destinations, op="mean"):
+            return values
+
+    with pytest.raises(NotImplementedError, match="ReduceOnly cannot all-gather"):
+        Accounted(ReduceOnly()).all_gather(strategy, value)
