@@ -65,22 +65,34 @@ def mse_grads32(w, b, x, y):
 
 
 def numpy_quantized_diloco(x, y, w0, b0, steps, period, fragments, name, replicas=2,
-                           lr=LR, outer=None):
+                           lr=LR, outer=None, delay=0, mix=1.0):
     """Local SGD / (Streaming) DiLoCo for the linear model in float32, each fragment's
     outer gradient sent quantised with error feedback (the mean of the dequantised
-    parts, summed in replica order); a final exact average of ``delta + residual``
-    (the forced average that ends ``fit``) zeroes the residuals."""
+    parts, summed in replica order), applied ``delay`` steps later as
+    ``mix * anchor + (1 - mix) * w``; at the end an exchange in flight is applied, then
+    an exact average of ``delta + residual`` (the forced average that ends ``fit``)."""
     f32 = np.float32
     params = [[w0.astype(f32).copy(), b0.astype(f32).copy()] for _ in range(replicas)]
     anchor = [w0.astype(f32).copy(), b0.astype(f32).copy()]
     momentum = [np.zeros_like(a) for a in anchor]
     residual = [[np.zeros_like(a) for a in anchor] for _ in range(replicas)]
     parts = [[0], [1]] if fragments == 2 else [[0, 1]]
+    pending = None  # (step that applies it, variable indices)
+
+    def apply(part):
+        for i in part:
+            for p in params:
+                p[i] = f32(mix) * anchor[i] + f32(1 - mix) * p[i] if mix != 1 \
+                    else anchor[i].copy()
+
     for step in range(steps):
         for r, (xr, yr) in enumerate(replica_batches(x, y, step, replicas)):
             gw, gb = mse_grads32(params[r][0], params[r][1], xr, yr)
             params[r] = [params[r][0] - f32(lr) * gw, params[r][1] - f32(lr) * gb]
         s = step + 1
+        if pending is not None and pending[0] == s:
+            apply(pending[1])
+            pending = None
         for f, part in enumerate(parts):
             if s % period != f * period // fragments:
                 continue
@@ -97,8 +109,12 @@ def numpy_quantized_diloco(x, y, w0, b0, steps, period, fragments, name, replica
                     outer_lr, mu = f32(outer[0]), f32(outer[1])
                     momentum[i] = mu * momentum[i] - outer_lr * g
                     anchor[i] = anchor[i] + mu * momentum[i] - outer_lr * g
-                for p in params:
-                    p[i] = anchor[i].copy()
+            pending = (s + delay, part)
+            if delay == 0:
+                apply(part)
+                pending = None
+    if pending is not None:
+        apply(pending[1])
     return [anchor[i] - np.mean([anchor[i] - p[i] + residual[r][i]
                                  for r, p in enumerate(params)], axis=0) for i in range(2)]
 
@@ -260,6 +276,26 @@ def test_quantized_diloco_matches_numpy(logical_cpus, name, fragments, outer):
     assert not any(np.any(r.numpy()) for r in state.residuals)
 
 
+@pytest.mark.parametrize("name,delay,mix", [("int4", 1, 0.5), ("int8", 1, 1.0)])
+def test_quantized_overlapped_syncs_match_numpy(logical_cpus, name, delay, mix):
+    """With ``sync_delay``/``mix`` the exchange runs on a thread: same quantiser, same
+    residuals, flushed at the end after the exchange in flight is applied."""
+    import tfdist
+
+    x, y = wide_data()
+    strategy = tfdist.ModelAverageStrategy(period=4, fragments=2, sync_delay=delay, mix=mix,
+                                           outer_compression=name, outer_optimizer=_outer)
+    initial, model = fit_linear(strategy, x, y, epochs=2)
+    ref = numpy_quantized_diloco(x, y, initial[0], initial[1], steps=10, period=4,
+                                 fragments=2, name=name, outer=(0.7, 0.9), delay=delay,
+                                 mix=mix)
+    assert_weights_close(model.get_weights(), ref, atol=1e-5)
+    assert strategy.bytes_communicated == expected_bytes(name, 1500, 10, 4, 2)
+    for variable in model.trainable_weights:
+        copies = [c.numpy() for c in variable.value.values]
+        np.testing.assert_array_equal(copies[0], copies[1])
+
+
 def test_bytes_shrink_by_the_claimed_factor(logical_cpus):
     import tfdist
 
@@ -294,10 +330,10 @@ def test_forced_average_flushes_on_a_scheduled_step(logical_cpus):
 
 # ---- 2 workers -------------------------------------------------------------------------------
 
-def _worker(name, fragments, engine):
+def _worker(name, fragments, engine, delay):
     import tfdist
 
-    strategy = tfdist.ModelAverageStrategy(period=4, fragments=fragments,
+    strategy = tfdist.ModelAverageStrategy(period=4, fragments=fragments, sync_delay=delay,
                                            outer_compression=name, engine=engine)
     x, y = wide_data()
     initial, model = fit_linear(strategy, x, y, epochs=2)
@@ -307,17 +343,17 @@ def _worker(name, fragments, engine):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name,fragments,engine", [("int8", 1, "tf"), ("int4", 2, "tf"),
-                                                   ("int8", 2, "horovod"),
-                                                   ("int4", 1, "horovod")])
-def test_two_workers_quantized_match_numpy(name, fragments, engine):
+@pytest.mark.parametrize("name,fragments,engine,delay", [
+    ("int8", 1, "tf", 0), ("int4", 2, "tf", 0), ("int8", 2, "horovod", 0),
+    ("int4", 1, "horovod", 0), ("int4", 2, "horovod", 1)])
+def test_two_workers_quantized_match_numpy(name, fragments, engine, delay):
     if engine == "horovod":
         require_horovod()
-    results = run_cluster(_worker, name, fragments, engine, workers=2, timeout=240)
+    results = run_cluster(_worker, name, fragments, engine, delay, workers=2, timeout=240)
     x, y = wide_data()
     initial = results[0]["initial"]
     ref = numpy_quantized_diloco(x, y, initial[0], initial[1], steps=10, period=4,
-                                 fragments=fragments, name=name)
+                                 fragments=fragments, name=name, delay=delay)
     for result in results:
         assert_weights_close(result["weights"], ref, atol=1e-5)
         assert result["bytes"] == expected_bytes(name, 1500, 10, 4, fragments)
