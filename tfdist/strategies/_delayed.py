@@ -27,6 +27,7 @@ import threading
 import tensorflow as tf
 
 from tfdist.checks import check_int
+from tfdist.strategies import _average_steps
 from tfdist.strategies._average_state import tf_variable
 
 
@@ -104,7 +105,8 @@ class DelayedSyncs:
     """Runs the delayed exchanges of a `tfdist.ModelAverageStrategy`.
 
     Args:
-        strategy: The strategy (its ``_exchange`` moves a fragment and steps its anchors).
+        strategy: The strategy (`_average_steps.exchange` moves a fragment with its averager
+            and steps its anchors).
         sync_delay: Inner steps between an exchange's start and its apply.
         mix: Weight of the new global fragment in the apply.
     """
@@ -224,8 +226,8 @@ class DelayedSyncs:
             full = [None] * len(state.variables)
             for i, delta in zip(indices, deltas):
                 full[i] = delta
-            means = strategy._exchange(distribution, state, full, plain, buffers.plain_in,
-                                       fragment, indices)
+            means = _average_steps.exchange(strategy, distribution, state, full, plain,
+                                            buffers.plain_in, fragment, indices)
             for received, mean in zip(buffers.plain_in, means):
                 distribution.extended.update(
                     received, lambda r, m: r.assign(tf.cast(m, r.dtype)), args=(mean,),

@@ -29,32 +29,28 @@ How it works with plain Keras code (private hooks in `tfdist._hooks`):
   per-replica variable (weights, optimizer slots, non-trainable state) if the replicas
   may differ, so the model the user holds is one model.
 
-The outer optimizer (checks, copy, step, saves) is in `tfdist.strategies._outer`.
+The outer optimizer (checks, copy, step, saves) is in `tfdist.strategies._outer`, the
+cross-replica steps (anchors, deltas, exchange, forced average) in
+`tfdist.strategies._average_steps`, the Keras hand-off in `tfdist.strategies._average_keras`.
 """
 
 from __future__ import annotations
 
-import functools
-
-import tensorflow as tf
-
-from tfdist._hooks import keras_optimizer
 from tfdist.checks import check_int
 from tfdist.comm.averaging import PeriodicAverager
-from tfdist.comm.fragments import split_fragments
 from tfdist.comm.options import merge_options
 from tfdist.comm.quantize import check_outer_compression
 from tfdist.keras import handoff
-from tfdist.strategies import _delayed, _outer
 from tfdist.keras.optimizer import inner_optimizer
-from tfdist.strategies._average_state import (State, check_fragments, is_replicated_float,
-                                              make_residuals, scale, tf_variable,
+from tfdist.strategies import _average_steps, _delayed, _outer
+from tfdist.strategies._average_keras import AverageHandoffMixin
+from tfdist.strategies._average_state import (check_fragments, is_replicated_float,
                                               wants_multi_worker)
 from tfdist.strategies.mirrored import make_local_extended
 from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 
 
-class ModelAverageStrategy(MultiWorkerMirroredStrategy):
+class ModelAverageStrategy(AverageHandoffMixin, MultiWorkerMirroredStrategy):
     """Local SGD / model averaging for Keras ``fit``, on one host or many workers.
 
     Each replica (local device, logical CPU, or worker) takes its own sub-batch and
@@ -241,13 +237,7 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
                 self._delayed is None and self.is_average_step(step) and state.residuals is None
                 and not self._differs_after_average(model, optimizer)):
             return False  # every per-replica variable is already one value
-        anchored = {id(v) for v in state.variables}
-        plain = [v for v in list(model.weights) + self._optimizer_slots(optimizer)
-                 if id(v) not in anchored and is_replicated_float(v)]
-        key = tuple(id(v) for v in plain)
-        if key not in state.force_fns:
-            state.force_fns[key] = self._make_force_fn(state, plain)
-        state.force_fns[key]()
+        _average_steps.force_average(self, model, optimizer, state)
         state.averaged_at = step
         return True
 
@@ -256,229 +246,5 @@ class ModelAverageStrategy(MultiWorkerMirroredStrategy):
         slots (unless ``average_optimizer_state``) and non-trainable state (BatchNorm
         statistics). Saving then needs a forced average too, or a backup would keep
         only replica 0's copy and a resumed run would differ."""
-        slots = [] if self.average_optimizer_state else self._optimizer_slots(optimizer)
+        slots = [] if self.average_optimizer_state else _average_steps.optimizer_slots(optimizer)
         return bool(slots) or any(is_replicated_float(v) for v in model.non_trainable_weights)
-
-    # ---- the Keras hand-off (tfdist.keras.handoff.KerasHandoff) ---------------------------
-
-    keras_local_step_outputs = True  # per-step logs local: no per-step collective
-
-    def keras_local_update(self):
-        """Every optimizer step is local (see the module docstring)."""
-        return self._local_apply
-
-    def keras_reduce_gradients(self, grads_and_vars, reduce):
-        """Keras' own all-reduce: this strategy has no gradient communicator. Not
-        reached while `keras_local_update` routes every step (fit checks that)."""
-        return reduce(grads_and_vars)
-
-    def keras_check_call(self, model, method, arguments):
-        """The base class's checks, and refuses ``fit`` before it runs when
-        ``fragments`` exceeds the trainable variables."""
-        super().keras_check_call(model, method, arguments)
-        if method == "fit" and model.built and self.fragments > 1:
-            split_fragments([0] * len(model.trainable_variables), self.fragments)
-        if method == "fit" and self._delayed is not None:
-            _delayed.check_steps_per_execution(model, self.sync_delay, self.mix)
-
-    def keras_after_train_step(self, model):
-        """Delayed syncs: applies a due exchange and starts a scheduled one."""
-        optimizer = inner_optimizer(getattr(model, "optimizer", None))
-        state = self._states.get(id(optimizer))
-        if self._delayed is not None and state is not None:
-            self._delayed.after_step(state, self._model_state.get(id(optimizer), []))
-
-    def keras_model_event(self, model, method, when):
-        """``keras.Model`` calls this around fit and load_weights, and before
-        evaluate/predict/save."""
-        optimizer = inner_optimizer(getattr(model, "optimizer", None))
-        if method == "load_weights":
-            if self._delayed is not None and when == "before":  # the load replaces it
-                self._delayed.finish(self._states.get(id(optimizer)), apply=False)
-            self._outer_around_load(model, optimizer, when)
-            return
-        if method == "fit" and when == "before":
-            self._fit_start[id(model)] = (
-                None if optimizer is None else int(optimizer.iterations.numpy()))
-            if optimizer is not None:  # averaged with the weights (BatchNorm statistics)
-                self._model_state[id(optimizer)] = [
-                    v for v in model.non_trainable_weights if is_replicated_float(v)]
-            return
-        if method == "fit":
-            start = self._fit_start.pop(id(model), None)
-            if (optimizer is not None and id(optimizer) not in self._states
-                    and start is not None and int(optimizer.iterations.numpy()) > start):
-                raise RuntimeError(
-                    "ModelAverageStrategy: fit ran optimizer steps that did not go "
-                    "through tfdist's local update, so they may have been synchronous. "
-                    f"Optimizer: {type(optimizer).__name__}. Check tests/test_hooks.py "
-                    "against this Keras version.")
-        self.average(model)
-        if method in ("save", "save_weights"):
-            self._attach_outer(model, optimizer)
-
-    def keras_agreed_variables(self, model):
-        """The trainable variables averaged after the step just run (empty between
-        averages): every worker holds them equal, so a check on them decides the same
-        everywhere (`tfdist.keras.guards.StopOnNaN`)."""
-        optimizer = inner_optimizer(getattr(model, "optimizer", None))
-        state = self._states.get(id(optimizer))
-        if state is None:
-            return []
-        step = int(optimizer.iterations.numpy())
-        if self._delayed is not None:
-            return self._delayed.agreed_variables(state)
-        return [state.variables[i] for fragment, indices in enumerate(state.fragments)
-                if self.is_average_step(step, fragment) for i in indices]
-
-    def _attach_outer(self, model, optimizer) -> None:
-        """Makes the outer optimizer an attribute of ``model``, so Keras saves (and
-        loads) its state (SlowMo's momentum, its step) with the model's."""
-        state = self._states.get(id(optimizer))
-        for index, outer in enumerate(state.outers if state is not None else ()):
-            _outer.attach(model, outer, index)
-
-    def _outer_around_load(self, model, optimizer, when) -> None:
-        """Before ``load_weights``: the outer optimizer exists, for Keras to restore it.
-        After: the anchors are the loaded weights (a save averaged them first)."""
-        if self._outer_template is None or optimizer is None:
-            return
-        if when == "before":
-            if not optimizer.built:
-                optimizer.build(model.trainable_variables)
-            self._ensure_state(optimizer, list(model.trainable_variables), None)
-            self._attach_outer(model, optimizer)
-            return
-        state = self._states[id(optimizer)]
-        for anchor, variable in zip(state.anchors, state.variables):
-            anchor.assign(tf_variable(variable).read_value())
-
-    def _local_apply(self, optimizer, apply_fn, grads, variables):
-        """Replaces Keras' optimizer step in replica context (see module docstring)."""
-        if getattr(optimizer, "gradient_accumulation_steps", None):
-            raise ValueError("ModelAverageStrategy does not support gradient accumulation. "
-                             "Received: gradient_accumulation_steps="
-                             f"{optimizer.gradient_accumulation_steps}")
-        # Keras scaled the loss by 1/N for a SUM all-reduce that does not happen here.
-        grads = [scale(g, self.num_replicas_in_sync) for g in grads]
-        result = apply_fn(optimizer, grads, variables)
-        context = tf.distribute.get_replica_context()
-        context.merge_call(functools.partial(self._ensure_state, optimizer, list(variables)))
-        state = self._states[id(optimizer)]
-        if self._delayed is not None:
-            return result  # averaged after the step (keras_after_train_step)
-        # Averaged as values with the weights: the optimizer slots when asked, and the
-        # model's non-trainable floats (BatchNorm's moving statistics) under fit.
-        plain_vars = ((state.slots if self.average_optimizer_state else [])
-                      + self._model_state.get(id(optimizer), []))
-        plain = [tf.identity(tf_variable(v)) for v in plain_vars]
-        context.merge_call(functools.partial(self._merge_step, state, plain_vars),
-                           args=(self._local_deltas(state), plain))
-        return result
-
-    # ---- internals -------------------------------------------------------------------------
-
-    def _optimizer_slots(self, optimizer):
-        skip = {id(optimizer.iterations)}
-        learning_rate = keras_optimizer.learning_rate_variable(optimizer)
-        if learning_rate is not None:
-            skip.add(id(learning_rate))
-        return [v for v in optimizer.variables if id(v) not in skip and is_replicated_float(v)]
-
-    def _ensure_state(self, optimizer, variables, distribution):
-        """Creates the anchors (and outer optimizer) once, outside the traced step."""
-        del distribution
-        if id(optimizer) in self._states:
-            return
-        import keras
-
-        fragments = split_fragments([v.shape.num_elements() * v.dtype.size
-                                     for v in map(tf_variable, variables)], self.fragments)
-        with tf.init_scope(), self.scope():
-            anchors = [keras.Variable(tf.identity(tf_variable(v)), trainable=False,
-                                      dtype=v.dtype, name=f"tfdist_anchor_{i}")
-                       for i, v in enumerate(variables)]
-            outers = []
-            for indices in fragments if self._outer_template is not None else ():
-                outers.append(_outer.make_outer(self._outer_template))
-                outers[-1].build([anchors[i] for i in indices])
-            residuals = make_residuals(anchors) if self.outer_compression else None
-        self._states[id(optimizer)] = State(optimizer, variables, anchors,
-                                             self._optimizer_slots(optimizer), outers,
-                                             fragments, residuals)
-
-    @staticmethod
-    def _local_deltas(state):
-        """In replica context: ``anchor - w`` for this replica."""
-        return [tf_variable(anchor) - tf_variable(variable)
-                for variable, anchor in zip(state.variables, state.anchors)]
-
-    def _merge_step(self, state, plain_vars, distribution, deltas, plain):
-        """Cross-replica: average each fragment whose step the optimizer's counter is
-        (the values averaged as plain means go with every fragment's average)."""
-        step = tf.cast(tf_variable(state.optimizer.iterations), tf.int64) + 1
-        for fragment, indices in enumerate(state.fragments):
-            def average(fragment=fragment, indices=indices):
-                self._average_now(distribution, state, deltas, plain_vars, plain, outer=True,
-                                  fragment=fragment, indices=indices)
-                return tf.constant(True)
-
-            tf.cond(self.averager.should_average(step, fragment), average,
-                    lambda: tf.constant(False))
-
-    def _average_now(self, distribution, state, deltas, plain_vars, plain, outer,
-                     fragment=0, indices=None):
-        """Cross-replica: all-reduce, then set anchors and every replica's weights (of
-        the variables at ``indices``, default all)."""
-        if indices is None:
-            indices = range(len(state.variables))
-        anchors = [tf_variable(state.anchors[i]) for i in indices]
-        variables = [state.variables[i] for i in indices]
-        plain_tf = [tf_variable(v) for v in plain_vars]
-        mean_plain = self._exchange(distribution, state, deltas, plain, plain_tf, fragment,
-                                    indices, outer)
-        extended = distribution.extended
-        for variable, anchor in zip(variables, anchors):
-            extended.update(tf_variable(variable), lambda v, a: v.assign(a),
-                            args=(anchor,), group=False)
-        for variable, mean in zip(plain_tf, mean_plain):
-            extended.update(variable, lambda v, m: v.assign(tf.cast(m, v.dtype)),
-                            args=(mean,), group=False)
-
-    def _exchange(self, distribution, state, deltas, plain, plain_tf, fragment, indices,
-                  outer=True):
-        """Cross-replica: the mean of ``deltas`` (at ``indices``) steps those anchors
-        (outer step or plain mean); returns the means of ``plain`` (to ``plain_tf``)."""
-        anchors = [tf_variable(state.anchors[i]) for i in indices]
-        residuals = None if state.residuals is None else [
-            tf_variable(state.residuals[i]) for i in indices]
-        mean_deltas, mean_plain = self.averager.average(
-            distribution, [deltas[i] for i in indices], anchors, plain, plain_tf,
-            residuals=residuals, flush=not outer)
-        if outer and state.outers:
-            _outer.apply_outer_step(distribution, state.outers[fragment], anchors,
-                                    mean_deltas)
-        else:
-            for anchor, delta in zip(anchors, mean_deltas):
-                distribution.extended.update(
-                    anchor, lambda a, d: a.assign_sub(tf.cast(d, a.dtype)), args=(delta,),
-                    group=False)
-        return mean_plain
-
-    def _make_force_fn(self, state, plain_vars):
-        """A tf.function that averages every per-replica variable (no outer step)."""
-
-        def replica_fn():
-            plain = [tf.identity(tf_variable(v)) for v in plain_vars]
-            tf.distribute.get_replica_context().merge_call(
-                functools.partial(self._merge_force, state, plain_vars),
-                args=(self._local_deltas(state), plain))
-
-        @tf.function
-        def force():
-            self.run(replica_fn)
-
-        return force
-
-    def _merge_force(self, state, plain_vars, distribution, deltas, plain):
-        self._average_now(distribution, state, deltas, plain_vars, plain, outer=False)
