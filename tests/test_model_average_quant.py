@@ -328,6 +328,32 @@ def test_forced_average_flushes_on_a_scheduled_step(logical_cpus):
     assert strategy.average(model) is False  # flushed at this step already
 
 
+def test_evaluate_averages_compressed_and_a_save_flushes(logical_cpus, tmp_path):
+    """Before evaluate (and so each validation) the forced average is a compressed
+    exchange with error feedback; before a save it is exact and zeroes the residuals."""
+    import tfdist
+
+    x, y = wide_data()
+    strategy = tfdist.ModelAverageStrategy(period=4, outer_compression="int4")
+    _, model = fit_linear(strategy, x, y, epochs=1)  # 5 steps; fit's end flushes
+    state = strategy._states[id(model.optimizer)]
+    model.train_on_batch(x[:16], y[:16])  # step 6: local, no average
+    before = strategy.bytes_communicated
+    model.evaluate(x, y, batch_size=16, verbose=0)
+    assert strategy.bytes_communicated - before == exchange_bytes("int4", [1500, 1])
+    assert any(np.any(r.numpy()) for r in state.residuals)  # the rounding is carried
+    for variable in model.trainable_variables:  # one model on both replicas
+        first, second = strategy.experimental_local_results(variable.value)
+        np.testing.assert_array_equal(first.numpy(), second.numpy())
+    before = strategy.bytes_communicated
+    model.save_weights(str(tmp_path / "w.weights.h5"))
+    assert strategy.bytes_communicated - before == 4 * (1500 + 1)  # exact
+    assert not any(np.any(r.numpy()) for r in state.residuals)
+    before = strategy.bytes_communicated
+    model.evaluate(x, y, batch_size=16, verbose=0)  # nothing ran since: no exchange
+    assert strategy.bytes_communicated == before
+
+
 # ---- 2 workers -------------------------------------------------------------------------------
 
 def _worker(name, fragments, engine, delay):

@@ -74,7 +74,8 @@ class AverageHandoffMixin(KerasHandoff):
                     "through tfdist's local update, so they may have been synchronous. "
                     f"Optimizer: {type(optimizer).__name__}. Check tests/test_hooks.py "
                     "against this Keras version.")
-        self.average(model)
+        # evaluate/predict need the weights only; fit's end and saves need everything.
+        self.average(model, full=method in ("fit", "save", "save_weights", "export"))
         if method in ("save", "save_weights"):
             self._attach_outer(model, optimizer)
 

@@ -28,6 +28,7 @@ class State:
         self.fragments = fragments    # variable indices of each fragment, in order
         self.residuals = residuals    # error feedback of outer_compression (per replica), or None
         self.averaged_at = 0          # optimizer step of the last forced average
+        self.full_at = 0              # ... of the last full one (slots too, exact)
         self.force_fns = {}           # forced-average tf.functions by variable set
 
 

@@ -73,16 +73,16 @@ def merge_step(strategy, state, plain_vars, distribution, deltas, plain) -> None
 
 
 def average_now(strategy, distribution, state, deltas, plain_vars, plain, outer,
-                fragment=0, indices=None) -> None:
+                fragment=0, indices=None, flush=False) -> None:
     """Cross-replica: all-reduce, then set anchors and every replica's weights (of
-    the variables at ``indices``, default all)."""
+    the variables at ``indices``, default all); ``flush`` as in `exchange`."""
     if indices is None:
         indices = range(len(state.variables))
     anchors = [tf_variable(state.anchors[i]) for i in indices]
     variables = [state.variables[i] for i in indices]
     plain_tf = [tf_variable(v) for v in plain_vars]
     mean_plain = exchange(strategy, distribution, state, deltas, plain, plain_tf, fragment,
-                          indices, outer)
+                          indices, outer, flush)
     extended = distribution.extended
     for variable, anchor in zip(variables, anchors):
         extended.update(tf_variable(variable), lambda v, a: v.assign(a),
@@ -93,15 +93,18 @@ def average_now(strategy, distribution, state, deltas, plain_vars, plain, outer,
 
 
 def exchange(strategy, distribution, state, deltas, plain, plain_tf, fragment, indices,
-             outer=True) -> list:
+             outer=True, flush=False) -> list:
     """Cross-replica: the mean of ``deltas`` (at ``indices``) steps those anchors
-    (outer step or plain mean); returns the means of ``plain`` (to ``plain_tf``)."""
+    (outer step or plain mean); returns the means of ``plain`` (to ``plain_tf``).
+
+    ``flush`` (with ``outer_compression``): ``delta + residual`` goes exactly and the
+    residuals become zero; else the deltas go compressed, with error feedback."""
     anchors = [tf_variable(state.anchors[i]) for i in indices]
     residuals = None if state.residuals is None else [
         tf_variable(state.residuals[i]) for i in indices]
     mean_deltas, mean_plain = strategy.averager.average(
         distribution, [deltas[i] for i in indices], anchors, plain, plain_tf,
-        residuals=residuals, flush=not outer)
+        residuals=residuals, flush=flush)
     if outer and state.outers:
         _outer.apply_outer_step(distribution, state.outers[fragment], anchors, mean_deltas)
     else:
@@ -112,11 +115,13 @@ def exchange(strategy, distribution, state, deltas, plain, plain_tf, fragment, i
     return mean_plain
 
 
-def make_force_fn(strategy, state, plain_vars):
-    """A tf.function that averages every per-replica variable (no outer step)."""
+def make_force_fn(strategy, state, plain_vars, flush):
+    """A tf.function that averages the anchored weights and ``plain_vars`` (no outer
+    step); ``flush`` as in `exchange`."""
 
     def merge_force(distribution, deltas, plain):
-        average_now(strategy, distribution, state, deltas, plain_vars, plain, outer=False)
+        average_now(strategy, distribution, state, deltas, plain_vars, plain, outer=False,
+                    flush=flush)
 
     def replica_fn():
         plain = [tf.identity(tf_variable(v)) for v in plain_vars]
@@ -130,15 +135,18 @@ def make_force_fn(strategy, state, plain_vars):
     return force
 
 
-def force_average(strategy, model, optimizer, state) -> None:
-    """Averages every per-replica float of ``model`` and ``optimizer`` now (the anchored
-    weights as deltas, the rest as plain means), with a tf.function made once per set."""
+def force_average(strategy, model, optimizer, state, full) -> None:
+    """Averages the per-replica floats of ``model`` (the anchored weights as deltas, the
+    rest as plain means) and, if ``full``, of ``optimizer``, exactly (flushing any
+    error-feedback residuals); a tf.function is made once per variable set."""
     anchored = {id(v) for v in state.variables}
-    plain = [v for v in list(model.weights) + optimizer_slots(optimizer)
+    slots = optimizer_slots(optimizer) if full else []
+    plain = [v for v in list(model.weights) + slots
              if id(v) not in anchored and is_replicated_float(v)]
-    key = tuple(id(v) for v in plain)
+    flush = full and state.residuals is not None
+    key = (tuple(id(v) for v in plain), flush)
     if key not in state.force_fns:
-        state.force_fns[key] = make_force_fn(strategy, state, plain)
+        state.force_fns[key] = make_force_fn(strategy, state, plain, flush)
     state.force_fns[key]()
 
 

@@ -215,12 +215,21 @@ class ModelAverageStrategy(AverageHandoffMixin, MultiWorkerMirroredStrategy):
         ``step`` (1-based)."""
         return bool(self.averager.should_average(int(step), fragment))
 
-    def average(self, model) -> bool:
-        """Averages every per-replica variable of ``model`` and its optimizer now.
+    def average(self, model, full: bool = True) -> bool:
+        """Averages the per-replica variables of ``model`` (and its optimizer) now.
 
         Called automatically when ``fit`` returns and before ``evaluate``, ``predict``
         and ``save``; call it yourself in custom training loops. The step counter is
         not changed (the schedule stays a function of the optimizer's step).
+
+        Args:
+            model: The Keras model trained under this strategy.
+            full: Every per-replica variable (weights, optimizer slots, non-trainable
+                state), exactly: with ``outer_compression``, ``delta + residual`` goes
+                in float32 and the error-feedback residuals become zero (``fit``'s end
+                and saves, so a backup holds all state). False: the model's variables
+                only, as the scheduled averages send them (compressed, with error
+                feedback): what ``evaluate`` and ``predict`` need.
 
         Returns:
             True if the replicas could differ and were averaged, False if there was
@@ -233,18 +242,24 @@ class ModelAverageStrategy(AverageHandoffMixin, MultiWorkerMirroredStrategy):
         if self._delayed is not None:
             self._delayed.finish(state)  # an exchange in flight is applied first
         step = int(optimizer.iterations.numpy())
-        if step == 0 or state.averaged_at == step or (  # residuals are flushed even then
-                self._delayed is None and self.is_average_step(step) and state.residuals is None
-                and not self._differs_after_average(model, optimizer)):
-            return False  # every per-replica variable is already one value
-        _average_steps.force_average(self, model, optimizer, state)
+        done = state.full_at == step or (not full and state.averaged_at == step)
+        if step == 0 or done or (
+                self._delayed is None and self.is_average_step(step)
+                and not (full and state.residuals is not None)
+                and not self._differs_after_average(model, optimizer, full)):
+            return False  # every variable asked for is already one value
+        _average_steps.force_average(self, model, optimizer, state, full)
         state.averaged_at = step
+        if full:
+            state.full_at = step
         return True
 
-    def _differs_after_average(self, model, optimizer) -> bool:
+    def _differs_after_average(self, model, optimizer, full=True) -> bool:
         """Whether a scheduled average leaves per-replica floats different: the optimizer
         slots (unless ``average_optimizer_state``) and non-trainable state (BatchNorm
         statistics). Saving then needs a forced average too, or a backup would keep
-        only replica 0's copy and a resumed run would differ."""
-        slots = [] if self.average_optimizer_state else _average_steps.optimizer_slots(optimizer)
+        only replica 0's copy and a resumed run would differ. ``full=False``: the
+        model's variables only."""
+        slots = ([] if self.average_optimizer_state or not full
+                 else _average_steps.optimizer_slots(optimizer))
         return bool(slots) or any(is_replicated_float(v) for v in model.non_trainable_weights)
