@@ -39,7 +39,7 @@ SECTIONS = (
     ("parameter_server", "Parameter server: steps/s, async and sync", False),
     ("model_average", "Model averaging: accuracy against bytes", False),
     ("communication", "Compression and accumulation: time per step, 2 workers", False),
-    ("slow_link", "Model averaging against sync on a 100 Mbit/s link", True),
+    ("slow_link", "Sync, model averaging and Streaming DiLoCo on a 100 Mbit/s link", True),
     ("straggler", "Model averaging with a 3x slower worker: the fast worker's step", False),
     ("sharded_embedding", "Sharded embedding on parameter servers: memory per process", False),
     ("gpu", "GPU throughput", False),

@@ -65,12 +65,14 @@ def mse_grads32(w, b, x, y):
 
 
 def numpy_quantized_diloco(x, y, w0, b0, steps, period, fragments, name, replicas=2,
-                           lr=LR, outer=None, delay=0, mix=1.0):
+                           lr=LR, outer=None, delay=0, mix=1.0, saves=()):
     """Local SGD / (Streaming) DiLoCo for the linear model in float32, each fragment's
     outer gradient sent quantised with error feedback (the mean of the dequantised
     parts, summed in replica order), applied ``delay`` steps later as
     ``mix * anchor + (1 - mix) * w``; at the end an exchange in flight is applied, then
-    an exact average of ``delta + residual`` (the forced average that ends ``fit``)."""
+    an exact average of ``delta + residual`` (the forced average that ends ``fit``).
+    After each step in ``saves`` (a backup) the same: the exchange in flight is applied,
+    then the exact average sets the anchor and every replica, and zeroes the residuals."""
     f32 = np.float32
     params = [[w0.astype(f32).copy(), b0.astype(f32).copy()] for _ in range(replicas)]
     anchor = [w0.astype(f32).copy(), b0.astype(f32).copy()]
@@ -113,6 +115,16 @@ def numpy_quantized_diloco(x, y, w0, b0, steps, period, fragments, name, replica
             if delay == 0:
                 apply(part)
                 pending = None
+        if s in saves:
+            if pending is not None:
+                apply(pending[1])
+                pending = None
+            for i in range(2):
+                anchor[i] = anchor[i] - np.mean([anchor[i] - p[i] + residual[r][i]
+                                                 for r, p in enumerate(params)], axis=0)
+                for r, p in enumerate(params):
+                    p[i] = anchor[i].copy()
+                    residual[r][i] = np.zeros_like(anchor[i])
     if pending is not None:
         apply(pending[1])
     return [anchor[i] - np.mean([anchor[i] - p[i] + residual[r][i]
