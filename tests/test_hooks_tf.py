@@ -122,3 +122,14 @@ def test_function_not_inlined_is_one_call_with_noinline():
     assert len(calls) == 1, [op.type for op in graph.get_operations()]
     assert library[calls[0].get_attr("f").name].attr["_noinline"].b
     assert float(outer(tf.constant(1.0))) == 4.0
+
+
+def test_op_error_message_is_rewritten():
+    """TF prints an OpError's private ``_message``: renaming a path must change it."""
+    import tensorflow as tf
+
+    from tfdist._hooks.tf import rewrite_op_error_message
+
+    error = tf.errors.NotFoundError(None, None, "no file /d/.tmp-1-m.keras")
+    rewrite_op_error_message(error, lambda m: m.replace(".tmp-1-m.keras", "m.keras"))
+    assert error.message == "no file /d/m.keras" and str(error) == "no file /d/m.keras"

@@ -10,6 +10,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from tfdist._hooks.tf import rewrite_op_error_message
+
 _PRIVATE_DIR = re.compile(r"^tfdist-(?P<task>.+)-pid(?P<pid>\d+)-")
 
 
@@ -82,8 +84,7 @@ def name_user_path(error: BaseException, temp, path) -> None:
     args = tuple(fix(arg) for arg in error.args)
     if args != error.args:
         error.args = args
-    if isinstance(getattr(error, "_message", None), str):  # TensorFlow's OpError
-        error._message = fix(error._message)
+    rewrite_op_error_message(error, fix)
 
 
 @contextlib.contextmanager

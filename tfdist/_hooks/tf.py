@@ -2,14 +2,15 @@
 
 Collective key ranges per strategy instance, the extended class of
 MultiWorkerMirroredStrategy, the coordination service's registration barrier, the
-helpers a strategy with its own ``extended`` is built from, a dataset's batch size, and
-functions kept out of line. Each hook says why; ``tests/test_hooks_tf.py`` fails loudly
-when a TF upgrade removes what it touches.
+helpers a strategy with its own ``extended`` is built from, a dataset's batch size, an
+``OpError``'s message, and functions kept out of line. Each hook says why;
+``tests/test_hooks_tf.py`` fails loudly when a TF upgrade removes what it touches.
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
 
 from tfdist.cluster import TRAINING_TASK_TYPES
 
@@ -137,3 +138,14 @@ def function_not_inlined(fn):
     import tensorflow as tf
 
     return tf.function(fn, autograph=False, experimental_attributes={"_noinline": True})
+
+
+def rewrite_op_error_message(error: BaseException, fix) -> None:
+    """Sets a TensorFlow ``OpError``'s message to ``fix(message)``; other errors are left.
+
+    Why: ``OpError`` prints its private ``_message``, not its ``args``, so an error must
+    change it to name the user's path instead of a temporary one (`tfdist.files.name_user_path`).
+    """
+    tf = sys.modules.get("tensorflow")  # no OpError exists before TensorFlow is imported
+    if tf is not None and isinstance(error, tf.errors.OpError):
+        error._message = fix(error._message)
