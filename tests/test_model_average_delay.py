@@ -12,10 +12,10 @@ import pytest
 
 from helpers import assert_weights_close, require_horovod, run_cluster
 from test_model_average import LR, fit_linear, linear_data
-from test_model_average_fragments import numpy_streaming_diloco
+from test_model_average_fragments import linear_parts, numpy_streaming_diloco
 
 STEPS = 10  # 80 samples, global batch 16: 5 steps an epoch, 2 epochs
-KERNEL_BYTES, BIAS_BYTES = 12, 4  # the linear model's fragments (float32 [3, 1] and [1])
+KERNEL_BYTES, BIAS_BYTES = 12, 4  # the linear model's variables (float32 [3, 1] and [1])
 
 
 def _outer():
@@ -25,9 +25,9 @@ def _outer():
 
 
 def expected_bytes(steps, period, fragments):
-    """One payload per fragment exchange (2 fragments: kernel, bias; 1: both), plus the
-    final forced average of both variables."""
-    sizes = [KERNEL_BYTES, BIAS_BYTES] if fragments == 2 else [KERNEL_BYTES + BIAS_BYTES]
+    """One payload per fragment exchange (2 fragments: the kernel's first 2 rows, then
+    its last row and the bias; 1: both variables), plus the final forced average."""
+    sizes = [4 * sum(b - a for _, a, b in part) for part in linear_parts((3, 1), fragments)]
     exchanges = sum(size for s in range(1, steps + 1) for f, size in enumerate(sizes)
                     if s % period == f * period // fragments)
     return exchanges + KERNEL_BYTES + BIAS_BYTES

@@ -2,8 +2,9 @@
 numpy reference written from the algorithm, on 2 logical CPUs and on 2 workers.
 
 Fragment ``f`` of the trainable variables (split in layer order into parts of about
-equal bytes) averages ``f * H / F`` steps into each period of ``H`` steps, with its own
-outer optimizer; ``fit`` ends with a full plain average.
+equal bytes, a variable cut into row blocks where a boundary falls inside it) averages
+``f * H / F`` steps into each period of ``H`` steps, with its own outer optimizer;
+``fit`` ends with a full plain average.
 """
 
 import numpy as np
@@ -14,12 +15,22 @@ from test_model_average import (LR, fit_linear, linear_data, mse_grads, numpy_lo
                                 replica_batches)
 
 
+def linear_parts(kernel_shape, fragments):
+    """The linear model's fragments as ``(variable, start, stop)`` row blocks: float32
+    kernel ``kernel_shape`` and bias ``[1]``, split by `split_fragments`."""
+    from tfdist.comm.fragments import split_fragments
+
+    rows = int(kernel_shape[0])
+    split = split_fragments([4 * int(np.prod(kernel_shape)), 4], fragments, [rows, 1])
+    return [[(p.variable, p.start, p.stop) for p in fragment] for fragment in split]
+
+
 def numpy_streaming_diloco(x, y, w0, b0, steps, period, fragments, warmup=0, replicas=2,
                            lr=LR, outer=None, delay=0, mix=1.0, saves=()):
     """Streaming DiLoCo for the linear model (kernel, bias).
 
-    Each replica steps on its own data. After step ``s``, fragment ``f`` (its variables
-    ``parts[f]``) is exchanged if ``s <= warmup`` or ``(s - warmup) % period == f *
+    Each replica steps on its own data. After step ``s``, fragment ``f`` (its row
+    blocks ``parts[f]``, `linear_parts`) is exchanged if ``s <= warmup`` or ``(s - warmup) % period == f *
     period / fragments``: its anchor takes the mean, or with ``outer=(lr, momentum)``
     Keras' Nesterov SGD step with ``anchor - mean`` as gradient. The result is applied
     ``delay`` steps later as ``w = mix * anchor + (1 - mix) * w`` on every replica.
@@ -30,13 +41,13 @@ def numpy_streaming_diloco(x, y, w0, b0, steps, period, fragments, warmup=0, rep
               for _ in range(replicas)]
     anchor = [w0.astype("float64").copy(), b0.astype("float64").copy()]
     momentum = [np.zeros_like(a) for a in anchor]
-    parts = [[0], [1]] if fragments == 2 else [[0, 1]]
-    pending = None  # (step that applies it, variable indices)
+    parts = linear_parts(w0.shape, fragments)
+    pending = None  # (step that applies it, its row blocks)
 
     def apply(part):
-        for i in part:
+        for i, a, b in part:
             for p in params:
-                p[i] = mix * anchor[i] + (1 - mix) * p[i]
+                p[i][a:b] = mix * anchor[i][a:b] + (1 - mix) * p[i][a:b]
 
     for step in range(steps):
         for r, (xr, yr) in enumerate(replica_batches(x, y, step, replicas)):
@@ -49,15 +60,15 @@ def numpy_streaming_diloco(x, y, w0, b0, steps, period, fragments, warmup=0, rep
         for f, part in enumerate(parts):
             if not (s <= warmup or (s - warmup) % period == f * period // fragments):
                 continue
-            for i in part:
-                mean = np.mean([p[i] for p in params], axis=0)
+            for i, a, b in part:
+                mean = np.mean([p[i][a:b] for p in params], axis=0)
                 if outer is None:
-                    anchor[i] = mean
+                    anchor[i][a:b] = mean
                 else:
                     outer_lr, mu = outer
-                    g = anchor[i] - mean
-                    momentum[i] = mu * momentum[i] - outer_lr * g
-                    anchor[i] = anchor[i] + mu * momentum[i] - outer_lr * g
+                    g = anchor[i][a:b] - mean
+                    momentum[i][a:b] = mu * momentum[i][a:b] - outer_lr * g
+                    anchor[i][a:b] = anchor[i][a:b] + mu * momentum[i][a:b] - outer_lr * g
             pending = (s + delay, part)
             if delay == 0:
                 apply(part)
@@ -75,17 +86,60 @@ def numpy_streaming_diloco(x, y, w0, b0, steps, period, fragments, warmup=0, rep
     return [np.mean([p[i] for p in params], axis=0) for i in range(2)]
 
 
+def _blocks(split):
+    return [[(p.variable, p.start, p.stop) for p in fragment] for fragment in split]
+
+
 def test_split_fragments_by_bytes_in_order():
     from tfdist.comm.fragments import fragment_offset, split_fragments
 
-    assert split_fragments([12, 4], 2) == [[0], [1]]
-    assert split_fragments([10, 10, 10, 10], 2) == [[0, 1], [2, 3]]
-    assert split_fragments([100, 1, 1, 1], 3) == [[0], [1], [2, 3]]
-    assert split_fragments([1, 1, 1, 100], 2) == [[0, 1, 2], [3]]
-    assert split_fragments([5], 1) == [[0]]
+    # Without rows (or with one row each) a fragment holds whole variables, as before.
+    assert _blocks(split_fragments([12, 4], 2)) == [[(0, 0, 1)], [(1, 0, 1)]]
+    assert _blocks(split_fragments([10, 10, 10, 10], 2, [1, 1, 1, 1])) == [
+        [(0, 0, 1), (1, 0, 1)], [(2, 0, 1), (3, 0, 1)]]
+    assert _blocks(split_fragments([100, 1, 1, 1], 3)) == [
+        [(0, 0, 1)], [(1, 0, 1)], [(2, 0, 1), (3, 0, 1)]]
+    assert _blocks(split_fragments([5], 1, [5])) == [[(0, 0, 5)]]
+    # A boundary between variables stays there: every piece is whole.
+    split = split_fragments([40, 40, 40, 40], 2, [10, 10, 10, 10])
+    assert all(p.whole for fragment in split for p in fragment)
+    assert _blocks(split) == [[(0, 0, 10), (1, 0, 10)], [(2, 0, 10), (3, 0, 10)]]
+    # A boundary inside a variable cuts it between rows (the earlier row on a tie).
+    assert _blocks(split_fragments([12, 4], 2, [3, 1])) == [[(0, 0, 2)],
+                                                             [(0, 2, 3), (1, 0, 1)]]
+    assert _blocks(split_fragments([100, 1, 1, 1], 3, [10, 1, 1, 1])) == [
+        [(0, 0, 3)], [(0, 3, 7)], [(0, 7, 10), (1, 0, 1), (2, 0, 1), (3, 0, 1)]]
     with pytest.raises(ValueError, match="fragments=3"):
-        split_fragments([1, 1], 3)
+        split_fragments([1, 1], 3, [100, 100])
+    with pytest.raises(ValueError, match="fragments=0"):
+        split_fragments([1, 1], 0)
     assert [fragment_offset(f, 8, 4) for f in range(4)] == [0, 2, 4, 6]
+
+
+def test_split_fragments_cuts_a_dominant_variable_into_equal_row_blocks():
+    """The digits CNN's variables (its dense kernel is 96% of the bytes): 4 fragments of
+    about a quarter each; every row in exactly one piece; one-row variables never cut."""
+    from tfdist.comm.fragments import split_fragments, variable_rows
+
+    shapes = [(3, 3, 1, 32), (32,), (3, 3, 32, 64), (64,), (1600, 64), (64,), (64, 10),
+              (10,), (), (1, 7)]
+    sizes = [4 * int(np.prod(shape)) for shape in shapes]
+    rows = [variable_rows(shape) for shape in shapes]
+    assert rows[-2:] == [1, 1]
+    split = split_fragments(sizes, 4, rows)
+    sent = [sum(sizes[p.variable] * (p.stop - p.start) // p.rows for p in f) for f in split]
+    assert sum(sent) == sum(sizes)
+    assert max(sent) <= 0.26 * sum(sizes) and max(sent) - min(sent) <= 2 * 64 * 4
+    covered = {}
+    for fragment in split:
+        for p in fragment:
+            covered.setdefault(p.variable, []).extend(range(p.start, p.stop))
+    assert covered == {i: list(range(r)) for i, r in enumerate(rows)}
+    assert [p.variable for p in split[1]] == [4] and len(split[2]) == 1  # the kernel's rows
+    assert all(p.whole for f in split for p in f if p.variable != 4)
+    for count in (1, 2, 3, 4, 5, 10):  # never an empty fragment
+        assert all(split_fragments(sizes, count, rows))
+    assert _blocks(split_fragments(sizes, 10, [1] * 10)) == [[(i, 0, 1)] for i in range(10)]
 
 
 def test_bad_fragments_are_one_value_error_before_anything_runs(logical_cpus):

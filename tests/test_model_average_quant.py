@@ -14,7 +14,7 @@ import pytest
 
 from helpers import assert_weights_close, require_horovod, run_cluster
 from test_model_average import LR, fit_linear, linear_data, replica_batches
-from test_model_average_fragments import numpy_streaming_diloco
+from test_model_average_fragments import linear_parts, numpy_streaming_diloco
 
 LEVELS = {"int8": 127, "int4": 7}
 CAST = {"fp16": np.float16}
@@ -78,14 +78,14 @@ def numpy_quantized_diloco(x, y, w0, b0, steps, period, fragments, name, replica
     anchor = [w0.astype(f32).copy(), b0.astype(f32).copy()]
     momentum = [np.zeros_like(a) for a in anchor]
     residual = [[np.zeros_like(a) for a in anchor] for _ in range(replicas)]
-    parts = [[0], [1]] if fragments == 2 else [[0, 1]]
-    pending = None  # (step that applies it, variable indices)
+    parts = linear_parts(w0.shape, fragments)
+    pending = None  # (step that applies it, its row blocks)
 
     def apply(part):
-        for i in part:
+        for i, a, b in part:
             for p in params:
-                p[i] = f32(mix) * anchor[i] + f32(1 - mix) * p[i] if mix != 1 \
-                    else anchor[i].copy()
+                p[i][a:b] = f32(mix) * anchor[i][a:b] + f32(1 - mix) * p[i][a:b] \
+                    if mix != 1 else anchor[i][a:b]
 
     for step in range(steps):
         for r, (xr, yr) in enumerate(replica_batches(x, y, step, replicas)):
@@ -98,19 +98,19 @@ def numpy_quantized_diloco(x, y, w0, b0, steps, period, fragments, name, replica
         for f, part in enumerate(parts):
             if s % period != f * period // fragments:
                 continue
-            for i in part:
-                total = np.zeros_like(anchor[i])
+            for i, a, b in part:  # each row block quantised on its own
+                total = np.zeros_like(anchor[i][a:b])
                 for r in range(replicas):
-                    deq, residual[r][i] = np_error_feedback(anchor[i] - params[r][i],
-                                                            residual[r][i], name)
+                    deq, residual[r][i][a:b] = np_error_feedback(
+                        anchor[i][a:b] - params[r][i][a:b], residual[r][i][a:b], name)
                     total = total + deq
                 g = total / f32(replicas)
                 if outer is None:
-                    anchor[i] = anchor[i] - g
+                    anchor[i][a:b] = anchor[i][a:b] - g
                 else:
                     outer_lr, mu = f32(outer[0]), f32(outer[1])
-                    momentum[i] = mu * momentum[i] - outer_lr * g
-                    anchor[i] = anchor[i] + mu * momentum[i] - outer_lr * g
+                    momentum[i][a:b] = mu * momentum[i][a:b] - outer_lr * g
+                    anchor[i][a:b] = anchor[i][a:b] + mu * momentum[i][a:b] - outer_lr * g
             pending = (s + delay, part)
             if delay == 0:
                 apply(part)
@@ -146,15 +146,15 @@ def exchange_bytes(name, sizes, chunk=1024):
 
 
 def expected_bytes(name, features, steps, period, fragments):
-    """Bytes of a run: each fragment's exchanges, then the final exact float32 flush."""
-    sizes = [features, 1]
-    parts = [[0], [1]] if fragments == 2 else [[0, 1]]
+    """Bytes of a run: each fragment's exchanges (one quantised tensor per row block),
+    then the final exact float32 flush."""
+    parts = linear_parts((features, 1), fragments)
     total = 0
     for s in range(1, steps + 1):
         for f, part in enumerate(parts):
             if s % period == f * period // fragments:
-                total += exchange_bytes(name, [sizes[i] for i in part])
-    return total + 4 * sum(sizes)
+                total += exchange_bytes(name, [b - a for _, a, b in part])
+    return total + 4 * (features + 1)
 
 
 # ---- the quantiser, in process ----------------------------------------------------------------

@@ -15,7 +15,8 @@ from tfdist.comm.fragments import split_fragments
 from tfdist.keras.handoff import KerasHandoff
 from tfdist.keras.optimizer import inner_optimizer
 from tfdist.strategies import _average_steps, _delayed, _outer
-from tfdist.strategies._average_state import is_replicated_float, tf_variable
+from tfdist.strategies._average_state import (agreed_variables, is_replicated_float,
+                                              piece_of, tf_variable)
 
 
 class AverageHandoffMixin(KerasHandoff):
@@ -80,9 +81,9 @@ class AverageHandoffMixin(KerasHandoff):
             self._attach_outer(model, optimizer)
 
     def keras_agreed_variables(self, model):
-        """The trainable variables averaged after the step just run (empty between
-        averages): every worker holds them equal, so a check on them decides the same
-        everywhere (`tfdist.keras.guards.StopOnNaN`)."""
+        """The trainable variables averaged (every row of them) after the step just run
+        (empty between averages): every worker holds them equal, so a check on them
+        decides the same everywhere (`tfdist.keras.guards.StopOnNaN`)."""
         optimizer = inner_optimizer(getattr(model, "optimizer", None))
         state = self._states.get(id(optimizer))
         if state is None:
@@ -90,8 +91,9 @@ class AverageHandoffMixin(KerasHandoff):
         step = int(optimizer.iterations.numpy())
         if self._delayed is not None:
             return self._delayed.agreed_variables(state)
-        return [state.variables[i] for fragment, indices in enumerate(state.fragments)
-                if self.is_average_step(step, fragment) for i in indices]
+        return agreed_variables(state, [i for fragment, indices in enumerate(state.fragments)
+                                        if self.is_average_step(step, fragment)
+                                        for i in indices])
 
     def _attach_outer(self, model, optimizer) -> None:
         """Makes the outer optimizer an attribute of ``model``, so Keras saves (and
@@ -112,5 +114,6 @@ class AverageHandoffMixin(KerasHandoff):
             self._attach_outer(model, optimizer)
             return
         state = self._states[id(optimizer)]
-        for anchor, variable in zip(state.anchors, state.variables):
-            anchor.assign(tf_variable(variable).read_value())
+        for anchor, piece in zip(state.anchors, state.pieces):
+            anchor.assign(piece_of(tf_variable(state.variables[piece.variable]).read_value(),
+                                   piece))

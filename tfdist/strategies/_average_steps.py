@@ -5,6 +5,8 @@ Functions taking a `tfdist.ModelAverageStrategy` and its per-optimizer
 optimizers, residuals), each replica's delta ``anchor - w``, the scheduled average inside
 the train step (one ``tf.cond`` per fragment), the exchange of a fragment (also run by
 `tfdist.strategies._delayed`), and the forced average of every per-replica variable.
+Anchors, deltas and residuals are per piece (`tfdist.comm.fragments.Piece`): a whole
+variable, or a block of its rows when a fragment boundary cuts it.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import functools
 import tensorflow as tf
 
 from tfdist._hooks import keras_optimizer
-from tfdist.comm.fragments import split_fragments
+from tfdist.comm.fragments import split_fragments, variable_rows
 from tfdist.strategies import _outer
-from tfdist.strategies._average_state import (State, is_replicated_float, make_residuals,
-                                              scale, tf_variable)
+from tfdist.strategies._average_state import (State, assign_piece, is_replicated_float,
+                                              make_residuals, piece_of, piece_value, scale,
+                                              tf_variable)
 
 
 def optimizer_slots(optimizer) -> list:
@@ -36,26 +39,35 @@ def ensure_state(strategy, optimizer, variables, distribution=None) -> None:
         return
     import keras
 
-    fragments = split_fragments([v.shape.num_elements() * v.dtype.size
-                                 for v in map(tf_variable, variables)], strategy.fragments)
+    tf_vars = [tf_variable(v) for v in variables]
+    split = split_fragments([v.shape.num_elements() * v.dtype.size for v in tf_vars],
+                            strategy.fragments, [variable_rows(v.shape) for v in tf_vars])
+    pieces = [piece for fragment in split for piece in fragment]
+    fragments, start = [], 0
+    for fragment in split:  # piece indices of each fragment
+        fragments.append(list(range(start, start + len(fragment))))
+        start += len(fragment)
     with tf.init_scope(), strategy.scope():
-        anchors = [keras.Variable(tf.identity(tf_variable(v)), trainable=False,
-                                  dtype=v.dtype, name=f"tfdist_anchor_{i}")
-                   for i, v in enumerate(variables)]
+        anchors = [keras.Variable(piece_of(tf.identity(tf_vars[p.variable]), p),
+                                  trainable=False, dtype=variables[p.variable].dtype,
+                                  name=f"tfdist_anchor_{p.variable}"
+                                  + ("" if p.whole else f"_{p.start}"))
+                   for p in pieces]
         outers = []
         for indices in fragments if strategy._outer_template is not None else ():
             outers.append(_outer.make_outer(strategy._outer_template))
             outers[-1].build([anchors[i] for i in indices])
         residuals = make_residuals(anchors) if strategy.outer_compression else None
-    strategy._states[id(optimizer)] = State(optimizer, variables, anchors,
+    strategy._states[id(optimizer)] = State(optimizer, variables, pieces, anchors,
                                             optimizer_slots(optimizer), outers,
                                             fragments, residuals)
 
 
 def local_deltas(state) -> list:
-    """In replica context: ``anchor - w`` for this replica."""
-    return [tf_variable(anchor) - tf_variable(variable)
-            for variable, anchor in zip(state.variables, state.anchors)]
+    """In replica context: ``anchor - w`` for this replica, one per piece (``w`` the
+    piece's rows of the variable)."""
+    return [tf_variable(anchor) - piece_value(state.variables[piece.variable], piece)
+            for piece, anchor in zip(state.pieces, state.anchors)]
 
 
 def merge_step(strategy, state, plain_vars, distribution, deltas, plain) -> None:
@@ -75,18 +87,18 @@ def merge_step(strategy, state, plain_vars, distribution, deltas, plain) -> None
 def average_now(strategy, distribution, state, deltas, plain_vars, plain, outer,
                 fragment=0, indices=None, flush=False) -> None:
     """Cross-replica: all-reduce, then set anchors and every replica's weights (of
-    the variables at ``indices``, default all); ``flush`` as in `exchange`."""
+    the pieces at ``indices``, default all); ``flush`` as in `exchange`."""
     if indices is None:
-        indices = range(len(state.variables))
-    anchors = [tf_variable(state.anchors[i]) for i in indices]
-    variables = [state.variables[i] for i in indices]
+        indices = range(len(state.pieces))
     plain_tf = [tf_variable(v) for v in plain_vars]
     mean_plain = exchange(strategy, distribution, state, deltas, plain, plain_tf, fragment,
                           indices, outer, flush)
     extended = distribution.extended
-    for variable, anchor in zip(variables, anchors):
-        extended.update(tf_variable(variable), lambda v, a: v.assign(a),
-                        args=(anchor,), group=False)
+    for i in indices:
+        piece = state.pieces[i]
+        extended.update(tf_variable(state.variables[piece.variable]),
+                        lambda v, a, piece=piece: assign_piece(v, piece, a),
+                        args=(tf_variable(state.anchors[i]),), group=False)
     for variable, mean in zip(plain_tf, mean_plain):
         extended.update(variable, lambda v, m: v.assign(tf.cast(m, v.dtype)),
                         args=(mean,), group=False)
@@ -94,8 +106,8 @@ def average_now(strategy, distribution, state, deltas, plain_vars, plain, outer,
 
 def exchange(strategy, distribution, state, deltas, plain, plain_tf, fragment, indices,
              outer=True, flush=False) -> list:
-    """Cross-replica: the mean of ``deltas`` (at ``indices``) steps those anchors
-    (outer step or plain mean); returns the means of ``plain`` (to ``plain_tf``).
+    """Cross-replica: the mean of ``deltas`` (of the pieces at ``indices``) steps those
+    anchors (outer step or plain mean); returns the means of ``plain`` (to ``plain_tf``).
 
     ``flush`` (with ``outer_compression``): ``delta + residual`` goes exactly and the
     residuals become zero; else the deltas go compressed, with error feedback."""

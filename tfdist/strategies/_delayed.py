@@ -28,7 +28,8 @@ import tensorflow as tf
 
 from tfdist.checks import check_int
 from tfdist.strategies import _average_steps
-from tfdist.strategies._average_state import tf_variable
+from tfdist.strategies._average_state import (agreed_variables, assign_piece, piece_of,
+                                              tf_variable)
 
 
 def check_delay(period, fragments, warmup_steps, average_optimizer_state, sync_delay, mix):
@@ -82,10 +83,10 @@ class _Buffers:
         self.state = state
         self.plain_vars = list(plain_vars)
         # Made eagerly in the strategy's scope: one copy per replica.
-        self.outgoing = [keras.Variable(tf.zeros_like(tf_variable(v).read_value()),
-                                        trainable=False, dtype=v.dtype,
+        self.outgoing = [keras.Variable(tf.zeros_like(tf_variable(a).read_value()),
+                                        trainable=False, dtype=a.dtype,
                                         name=f"tfdist_outgoing_{i}")
-                         for i, v in enumerate(state.variables)]
+                         for i, a in enumerate(state.anchors)]  # one per piece
         self.plain_out = [_zeros_like(v, f"tfdist_plain_out_{i}")
                           for i, v in enumerate(self.plain_vars)]
         self.plain_in = [_zeros_like(v, f"tfdist_plain_in_{i}")
@@ -145,15 +146,15 @@ class DelayedSyncs:
         return True
 
     def agreed_variables(self, state) -> list:
-        """The variables of the fragment applied after the step just run, when every
-        worker holds them equal (``mix=1``); else none."""
+        """The variables of the fragment applied after the step just run (every row of
+        them in it), when every worker holds them equal (``mix=1``); else none."""
         buffers = self._buffers.get(id(state.optimizer))
         if self.mix != 1 or buffers is None or buffers.applied_at is None:
             return []
         step, fragment = buffers.applied_at
         if step != int(state.optimizer.iterations.numpy()):
             return []
-        return [state.variables[i] for i in state.fragments[fragment]]
+        return agreed_variables(state, state.fragments[fragment])
 
     # ---- internals -------------------------------------------------------------------
 
@@ -208,10 +209,12 @@ class DelayedSyncs:
 
         def snapshot():
             for i in state.fragments[fragment]:
+                piece = state.pieces[i]
                 extended.update(tf_variable(buffers.outgoing[i]),
-                                lambda out, a, w: out.assign(a - w),
+                                lambda out, a, w, piece=piece: out.assign(a - piece_of(w, piece)),
                                 args=(tf_variable(state.anchors[i]),
-                                      tf_variable(state.variables[i])), group=False)
+                                      tf_variable(state.variables[piece.variable])),
+                                group=False)
             for out, variable in zip(buffers.plain_out, buffers.plain_vars):
                 extended.update(out, lambda o, v: o.assign(v), args=(tf_variable(variable),),
                                 group=False)
@@ -223,7 +226,7 @@ class DelayedSyncs:
         indices = state.fragments[fragment]
 
         def merge(distribution, deltas, plain):
-            full = [None] * len(state.variables)
+            full = [None] * len(state.pieces)
             for i, delta in zip(indices, deltas):
                 full[i] = delta
             means = _average_steps.exchange(strategy, distribution, state, full, plain,
@@ -246,8 +249,13 @@ class DelayedSyncs:
     def _apply_fn(self, buffers, fragment):
         state, extended, mix = buffers.state, self.strategy.extended, self.mix
 
-        def blend(variable, new):
+        def blend(variable, new, piece=None):
             new = tf.cast(new, variable.dtype)
+            if piece is not None and not piece.whole:
+                if mix != 1:
+                    new = (tf.cast(mix, variable.dtype) * new + tf.cast(1 - mix, variable.dtype)
+                           * piece_of(variable, piece))
+                return assign_piece(variable, piece, new)
             if mix == 1:
                 return variable.assign(new)
             return variable.assign(tf.cast(mix, variable.dtype) * new
@@ -255,7 +263,9 @@ class DelayedSyncs:
 
         def apply():
             for i in state.fragments[fragment]:
-                extended.update(tf_variable(state.variables[i]), blend,
+                piece = state.pieces[i]
+                extended.update(tf_variable(state.variables[piece.variable]),
+                                lambda v, a, piece=piece: blend(v, a, piece),
                                 args=(tf_variable(state.anchors[i]),), group=False)
             for variable, received in zip(buffers.plain_vars, buffers.plain_in):
                 extended.update(tf_variable(variable), blend, args=(received,), group=False)
