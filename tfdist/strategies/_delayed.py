@@ -5,14 +5,15 @@ With ``sync_delay=τ`` the traced train step does not average. After each train-
 call (`tfdist.keras.handoff.KerasHandoff.keras_after_train_step`), at fragment ``f``'s
 step ``s`` of the schedule:
 
-1. a tf.function copies this replica's outer gradient ``anchor - w`` of the fragment
-   (and its non-trainable floats) into an *outgoing* buffer;
+1. a tf.function copies this replica's outer gradient ``anchor - w`` of each piece of
+   the fragment (a variable, or rows of one: `tfdist.comm.fragments.Piece`), and its
+   non-trainable floats, into an *outgoing* buffer;
 2. a Python thread runs a second tf.function, traced beforehand on the calling thread:
    the mean over every replica of every worker and the fragment's outer step on its
    anchors (the strategy's own exchange, with its compression and byte count). TF ops
    release the GIL, so it runs while the worker takes its next ``τ`` inner steps;
 3. after step ``s + τ`` the thread is joined (the only step that may wait) and a third
-   tf.function sets ``w = mix * anchor + (1 - mix) * w`` for the fragment's variables
+   tf.function sets ``w = mix * anchor + (1 - mix) * w`` for the fragment's pieces
    (non-trainable floats: the same blend of their mean).
 
 `DelayedSyncs.finish` joins and applies an exchange in flight at once: ``fit``'s end,
@@ -211,7 +212,7 @@ class DelayedSyncs:
             for i in state.fragments[fragment]:
                 piece = state.pieces[i]
                 extended.update(tf_variable(buffers.outgoing[i]),
-                                lambda out, a, w, piece=piece: out.assign(a - piece_of(w, piece)),
+                                lambda o, a, w, piece=piece: o.assign(a - piece_of(w, piece)),
                                 args=(tf_variable(state.anchors[i]),
                                       tf_variable(state.variables[piece.variable])),
                                 group=False)
@@ -253,8 +254,8 @@ class DelayedSyncs:
             new = tf.cast(new, variable.dtype)
             if piece is not None and not piece.whole:
                 if mix != 1:
-                    new = (tf.cast(mix, variable.dtype) * new + tf.cast(1 - mix, variable.dtype)
-                           * piece_of(variable, piece))
+                    new = (tf.cast(mix, variable.dtype) * new
+                           + tf.cast(1 - mix, variable.dtype) * piece_of(variable, piece))
                 return assign_piece(variable, piece, new)
             if mix == 1:
                 return variable.assign(new)
