@@ -179,3 +179,17 @@ def test_two_workers_row_blocks_match_numpy(engine, delay, mix, outer, name):
     _check(results, delay, mix, outer, name)
     for a, b in zip(results[0]["weights"], results[1]["weights"]):
         np.testing.assert_array_equal(a, b)  # every worker holds the same weights
+
+
+def test_agreed_variables_are_those_every_row_of_which_was_averaged():
+    """`StopOnNaN` checks only variables an exchange left equal on every worker."""
+    from types import SimpleNamespace
+
+    from tfdist.comm.fragments import Piece
+    from tfdist.strategies._average_state import agreed_variables
+
+    pieces = [Piece(0, 0, 8, 30), Piece(0, 8, 30, 30), Piece(1, 0, 8, 8), Piece(2, 0, 1, 1)]
+    state = SimpleNamespace(pieces=pieces, variables=["w1", "b1", "w2"])
+    assert agreed_variables(state, [0]) == []
+    assert agreed_variables(state, [1, 2, 3]) == ["b1", "w2"]
+    assert agreed_variables(state, range(4)) == ["w1", "b1", "w2"]
