@@ -220,6 +220,27 @@ def test_horovod_strategy_in_a_tf_config_job_is_refused(monkeypatch):
         tfdist.HorovodStrategy()
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("preset, expected", [(None, "10"), ("3", "3")])
+def test_model_average_quiets_horovods_cycle_unless_set(horovod_installed, preset, expected):
+    """Between averages Horovod would negotiate every 1 ms: ModelAverageStrategy sets a
+    10 ms cycle before Horovod starts, and keeps a cycle the user set."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if k != "HOROVOD_CYCLE_TIME" and not k.startswith("TF_CONFIG")}
+    if preset is not None:
+        env["HOROVOD_CYCLE_TIME"] = preset
+    script = ("import os, tfdist; s = tfdist.ModelAverageStrategy(period=2, engine='horovod'); "
+              "print('cycle', s.num_workers, os.environ.get('HOROVOD_CYCLE_TIME'))")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=100)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"cycle 1 {expected}" in out.stdout.splitlines()
+
+
 def test_allreduce_rejects_unknown_op():
     with pytest.raises(ValueError, match="Received: op='max'"):
         comm.allreduce([], op="max")
