@@ -60,6 +60,60 @@ class Communicator(abc.ABC):
             f"{type(self).__name__} cannot all-gather (needed by ModelAverageStrategy's "
             "outer_compression); implement Communicator.all_gather")
 
+    def reduce_scatter(self, distribution, values: list, op: str = "sum") -> list:
+        """Reduces each flat per-replica value and leaves replica r with slice r
+        (cross-replica context).
+
+        Default: an all-reduce, then each replica keeps its slice (the bytes of an
+        all-reduce); communicators with a true reduce-scatter override it.
+
+        Args:
+            distribution: The strategy.
+            values: Per-replica 1-D values (or plain tensors: this worker's value),
+                their length a multiple of ``distribution.num_replicas_in_sync``.
+            op: ``"sum"`` or ``"mean"``.
+
+        Returns:
+            One per-replica value per input: on each local replica, its slice (replica
+            ``r`` of ``n`` in sync holds elements ``[r*len/n, (r+1)*len/n)``).
+        """
+        reduced = self.all_reduce(distribution, values, [None] * len(values), op)
+        return [local_slices(distribution, distribution.experimental_local_results(r))
+                for r in reduced]
+
+
+def replica_ids(distribution) -> list[int]:
+    """The replica ids in sync of this worker's local replicas (rank-major)."""
+    local = len(distribution.extended.worker_devices)
+    rank = getattr(distribution, "rank", 0)
+    return [rank * local + i for i in range(local)]
+
+
+def local_slices(distribution, fulls) -> object:
+    """Per local replica, its slice of the full reduced value ``fulls[i]``
+    (`Communicator.reduce_scatter`'s result)."""
+    import tensorflow as tf
+
+    n = distribution.num_replicas_in_sync
+    devices = distribution.extended.worker_devices
+    parts = []
+    for i, replica in enumerate(replica_ids(distribution)):
+        full = fulls[min(i, len(fulls) - 1)]
+        size = full.shape[0] // n
+        with tf.device(devices[i]):
+            parts.append(tf.identity(full[replica * size:(replica + 1) * size]))
+    return per_replica(parts)
+
+
+def per_replica(parts, always_wrap: bool = False):
+    """``parts`` (one per local replica) as one per-replica value (a tensor if one,
+    unless ``always_wrap``)."""
+    if len(parts) == 1 and not always_wrap:
+        return parts[0]
+    from tfdist._hooks import tf as tf_hooks
+
+    return tf_hooks.tf_distribute_internals().regroup(parts, always_wrap=always_wrap)
+
 
 def _check_op(op: str) -> str:
     if op not in OPS:
@@ -96,6 +150,23 @@ class StrategyCommunicator(Communicator):
         """The strategy's own gather (TF's collective all-gather across workers,
         Horovod's ``allgather`` under the Horovod engine, a concat on one host)."""
         return distribution.gather(value, axis=0)
+
+    def reduce_scatter(self, distribution, values, op="sum"):
+        """On one worker: each value summed on the first device, then split."""
+        import tensorflow as tf
+
+        if getattr(distribution, "size", 1) > 1:
+            return super().reduce_scatter(distribution, values, op)
+        out = []
+        devices = distribution.extended.worker_devices
+        for value in values:
+            parts = distribution.experimental_local_results(value)
+            with tf.device(devices[0]):
+                total = tf.add_n(list(parts)) if len(parts) > 1 else parts[0]
+                if _check_op(op) == "mean":
+                    total = total / len(parts)
+            out.append(local_slices(distribution, [total]))
+        return out
 
 
 def _destination(value):
@@ -160,6 +231,33 @@ class Accounted(Communicator):
         counting one replica's bytes."""
         self.counter.add(payload_bytes(distribution.experimental_local_results(value)[0]))
         return self.inner.all_gather(distribution, value)
+
+    def reduce_scatter(self, distribution, values, op="sum"):
+        """The inner reduce-scatter, compressed, counting one replica's whole payload
+        (what it contributes, as for an all-reduce)."""
+        import tensorflow as tf
+
+        self.counter.add(sum(payload_bytes(distribution.experimental_local_results(v)[0],
+                                           self.compression) for v in values))
+        if self.compression.wire_dtype is None:
+            return self.inner.reduce_scatter(distribution, values, op)
+        wire, dtypes = [], []
+        for value in values:
+            parts = distribution.experimental_local_results(value)
+            cast = []
+            for part in parts:
+                with tf.device(part.device):
+                    cast.append(self.compression.compress(part)[0])
+            wire.append(per_replica(cast))
+            dtypes.append(tf.as_dtype(parts[0].dtype))
+        out = []
+        for scattered, dtype in zip(self.inner.reduce_scatter(distribution, wire, op), dtypes):
+            parts = []
+            for part in distribution.experimental_local_results(scattered):
+                with tf.device(part.device):
+                    parts.append(self.compression.decompress(part, dtype))
+            out.append(per_replica(parts))
+        return out
 
     def _decompress(self, distribution, value, dtype):
         import tensorflow as tf

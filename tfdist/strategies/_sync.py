@@ -23,10 +23,12 @@ import functools
 import tensorflow as tf
 
 from tfdist._hooks import keras_optimizer
+from tfdist._hooks import zero as zero_hooks
 from tfdist.comm.accounting import ByteCounter
 from tfdist.comm.communicator import Accounted, StrategyCommunicator
 from tfdist.comm.options import CommunicationOptions
 from tfdist.keras import handoff
+from tfdist.strategies import _zero as sharded
 from tfdist.strategies._fit import KerasFitMixin
 
 
@@ -51,7 +53,8 @@ class SyncGradientsMixin(KerasFitMixin):
 
     def _init_sync_gradients(self, options: CommunicationOptions,
                              communicator: Accounted | None = None,
-                             cross_device_ops=None) -> None:
+                             cross_device_ops=None, shard_optimizer_state: bool = False
+                             ) -> None:
         """Sets ``communication`` and ``communicator``; call outside any scope.
 
         Args:
@@ -61,7 +64,14 @@ class SyncGradientsMixin(KerasFitMixin):
             cross_device_ops: None (the strategy's own ``batch_reduce_to``), or the
                 cross-device ops to reduce with when ``batch_reduce_to`` itself goes
                 through ``communicator`` (`tfdist.HorovodStrategy`).
+            shard_optimizer_state: Each replica keeps 1/N of the optimizer state
+                (`tfdist.strategies._zero`).
         """
+        if not isinstance(shard_optimizer_state, bool):
+            raise ValueError("shard_optimizer_state must be True or False. Received: "
+                             f"shard_optimizer_state={shard_optimizer_state!r}")
+        self.shard_optimizer_state = shard_optimizer_state
+        self._sharded_states = {}
         self.communication = options
         self.communicator = communicator or Accounted(
             StrategyCommunicator(cross_device_ops), options.compression_policy,
@@ -97,7 +107,40 @@ class SyncGradientsMixin(KerasFitMixin):
     def keras_local_update(self):
         if self.communication.accumulate_steps > 1:
             return self._accumulate_apply
+        if self.shard_optimizer_state:
+            return self._sharded_apply
         return None
+
+    def keras_check_call(self, model, method, arguments):
+        super().keras_check_call(model, method, arguments)
+        optimizer = getattr(model, "optimizer", None)
+        if self.shard_optimizer_state and method == "fit" and optimizer is not None:
+            sharded.check_shardable(optimizer)
+            zero_hooks.build_without_slots(optimizer)
+
+    def sharded_optimizer_state(self, optimizer):
+        """The `tfdist.strategies._zero.ShardedOptimizerState` of ``optimizer``, or None
+        before its first sharded step."""
+        return next((state for (opt, _), state in self._sharded_states.items()
+                     if opt == id(optimizer)), None)
+
+    def _sharded_apply(self, optimizer, apply_fn, grads, variables):
+        del apply_fn
+        tf.distribute.get_replica_context().merge_call(
+            functools.partial(self._merge_sharded, optimizer, list(variables)),
+            args=(list(grads),))
+
+    def _merge_sharded(self, optimizer, variables, distribution, grads):
+        self._sharded_state(optimizer, variables).apply(
+            distribution, self.communicator, optimizer, grads, variables)
+
+    def _sharded_state(self, optimizer, variables):
+        key = (id(optimizer), tuple(id(v) for v in variables))
+        if key not in self._sharded_states:
+            sharded.check_shardable(optimizer)
+            self._sharded_states[key] = sharded.ShardedOptimizerState(self, optimizer,
+                                                                      variables)
+        return self._sharded_states[key]
 
     def _accumulate_apply(self, optimizer, apply_fn, grads, variables):
         del apply_fn

@@ -54,6 +54,9 @@ class MirroredStrategy(SyncGradientsMixin, tf.distribute.MirroredStrategy):
         communication_options: A `tfdist.CommunicationOptions`.
         compression: Shortcut for ``communication_options.compression``.
         accumulate_steps: Shortcut for ``communication_options.accumulate_steps``.
+        shard_optimizer_state: Each replica keeps 1/N of the optimizer state (ZeRO-2:
+            gradients reduce-scattered, slices updated, weights all-gathered; see
+            docs/zero.md). Element-wise Keras optimizers only.
 
     Attributes:
         communicator: The `tfdist.comm.communicator.Accounted` communicator gradients
@@ -69,7 +72,7 @@ class MirroredStrategy(SyncGradientsMixin, tf.distribute.MirroredStrategy):
 
 
     def __init__(self, devices=None, cross_device_ops=None, communication_options=None,
-                 compression=None, accumulate_steps=None):
+                 compression=None, accumulate_steps=None, shard_optimizer_state=False):
         options = merge_options(communication_options, compression=compression,
                                 accumulate_steps=accumulate_steps)
         devices = validate_devices(devices) if devices is not None else default_devices()
@@ -81,5 +84,5 @@ class MirroredStrategy(SyncGradientsMixin, tf.distribute.MirroredStrategy):
             raise ValueError("cross_device_ops must be a tf.distribute.CrossDeviceOps, "
                              f"'collective' or None. Received: {cross_device_ops!r}")
         tf_hooks.assign_collective_key_base(self)
-        self._init_sync_gradients(options)
+        self._init_sync_gradients(options, shard_optimizer_state=shard_optimizer_state)
         super().__init__(devices=devices, cross_device_ops=cross_device_ops)

@@ -115,6 +115,9 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
             ``peer_error``).
         compression: Shortcut for ``communication_options.compression``.
         accumulate_steps: Shortcut for ``communication_options.accumulate_steps``.
+        shard_optimizer_state: Each worker keeps 1/N of the optimizer state (ZeRO-2:
+            gradients reduce-scattered, slices updated, weights all-gathered; see
+            docs/zero.md). Element-wise Keras optimizers only.
         engine: A registered engine name (`tfdist.engines.available`): ``"tf"``
             (TF collectives: the gRPC ring on CPU, NCCL on GPU), the Horovod engine
             (Gloo on CPU; no launcher of its own needed, see docs/horovod.md), one
@@ -139,7 +142,7 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
                  startup_timeout=DEFAULT_STARTUP_TIMEOUT,
                  collective_timeout=DEFAULT_COLLECTIVE_TIMEOUT,
                  heartbeat_timeout=DEFAULT_HEARTBEAT_TIMEOUT, compression=None,
-                 accumulate_steps=None, engine="auto"):
+                 accumulate_steps=None, engine="auto", shard_optimizer_state=False):
         self.startup_timeout = check_seconds("startup_timeout", startup_timeout)
         self.collective_timeout = check_seconds("collective_timeout", collective_timeout,
                                                 allow_none=True)
@@ -156,6 +159,7 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
         # made by the engine.
         tf.distribute.Strategy.__init__(
             self, self._engine.create_extended(cluster_resolver, options))
+        self._shard_optimizer_state = shard_optimizer_state
         self._init_communication(options)
         self.shared_seed = self._share_random_seed()
 
@@ -233,7 +237,8 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
     def _init_communication(self, options):
         """Sets ``communication`` and the gradient ``communicator`` (the engine's)."""
         self._init_sync_gradients(options, self._engine.make_communicator(
-            options.compression_policy, ByteCounter()))
+            options.compression_policy, ByteCounter()),
+            shard_optimizer_state=getattr(self, "_shard_optimizer_state", False))
 
     def _share_random_seed(self):
         """Sets the chief's random global seed on every worker when the user set none.

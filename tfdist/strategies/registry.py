@@ -81,9 +81,11 @@ _MULTI_WORKER_OPTIONS = _SYNC_OPTIONS | {"collective_timeout", "engine", "heartb
 STRATEGIES: dict[str, StrategyEntry] = {entry.name: entry for entry in (
     StrategyEntry("none", None, None),
     StrategyEntry("mirrored", "MirroredStrategy", "tfdist.strategies.mirrored",
-                  options=_SYNC_OPTIONS | {"devices"}, replicas=REPLICA_PER_DEVICE),
+                  options=_SYNC_OPTIONS | {"devices", "shard_optimizer_state"},
+                  replicas=REPLICA_PER_DEVICE),
     StrategyEntry("multi_worker", "MultiWorkerMirroredStrategy",
-                  "tfdist.strategies.multi_worker", options=_MULTI_WORKER_OPTIONS,
+                  "tfdist.strategies.multi_worker",
+                  options=_MULTI_WORKER_OPTIONS | {"shard_optimizer_state"},
                   multi_process=True, replicas=REPLICA_PER_TASK),
     StrategyEntry("parameter_server", "ParameterServerStrategy",
                   "tfdist.strategies.parameter_server",

@@ -1,0 +1,43 @@
+"""shard_optimizer_state=True (ZeRO-2) under MirroredStrategy on 2 logical CPUs: the
+same weights as the unsharded run and one device, half the slots per replica."""
+
+import pytest
+
+from helpers import assert_weights_close
+from zero_jobs import full_slot_elements, slot_elements, train
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adamw", "sgd"])
+def test_sharded_matches_unsharded_and_one_device(logical_cpus, optimizer, monkeypatch):
+    import tfdist
+    from tfdist.strategies import _zero
+
+    monkeypatch.setattr(_zero, "BUCKET_BYTES", 256)  # several buckets, split variables
+    strategy = tfdist.MirroredStrategy(shard_optimizer_state=True)
+    got, model = train(strategy, optimizer)
+    plain, _ = train(tfdist.MirroredStrategy(), optimizer)
+    ref, _ = train(None, optimizer)
+    assert_weights_close(got, plain)
+    assert_weights_close(got, ref)
+    counts = slot_elements(strategy, model)
+    full = full_slot_elements(model)
+    assert len(counts) == 2
+    for count in counts:  # half, plus at most one padding element per bucket and slot
+        assert full / 2 <= count <= full / 2 + 2 * len(
+            strategy.sharded_optimizer_state(model.optimizer).buckets)
+    # The outer optimizer holds no full-size slots.
+    assert all(len(v.shape) == 0 for v in model.optimizer.variables)
+
+
+def test_unshardable_optimizer_is_refused_before_training(logical_cpus):
+    import tfdist
+
+    with pytest.raises(ValueError, match="Received: optimizer=Lamb"):
+        train(tfdist.MirroredStrategy(shard_optimizer_state=True), "lamb")
+
+
+def test_shard_optimizer_state_must_be_a_bool():
+    import tfdist
+
+    with pytest.raises(ValueError, match="shard_optimizer_state=1"):
+        tfdist.MirroredStrategy(shard_optimizer_state=1)

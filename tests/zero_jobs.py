@@ -1,0 +1,56 @@
+"""Training runs shared by the sharded-optimizer-state tests (in process and launched)."""
+
+import numpy as np
+
+from helpers import classification_data, mlp
+
+GLOBAL_BATCH = 16
+OPTIMIZERS = ("adam", "adamw", "sgd")
+
+
+def make_optimizer(name, **kwargs):
+    import keras
+
+    if name == "adam":
+        return keras.optimizers.Adam(0.01, **kwargs)
+    if name == "adamw":
+        opt = keras.optimizers.AdamW(0.01, weight_decay=0.1, **kwargs)
+        opt.exclude_from_weight_decay(var_names=["bias"])
+        return opt
+    if name == "sgd":
+        return keras.optimizers.SGD(0.1, momentum=0.9, **kwargs)
+    if name == "lamb":
+        return keras.optimizers.Lamb(0.01)
+    raise ValueError(name)
+
+
+def train(strategy, optimizer, epochs=2, n=64, policy=None, **opt_kwargs):
+    """Trains the small MLP; returns ``(weights, optimizer)``."""
+    import contextlib
+
+    import keras
+
+    if policy:
+        keras.mixed_precision.set_global_policy(policy)
+    try:
+        x, y = classification_data(n=n)
+        with strategy.scope() if strategy is not None else contextlib.nullcontext():
+            model = mlp()
+            model.compile(make_optimizer(optimizer, **opt_kwargs),
+                          keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=epochs, shuffle=False, verbose=0)
+        return [np.asarray(w) for w in model.get_weights()], model
+    finally:
+        if policy:
+            keras.mixed_precision.set_global_policy("float32")
+
+
+def slot_elements(strategy, model):
+    """Per local replica, the slot elements its sharded optimizer holds."""
+    return strategy.sharded_optimizer_state(model.optimizer).slot_elements()
+
+
+def full_slot_elements(model):
+    """Slot elements of an unsharded optimizer of the same kind on the model."""
+    return sum(int(np.prod(v.shape)) for v in model.trainable_variables) * {
+        "Adam": 2, "AdamW": 2, "SGD": 1}[type(model.optimizer).__name__]

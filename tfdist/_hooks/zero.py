@@ -1,0 +1,72 @@
+"""Hooks for sharded optimizer state (`tfdist.strategies._zero`): plain per-replica
+variables, a Keras optimizer built without its slots, and Keras' weight-decay rule.
+
+``tests/test_hooks_zero.py`` fails loudly when a TF or Keras upgrade removes what they touch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+
+@contextlib.contextmanager
+def plain_variables():
+    """Inside, variables are plain (one device, no strategy) even under a strategy.
+
+    Why: each replica's optimizer slice and its slots belong to that replica alone;
+    the strategy's variable creator would mirror them (full copies everywhere, and
+    assignments broadcast). TF has no public way to leave a strategy's scope from
+    inside it: the scope lives in the graph's private ``_distribution_strategy_stack``
+    and ``_variable_creator_stack``, emptied here for the eager context and restored.
+    """
+    import tensorflow as tf
+    from tensorflow.python.framework import ops
+
+    with tf.init_scope():
+        graph = ops.get_default_graph()
+        strategies, creators = (graph._distribution_strategy_stack,
+                                graph._variable_creator_stack)
+        graph._distribution_strategy_stack = []
+        graph._variable_creator_stack = []
+        try:
+            yield
+        finally:
+            graph._distribution_strategy_stack = strategies
+            graph._variable_creator_stack = creators
+
+
+def uses_weight_decay(optimizer, variable) -> bool:
+    """Whether Keras applies ``optimizer``'s weight decay to ``variable``.
+
+    Why: ``exclude_from_weight_decay`` is kept in private fields read by the private
+    ``_use_weight_decay``; a sharded step decays a flat slice of many variables and
+    needs the rule per variable to build its mask.
+    """
+    return optimizer._use_weight_decay(variable)
+
+
+def build_without_slots(optimizer) -> None:
+    """Makes ``optimizer.build`` create no slot variables (sharded slots live elsewhere).
+
+    Why: Keras' ``fit`` builds the optimizer on every trainable variable before the
+    first step (full-size mirrored slots on every replica): the memory sharding saves.
+    The base ``keras.optimizers.Optimizer.build`` records the variables (what ``apply``
+    needs) and creates no slots; it is set on the instance's ``__dict__`` (Keras'
+    attribute tracking would track the function).
+    """
+    import keras
+
+    if optimizer.built:
+        return
+
+    def build(variables):
+        keras.optimizers.Optimizer.build(optimizer, variables)
+
+    optimizer.__dict__["build"] = build
+
+
+def backend_update_step_overridden(optimizer) -> bool:
+    """Whether the optimizer class does work outside ``update_step`` (Nadam)."""
+    from tfdist._hooks.keras_optimizer import overrides_backend_update_step
+
+    return overrides_backend_update_step(optimizer)
