@@ -41,3 +41,35 @@ def test_shard_optimizer_state_must_be_a_bool():
 
     with pytest.raises(ValueError, match="shard_optimizer_state=1"):
         tfdist.MirroredStrategy(shard_optimizer_state=1)
+
+
+def _check_launched(results):
+    chief, other = results
+    assert chief["chief"] and not other["chief"] and chief["replicas"] == 2
+    for name in ("adam", "adamw", "sgd"):
+        mine, theirs = chief[name], other[name]
+        assert_weights_close(mine["sharded"], theirs["sharded"], atol=0)
+        assert_weights_close(mine["sharded"], mine["plain"])
+        assert_weights_close(mine["sharded"], chief["reference"][name])
+        for result in (mine, theirs):
+            (count,) = result["slots"]
+            assert result["full_slots"] / 2 <= count <= result["full_slots"] / 2 + 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_two_workers_tf_engine():
+    from helpers import run_cluster
+    from zero_jobs import launched_task
+
+    _check_launched(run_cluster(launched_task, "tf", timeout=280))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_two_workers_horovod_engine():
+    from helpers import require_horovod, run_cluster
+    from zero_jobs import launched_task
+
+    require_horovod()
+    _check_launched(run_cluster(launched_task, "horovod", timeout=280))

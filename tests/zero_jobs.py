@@ -54,3 +54,23 @@ def full_slot_elements(model):
     """Slot elements of an unsharded optimizer of the same kind on the model."""
     return sum(int(np.prod(v.shape)) for v in model.trainable_variables) * {
         "Adam": 2, "AdamW": 2, "SGD": 1}[type(model.optimizer).__name__]
+
+
+def launched_task(engine):
+    """One worker of a 2-worker job: each optimizer sharded and unsharded, and (on the
+    chief) the single-process reference; returns arrays only."""
+    import tfdist
+
+    strategy = tfdist.MultiWorkerMirroredStrategy(engine=engine, shard_optimizer_state=True)
+    out = {"chief": strategy.is_chief, "replicas": strategy.num_replicas_in_sync}
+    for name in OPTIMIZERS:
+        strategy.shard_optimizer_state = True
+        weights, model = train(strategy, name)
+        counts = slot_elements(strategy, model)
+        strategy.shard_optimizer_state = False
+        plain, _ = train(strategy, name)
+        out[name] = {"sharded": weights, "plain": plain, "slots": counts,
+                     "full_slots": full_slot_elements(model)}
+    if strategy.is_chief:
+        out["reference"] = {name: train(None, name)[0] for name in OPTIMIZERS}
+    return out
