@@ -70,3 +70,40 @@ def backend_update_step_overridden(optimizer) -> bool:
     from tfdist._hooks.keras_optimizer import overrides_backend_update_step
 
     return overrides_backend_update_step(optimizer)
+
+
+def collective_reduce_scatter(distribution, tensor):
+    """``tensor`` summed over every worker; this worker's 1/W of it (TF's collective).
+
+    Why: TF's multi-worker cross-device ops (``CollectiveAllReduce``) have all-reduce
+    and all-gather but no reduce-scatter, although TF has the collective op
+    (``CollectiveReduceScatterV2``). It is issued here with the strategy's own group,
+    instance keys and ordering token (private members of its replica launcher), so it
+    is ordered with, and never collides with, the strategy's other collectives. One
+    local replica per worker only (the group is the replicas). TF implements it with
+    NCCL only: on CPU it fails ("CollectiveRegistry::Lookup did not find collective
+    implementation"), so CPU workers get None (the caller all-reduces instead).
+
+    Returns:
+        The slice, or None when the strategy does not reduce with TF's collectives, has
+        several local replicas, or runs on CPU.
+    """
+    import tensorflow as tf
+    from tensorflow.python.distribute import cross_device_ops
+    from tensorflow.python.ops import gen_collective_ops
+
+    ops = distribution.extended._get_cross_device_ops(tensor)
+    if not isinstance(ops, cross_device_ops.CollectiveAllReduce) or len(ops._launchers) != 1:
+        return None
+    launcher = ops._launchers[0]
+    if "GPU" not in launcher._device.upper():
+        return None
+    instance_key = launcher._next_instance_key()
+    token = launcher._get_ordering_token()
+    options = launcher._options
+    with tf.device(launcher._device):
+        return gen_collective_ops.collective_reduce_scatter_v2(
+            tensor, group_size=launcher._group_size, group_key=launcher._group_key,
+            instance_key=instance_key, ordering_token=[token] if token is not None else [],
+            merge_op="Add", final_op="Id", communication_hint=options.implementation.value,
+            timeout_seconds=options.timeout_seconds or 0)

@@ -152,21 +152,47 @@ class StrategyCommunicator(Communicator):
         return distribution.gather(value, axis=0)
 
     def reduce_scatter(self, distribution, values, op="sum"):
-        """On one worker: each value summed on the first device, then split."""
+        """Local replicas summed on the first device; across workers, the engine's
+        reduce-scatter (`reduce_scatter_workers`), else an all-reduce; then split."""
         import tensorflow as tf
 
-        if getattr(distribution, "size", 1) > 1:
-            return super().reduce_scatter(distribution, values, op)
-        out = []
+        _check_op(op)
+        workers = getattr(distribution, "size", 1)
         devices = distribution.extended.worker_devices
+        out = []
         for value in values:
             parts = distribution.experimental_local_results(value)
             with tf.device(devices[0]):
-                total = tf.add_n(list(parts)) if len(parts) > 1 else parts[0]
-                if _check_op(op) == "mean":
-                    total = total / len(parts)
-            out.append(local_slices(distribution, [total]))
+                total = tf.add_n(list(parts)) if len(parts) > 1 else tf.identity(parts[0])
+                if workers > 1:
+                    length = total.shape[0]
+                    total = self.reduce_scatter_workers(distribution, total)
+                    if total is None:  # no reduce-scatter across workers
+                        return super().reduce_scatter(distribution, values, op)
+                    total = tf.reshape(total, [length // workers])
+                if op == "mean":
+                    total = total / distribution.num_replicas_in_sync
+            out.append(_split_local(distribution, total))
         return out
+
+    def reduce_scatter_workers(self, distribution, tensor):
+        """This worker's 1/W of ``tensor`` summed over the W workers, or None when the
+        engine has no reduce-scatter (then an all-reduce is used)."""
+        del distribution, tensor
+        return None
+
+
+def _split_local(distribution, worker_part):
+    """A worker's part split over its local replicas, one piece per device."""
+    import tensorflow as tf
+
+    devices = distribution.extended.worker_devices
+    size = worker_part.shape[0] // len(devices)
+    pieces = []
+    for i, device in enumerate(devices):
+        with tf.device(device):
+            pieces.append(tf.identity(worker_part[i * size:(i + 1) * size]))
+    return per_replica(pieces)
 
 
 def _destination(value):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 from tfdist.cluster import TRAINING_TASK_TYPES
+from tfdist.comm.communicator import StrategyCommunicator
 from tfdist.engines.base import Engine, summary
 
 
@@ -40,6 +41,10 @@ class TFEngine(Engine):
             return strategy._create_extended(tf_resolver, tf_options)
         except tf.errors.DeadlineExceededError as error:
             raise self.startup_error(error) from error
+
+    def make_inner_communicator(self, name):
+        del name
+        return TFCommunicator()
 
     def startup_error(self, error):
         """The start-up timeout as an error that names the missing task(s)."""
@@ -77,6 +82,15 @@ class TFEngine(Engine):
             f"answer heartbeats within heartbeat_timeout={strategy.heartbeat_timeout:g}s: "
             f"it is frozen (e.g. SIGSTOP), overloaded or unreachable. TensorFlow said: "
             f"{summary(error.message)}")
+
+
+class TFCommunicator(StrategyCommunicator):
+    """The extended's reductions, and TF's collective reduce-scatter across workers."""
+
+    def reduce_scatter_workers(self, distribution, tensor):
+        from tfdist._hooks.zero import collective_reduce_scatter
+
+        return collective_reduce_scatter(distribution, tensor)
 
 
 def coordination_leader(cluster) -> str | None:

@@ -12,6 +12,7 @@ import math
 import os
 
 from tfdist.comm import liveness
+from tfdist.comm.communicator import StrategyCommunicator
 from tfdist.engines.base import Engine, summary
 from tfdist.engines.horovod import ops, rendezvous
 
@@ -55,6 +56,10 @@ class HorovodEngine(Engine):
         # The resolver TF's engine would hand to TF: stock code reads it.
         extended.set_cluster_resolver(strategy._make_cluster_resolver(cluster_resolver))
         return extended
+
+    def make_inner_communicator(self, name):
+        del name
+        return HorovodCommunicator()
 
     @property
     def rank(self) -> int:
@@ -125,6 +130,14 @@ class HorovodEngine(Engine):
         if seconds is not None and seconds != rendezvous.gloo_timeout_value(ours):
             return f"{rendezvous.GLOO_TIMEOUT_ENV}={seconds}", float(seconds)
         return f"{name}={ours:g}s", ours
+
+
+class HorovodCommunicator(StrategyCommunicator):
+    """The extended's reductions, and Horovod's own reduce-scatter across processes."""
+
+    def reduce_scatter_workers(self, distribution, tensor):
+        del distribution
+        return ops.reducescatter(tensor)
 
 
 def _tasks(found: list[tuple[str, str]]) -> str:

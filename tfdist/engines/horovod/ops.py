@@ -2,7 +2,7 @@
 
 Horovod is imported lazily, on the first call that needs it, so ``import tfdist`` and
 every other mode work without it. Only Horovod's raw collective ops are used
-(``allreduce``, ``broadcast``, ``allgather``); its Keras layer is broken under Keras 3.
+(``allreduce``, ``broadcast``, ``allgather``, ``reducescatter``); its Keras layer is broken under Keras 3.
 
 Processes are started by ``horovodrun -np 2 -H localhost:2 --gloo python train.py``, or
 by `tfdist.engines.horovod.rendezvous.init_from_cluster` for a TF_CONFIG job; Gloo
@@ -187,3 +187,11 @@ def allgather(tensor, name: str | None = None):
     """Concatenates ``tensor`` from every rank along axis 0 (dims > 0 must agree)."""
     wire, restore = _to_wire(tensor)
     return restore(hvd().allgather(wire, name=_op_name(name, "allgather")))
+
+
+def reducescatter(tensor, name: str | None = None):
+    """Sums ``tensor`` over every rank and returns this rank's 1/size of it along
+    axis 0 (its length must be a multiple of `size()`)."""
+    h = hvd()
+    wire, restore = _to_wire(tensor)
+    return restore(h.reducescatter(wire, op=h.Sum, name=_op_name(name, "reducescatter")))
