@@ -1,5 +1,10 @@
-"""shard_optimizer_state=True (ZeRO-2) under MirroredStrategy on 2 logical CPUs: the
-same weights as the unsharded run and one device, half the slots per replica."""
+"""shard_optimizer_state=True (ZeRO-2) under MirroredStrategy on 2 logical CPUs and on 2
+workers under tfdist launch (both engines): the same weights as the unsharded run and
+one device, half the slots per replica.
+
+Clipping is compared with one device only: the unsharded strategies clip each
+replica's gradient before the all-reduce (Keras clips inside ``apply``, before its
+all-reduce), while the sharded step clips the summed gradient, as one device does."""
 
 import pytest
 
@@ -73,3 +78,31 @@ def test_two_workers_horovod_engine():
 
     require_horovod()
     _check_launched(run_cluster(launched_task, "horovod", timeout=280))
+
+
+@pytest.mark.parametrize("case", ["accumulate", "global_clipnorm", "clipnorm",
+                                  "mixed_float16"])
+def test_sharded_matches_unsharded_with(logical_cpus, case):
+    import tfdist
+
+    from zero_jobs import GLOBAL_BATCH
+
+    options, kwargs = {}, {}
+    if case == "accumulate":
+        options = {"accumulate_steps": 2}
+        kwargs = {"batch_size": GLOBAL_BATCH // 2}
+    elif case in ("global_clipnorm", "clipnorm"):
+        kwargs = {case: 0.05}
+    else:
+        kwargs = {"policy": "mixed_float16"}
+    for optimizer in ("adamw", "sgd"):
+        got, _ = train(tfdist.MirroredStrategy(shard_optimizer_state=True, **options),
+                       optimizer, **kwargs)
+        if case == "mixed_float16":
+            plain, _ = train(tfdist.MirroredStrategy(**options), optimizer, **kwargs)
+            assert_weights_close(got, plain)
+            continue
+        # One device with the global batch (k=2 micro-batches of 8 = one step on 16).
+        ref, _ = train(None, optimizer,
+                       **{k: v for k, v in kwargs.items() if k != "batch_size"})
+        assert_weights_close(got, ref)

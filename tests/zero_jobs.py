@@ -24,7 +24,8 @@ def make_optimizer(name, **kwargs):
     raise ValueError(name)
 
 
-def train(strategy, optimizer, epochs=2, n=64, policy=None, **opt_kwargs):
+def train(strategy, optimizer, epochs=2, n=64, policy=None, batch_size=GLOBAL_BATCH,
+          **opt_kwargs):
     """Trains the small MLP; returns ``(weights, optimizer)``."""
     import contextlib
 
@@ -38,7 +39,7 @@ def train(strategy, optimizer, epochs=2, n=64, policy=None, **opt_kwargs):
             model = mlp()
             model.compile(make_optimizer(optimizer, **opt_kwargs),
                           keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=epochs, shuffle=False, verbose=0)
+        model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
         return [np.asarray(w) for w in model.get_weights()], model
     finally:
         if policy:

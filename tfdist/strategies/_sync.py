@@ -116,7 +116,7 @@ class SyncGradientsMixin(KerasFitMixin):
         optimizer = getattr(model, "optimizer", None)
         if self.shard_optimizer_state and method == "fit" and optimizer is not None:
             sharded.check_shardable(optimizer)
-            zero_hooks.build_without_slots(optimizer)
+            zero_hooks.build_without_slots(getattr(optimizer, "inner_optimizer", optimizer))
 
     def sharded_optimizer_state(self, optimizer):
         """The `tfdist.strategies._zero.ShardedOptimizerState` of ``optimizer``, or None
@@ -144,12 +144,14 @@ class SyncGradientsMixin(KerasFitMixin):
 
     def _accumulate_apply(self, optimizer, apply_fn, grads, variables):
         del apply_fn
-        if optimizer.weight_decay or optimizer.use_ema or optimizer.gradient_accumulation_steps:
+        if (optimizer.weight_decay and not self.shard_optimizer_state) or (
+                optimizer.use_ema or optimizer.gradient_accumulation_steps):
             raise ValueError("accumulate_steps does not combine with the optimizer's "
                              "weight_decay, use_ema or gradient_accumulation_steps. Received: "
                              f"weight_decay={optimizer.weight_decay}, "
                              f"use_ema={optimizer.use_ema}")
-        variables = [getattr(v, "value", v) for v in variables]
+        if not self.shard_optimizer_state:  # the sharded step keeps Keras' variables
+            variables = [getattr(v, "value", v) for v in variables]
         context = tf.distribute.get_replica_context()
         context.merge_call(functools.partial(self._ensure_accumulators, optimizer, variables))
         sums = self._accumulators[id(optimizer)]
@@ -170,6 +172,11 @@ class SyncGradientsMixin(KerasFitMixin):
         is_update = tf.equal(tf.math.floormod(self._micro_steps.add(1), steps), 0)
 
         def update():
+            if self.shard_optimizer_state:
+                self._sharded_state(optimizer, variables).apply(
+                    distribution, self.communicator, optimizer, list(totals), variables,
+                    scale=1 / steps)
+                return tf.constant(True)
             reduced = self.communicator.all_reduce(distribution, list(totals), variables,
                                                    op="sum")
             grads = [tf.cast(distribution.experimental_local_results(r)[0], v.dtype) / steps

@@ -37,6 +37,8 @@ def check_shardable(optimizer) -> None:
     """Raises a ValueError naming ``optimizer`` unless its state can be sharded."""
     import keras
 
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer  # the loss scale itself is one scalar
     name = type(optimizer).__name__
     if getattr(keras.optimizers, name, None) is not type(optimizer) or name not in SHARDABLE:
         raise ValueError(
@@ -167,7 +169,8 @@ class ShardedOptimizerState:
 
     # ---- one step (cross-replica context) ------------------------------------------------
 
-    def apply(self, distribution, communicator, optimizer, grads, variables) -> None:
+    def apply(self, distribution, communicator, optimizer, grads, variables, scale=None
+              ) -> None:
         """Reduce-scatters ``grads``, updates each replica's slices, all-gathers them
         into ``variables``.
 
@@ -178,6 +181,7 @@ class ShardedOptimizerState:
             grads: One per-replica gradient per variable (summed over replicas by the
                 reduce-scatter: Keras scales each replica's loss by 1/N).
             variables: The Keras variables, in `make_buckets`' order.
+            scale: None, or a factor for the gradients (``1/accumulate_steps``).
         """
         import tensorflow as tf
 
@@ -192,7 +196,8 @@ class ShardedOptimizerState:
                     padding = b.slice_size * self.replicas - sum(b.sizes)
                     if padding:
                         pieces.append(tf.zeros([padding], b.dtype))
-                    parts.append(tf.concat(pieces, 0) if len(pieces) > 1 else pieces[0])
+                    part = tf.concat(pieces, 0) if len(pieces) > 1 else pieces[0]
+                    parts.append(part if scale is None else part * tf.cast(scale, b.dtype))
             flat.append(per_replica(parts))
         scattered = [distribution.experimental_local_results(s)
                      for s in communicator.reduce_scatter(distribution, flat, op="sum")]
