@@ -42,3 +42,18 @@ def test_nadam_is_known_to_update_outside_update_step():
 
     assert backend_update_step_overridden(keras.optimizers.Nadam())
     assert not backend_update_step_overridden(keras.optimizers.Adam())
+
+
+def test_collective_reduce_scatter_members_exist():
+    from tensorflow.python.distribute import cross_device_ops, cross_device_utils
+    from tensorflow.python.ops import gen_collective_ops
+
+    assert hasattr(gen_collective_ops, "collective_reduce_scatter_v2")
+    source = inspect.getsource(cross_device_ops.CollectiveAllReduce.__init__)
+    assert "self._launchers" in source
+    launcher = cross_device_utils.CollectiveReplicaLauncher
+    for name in ("_next_instance_key", "_get_ordering_token"):
+        assert hasattr(launcher, name)
+    init = inspect.getsource(launcher.__init__)
+    for name in ("_group_key", "_group_size", "_device", "_options"):
+        assert f"self.{name} =" in init

@@ -22,6 +22,9 @@ here: import the module you need.
 - ``sharded``: variables a partitioner split into shards (gradients, embedding lookup,
   shard-sized initialization, optimizer state and row blocks, saving).
   Tests: ``test_hooks_sharded.py``.
+- ``zero``: sharded optimizer state (plain per-replica variables under a strategy, an
+  optimizer built without slots, Keras' weight-decay rule, TF's collective
+  reduce-scatter). Tests: ``test_hooks_zero.py``.
 
 These modules import nothing above them: the Keras hand-off passes itself in.
 """
