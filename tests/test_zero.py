@@ -106,3 +106,21 @@ def test_sharded_matches_unsharded_with(logical_cpus, case):
         ref, _ = train(None, optimizer,
                        **{k: v for k, v in kwargs.items() if k != "batch_size"})
         assert_weights_close(got, ref)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_saved_state_is_whole_and_resumes(logical_cpus, tmp_path, optimizer):
+    import tfdist
+
+    from zero_jobs import read_saved, save_and_resume
+
+    sharded_path, plain_path = str(tmp_path / "s.weights.h5"), str(tmp_path / "p.weights.h5")
+    resumed = save_and_resume(lambda: tfdist.MirroredStrategy(shard_optimizer_state=True),
+                              sharded_path, optimizer)
+    save_and_resume(tfdist.MirroredStrategy, plain_path, optimizer, resume=False)
+    got, want = read_saved(sharded_path, optimizer), read_saved(plain_path, optimizer)
+    assert_weights_close(got[0], want[0])
+    assert len(got[1]) == len(want[1]) > 2
+    assert_weights_close(got[1], want[1])
+    ref, _ = train(None, optimizer, epochs=2)  # resumed: = 2 uninterrupted epochs
+    assert_weights_close(resumed, ref)

@@ -75,3 +75,42 @@ def launched_task(engine):
     if strategy.is_chief:
         out["reference"] = {name: train(None, name)[0] for name in OPTIMIZERS}
     return out
+
+
+def save_and_resume(strategy_factory, path, optimizer="adam", resume=True):
+    """Trains 1 epoch and saves weights; with ``resume``, a new model loads the file
+    and trains 1 more epoch. Returns ``(weights after resume or None, saved optimizer
+    arrays read back in a plain model)``."""
+    import keras
+
+    x, y = classification_data(n=64)
+    strategy = strategy_factory()
+    with strategy.scope():
+        model = mlp()
+        model.compile(make_optimizer(optimizer),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    model.save_weights(path)
+    resumed = None
+    if resume:
+        with strategy.scope():
+            again = mlp(seed=7)
+            again.compile(make_optimizer(optimizer),
+                          keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        again.load_weights(path)
+        again.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+        resumed = [np.asarray(w) for w in again.get_weights()]
+    return resumed
+
+
+def read_saved(path, optimizer="adam"):
+    """The weights and optimizer variables a plain process reads from ``path``."""
+    import keras
+
+    model = mlp(seed=9)
+    model.compile(make_optimizer(optimizer),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.optimizer.build(model.trainable_variables)
+    model.load_weights(path)
+    return ([np.asarray(w) for w in model.get_weights()],
+            [np.asarray(v) for v in model.optimizer.variables])

@@ -107,3 +107,16 @@ def collective_reduce_scatter(distribution, tensor):
             instance_key=instance_key, ordering_token=[token] if token is not None else [],
             merge_op="Add", final_op="Id", communication_hint=options.implementation.value,
             timeout_seconds=options.timeout_seconds or 0)
+
+
+def replace_state_io(optimizer, save, load) -> None:
+    """``optimizer.save_own_variables``/``load_own_variables`` become ``save``/``load``.
+
+    Why: Keras' saving (``model.save``, ``save_weights``, so every checkpoint callback)
+    writes an optimizer's state through these two methods, one entry per variable of
+    ``optimizer.variables``; a sharded optimizer's slots live elsewhere, and the file
+    must hold them whole in the unsharded layout. Set in the instance's ``__dict__``
+    (Keras' attribute tracking would track the functions).
+    """
+    optimizer.__dict__["save_own_variables"] = save
+    optimizer.__dict__["load_own_variables"] = load

@@ -30,6 +30,7 @@ from tfdist.comm.options import CommunicationOptions
 from tfdist.keras import handoff
 from tfdist.strategies import _zero as sharded
 from tfdist.strategies._fit import KerasFitMixin
+from tfdist.strategies._zero_saving import ShardedSaving
 
 
 def _local_accumulators(variables) -> list:
@@ -72,6 +73,7 @@ class SyncGradientsMixin(KerasFitMixin):
                              f"shard_optimizer_state={shard_optimizer_state!r}")
         self.shard_optimizer_state = shard_optimizer_state
         self._sharded_states = {}
+        self._sharded_savings = {}
         self.communication = options
         self.communicator = communicator or Accounted(
             StrategyCommunicator(cross_device_ops), options.compression_policy,
@@ -113,10 +115,31 @@ class SyncGradientsMixin(KerasFitMixin):
 
     def keras_check_call(self, model, method, arguments):
         super().keras_check_call(model, method, arguments)
+        if method == "fit":
+            self._prepare_sharding(model)
+
+    def _prepare_sharding(self, model):
+        """Before fit or a load: the optimizer checked, built without slots, and its
+        saves made whole (`tfdist.strategies._zero_saving`)."""
         optimizer = getattr(model, "optimizer", None)
-        if self.shard_optimizer_state and method == "fit" and optimizer is not None:
-            sharded.check_shardable(optimizer)
-            zero_hooks.build_without_slots(getattr(optimizer, "inner_optimizer", optimizer))
+        if not self.shard_optimizer_state or optimizer is None:
+            return
+        sharded.check_shardable(optimizer)
+        zero_hooks.build_without_slots(getattr(optimizer, "inner_optimizer", optimizer))
+        if id(optimizer) not in self._sharded_savings and not hasattr(
+                optimizer, "inner_optimizer"):  # saved whole (not yet with a loss scale)
+            self._sharded_savings[id(optimizer)] = ShardedSaving(self, model)
+
+    def keras_model_event(self, model, method, when):
+        super().keras_model_event(model, method, when)
+        if method == "load_weights" and when == "before" and self.shard_optimizer_state:
+            self._prepare_sharding(model)
+            optimizer = getattr(model, "optimizer", None)
+            if optimizer is not None and not optimizer.built and model.trainable_variables:
+                optimizer.build(model.trainable_variables)  # no slots: loads the counters
+        saving = self._sharded_savings.get(id(getattr(model, "optimizer", None)))
+        if saving is not None and method in ("save", "save_weights") and when == "before":
+            saving.before_save()
 
     def sharded_optimizer_state(self, optimizer):
         """The `tfdist.strategies._zero.ShardedOptimizerState` of ``optimizer``, or None
@@ -140,6 +163,9 @@ class SyncGradientsMixin(KerasFitMixin):
             sharded.check_shardable(optimizer)
             self._sharded_states[key] = sharded.ShardedOptimizerState(self, optimizer,
                                                                       variables)
+            saving = self._sharded_savings.get(id(optimizer))
+            if saving is not None:
+                saving.restore_pending(self._sharded_states[key])
         return self._sharded_states[key]
 
     def _accumulate_apply(self, optimizer, apply_fn, grads, variables):

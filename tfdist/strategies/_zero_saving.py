@@ -1,0 +1,143 @@
+"""Saving sharded optimizer state whole, in the unsharded optimizer's layout.
+
+Before ``model.save``/``save_weights`` (every checkpoint callback, Keras' and tfdist's
+``BackupAndRestore``) every worker gathers the slot slices into a *template*: an
+optimizer of the same class built on the model's variables, outside the strategy, on
+this host's CPU. The file then holds what an unsharded run writes (counters and every
+slot, whole): it loads in a plain process, and a backup made on N workers resumes on M.
+Loading fills the template; each replica then takes its slice of every slot from it
+(at once, or when its sharded state is first made).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from tfdist._hooks import zero as zero_hooks
+
+_SLOT_NAME = re.compile(r"^tfdist_shard_\d+_bucket_(\d+)_(.+)$")
+
+
+def make_template(optimizer, variables):
+    """An unsharded optimizer like ``optimizer``, built on ``variables``' shapes."""
+    import tensorflow as tf
+
+    with zero_hooks.plain_variables(), tf.device("/cpu:0"):
+        template = type(optimizer).from_config(optimizer.get_config())
+        template.build(variables)
+    return template
+
+
+def _slot_names(state):
+    """``{(bucket, slot name): position in the first inner optimizer's variables}``."""
+    found = {}
+    for position, variable in enumerate(state.optimizers[0].variables):
+        match = _SLOT_NAME.match(variable.name.split("/")[-1].split(":")[0])
+        if match:
+            found[(int(match.group(1)), match.group(2))] = position
+    return found
+
+
+def _template_slot(template, variable, slot):
+    """The template's ``slot`` variable of model variable ``variable``."""
+    name = variable.path.replace("/", "_") + "_" + slot
+    for candidate in template.variables:
+        if candidate.name == name:
+            return candidate
+    raise ValueError(f"the {type(template).__name__} optimizer has no slot {slot!r} for "
+                     f"{variable.path} (looked for {name!r})")
+
+
+def gather_into_template(strategy, state, optimizer, variables):
+    """Eager, on every worker: the template with the full state (a collective)."""
+    import tensorflow as tf
+
+    from tfdist.comm.communicator import per_replica
+
+    template = make_template(optimizer, variables)
+    for (k, slot), position in sorted(_slot_names(state).items()):
+        parts = [tf.convert_to_tensor(inner.variables[position]) for inner in state.optimizers]
+        full = strategy.gather(per_replica(parts, always_wrap=True), axis=0).numpy()
+        bucket = state.buckets[k]
+        for p, m in enumerate(bucket.members):
+            values = full[bucket.offsets[p]:bucket.offsets[p] + bucket.sizes[p]]
+            _template_slot(template, variables[m], slot).assign(
+                values.reshape(bucket.shapes[p]))
+    _copy_counters(optimizer, template)
+    return template
+
+
+def scatter_from_template(state, template, variables) -> None:
+    """Each local replica's slot slices from the template's whole slots."""
+    for (k, slot), position in _slot_names(state).items():
+        bucket = state.buckets[k]
+        full = np.zeros(bucket.slice_size * state.replicas, bucket.dtype)
+        for p, m in enumerate(bucket.members):
+            values = np.asarray(_template_slot(template, variables[m], slot)).reshape(-1)
+            full[bucket.offsets[p]:bucket.offsets[p] + bucket.sizes[p]] = values
+        for i, replica in enumerate(state.replica_ids):
+            lo = replica * bucket.slice_size
+            state.optimizers[i].variables[position].assign(full[lo:lo + bucket.slice_size])
+
+
+def _copy_counters(source, target) -> None:
+    """``target``'s variables named as ``source``'s (iterations, learning rate) set."""
+    named = {v.name: v for v in target.variables}
+    for variable in source.variables:
+        if variable.name in named:
+            named[variable.name].assign(np.asarray(variable))
+
+
+class ShardedSaving:
+    """The save/load of one sharded optimizer (installed on it at ``fit``).
+
+    Args:
+        strategy: The strategy (``sharded_optimizer_state``).
+        model: The model; its ``optimizer`` is sharded.
+    """
+
+    def __init__(self, strategy, model):
+        self.strategy = strategy
+        self.model = model
+        self.optimizer = model.optimizer
+        self.template = None   # whole state to write, or loaded and not yet scattered
+        self.variables = None
+        zero_hooks.replace_state_io(self.optimizer, self.save, self.load)
+
+    def before_save(self) -> None:
+        """Every worker, before a save: gather the slots (collective)."""
+        state = self.strategy.sharded_optimizer_state(self.optimizer)
+        if state is None:
+            return
+        self.variables = list(self.model.trainable_variables)
+        self.template = gather_into_template(self.strategy, state, self.optimizer,
+                                             self.variables)
+
+    def save(self, store) -> None:
+        """Keras' ``save_own_variables``: the template's variables, or the optimizer's
+        own before any sharded step."""
+        source = self.template if self.template is not None else self.optimizer
+        for i, variable in enumerate(source.variables):
+            store[str(i)] = np.asarray(variable.numpy())
+        self.template = None
+
+    def load(self, store) -> None:
+        """Keras' ``load_own_variables``: a whole (unsharded-layout) state."""
+        model_variables = list(self.model.trainable_variables)
+        template = make_template(self.optimizer, model_variables)
+        template.load_own_variables(store)
+        _copy_counters(template, self.optimizer)
+        state = self.strategy.sharded_optimizer_state(self.optimizer)
+        if state is not None:
+            scatter_from_template(state, template, model_variables)
+        else:
+            self.template, self.variables = template, model_variables
+
+    def restore_pending(self, state) -> None:
+        """A state loaded before the sharded state existed goes into ``state``."""
+        if self.template is not None and self.variables is not None:
+            with zero_hooks.plain_variables():
+                scatter_from_template(state, self.template, self.variables)
+            self.template = None
