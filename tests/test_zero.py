@@ -124,3 +124,23 @@ def test_saved_state_is_whole_and_resumes(logical_cpus, tmp_path, optimizer):
     assert_weights_close(got[1], want[1])
     ref, _ = train(None, optimizer, epochs=2)  # resumed: = 2 uninterrupted epochs
     assert_weights_close(resumed, ref)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_two_worker_save_loads_whole_and_resumes_on_one_and_three(tmp_path):
+    from helpers import run_cluster
+    from zero_jobs import RESUME_BATCH, RESUME_N, read_saved, resume_job, save_job
+
+    assert sorted(run_cluster(save_job, str(tmp_path), "tf", timeout=200)) == [0, 1]
+    for name in ("adam", "sgd"):
+        got = read_saved(str(tmp_path / f"sharded-{name}-0.weights.h5"), name)
+        want = read_saved(str(tmp_path / f"plain-{name}-0.weights.h5"), name)
+        assert_weights_close(got[0], want[0])
+        assert len(got[1]) == len(want[1]) > 2
+        assert_weights_close(got[1], want[1])
+    ref, _ = train(None, "adam", epochs=2, n=RESUME_N, batch_size=RESUME_BATCH)
+    path = str(tmp_path / "sharded-adam-0.weights.h5")
+    for workers in (1, 3):
+        for weights in run_cluster(resume_job, path, "tf", workers=workers, timeout=200):
+            assert_weights_close(weights, ref)

@@ -77,30 +77,65 @@ def launched_task(engine):
     return out
 
 
-def save_and_resume(strategy_factory, path, optimizer="adam", resume=True):
+def save_and_resume(strategy_factory, path, optimizer="adam", resume=True, n=64,
+                    batch_size=GLOBAL_BATCH):
     """Trains 1 epoch and saves weights; with ``resume``, a new model loads the file
-    and trains 1 more epoch. Returns ``(weights after resume or None, saved optimizer
-    arrays read back in a plain model)``."""
+    and trains 1 more epoch. Returns the weights after the resume, or None."""
+    strategy = strategy_factory()
+    model = _compiled(strategy, optimizer)
+    x, y = classification_data(n=n)
+    model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+    model.save_weights(path)
+    return resume_from(strategy, path, optimizer, n, batch_size) if resume else None
+
+
+def _compiled(strategy, optimizer, seed=1):
     import keras
 
-    x, y = classification_data(n=64)
-    strategy = strategy_factory()
     with strategy.scope():
-        model = mlp()
+        model = mlp(seed=seed)
         model.compile(make_optimizer(optimizer),
                       keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
-    model.save_weights(path)
-    resumed = None
-    if resume:
-        with strategy.scope():
-            again = mlp(seed=7)
-            again.compile(make_optimizer(optimizer),
-                          keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        again.load_weights(path)
-        again.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
-        resumed = [np.asarray(w) for w in again.get_weights()]
-    return resumed
+    return model
+
+
+def resume_from(strategy, path, optimizer="adam", n=64, batch_size=GLOBAL_BATCH):
+    """A new model loads ``path`` and trains 1 more epoch; its weights."""
+    model = _compiled(strategy, optimizer, seed=7)
+    model.load_weights(path)
+    x, y = classification_data(n=n)
+    model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+    return [np.asarray(w) for w in model.get_weights()]
+
+
+# Batches that split over 1, 2 and 3 workers.
+RESUME_N, RESUME_BATCH = 48, 12
+
+
+def save_job(directory, engine):
+    """2 workers: 1 epoch sharded and 1 unsharded, each saved (rank 0's files are read)."""
+    import os
+
+    import tfdist
+
+    strategy = tfdist.MultiWorkerMirroredStrategy(engine=engine, shard_optimizer_state=True)
+    mine = os.path.join(directory, f"{{}}-{strategy.rank}.weights.h5")
+    for name in ("adam", "sgd"):
+        strategy.shard_optimizer_state = True
+        save_and_resume(lambda: strategy, mine.format(f"sharded-{name}"), name,
+                        resume=False, n=RESUME_N, batch_size=RESUME_BATCH)
+        strategy.shard_optimizer_state = False
+        save_and_resume(lambda: strategy, mine.format(f"plain-{name}"), name,
+                        resume=False, n=RESUME_N, batch_size=RESUME_BATCH)
+    return strategy.rank
+
+
+def resume_job(path, engine):
+    """Any number of workers: resume the 2-worker Adam file, sharded; the weights."""
+    import tfdist
+
+    strategy = tfdist.MultiWorkerMirroredStrategy(engine=engine, shard_optimizer_state=True)
+    return resume_from(strategy, path, "adam", RESUME_N, RESUME_BATCH)
 
 
 def read_saved(path, optimizer="adam"):
