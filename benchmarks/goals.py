@@ -99,6 +99,7 @@ def goal_rows(results: dict) -> tuple[list[list[str]], list[str]]:
     _straggler(goals["straggler"], analysis, data, results, rows, notes)
     _sharded_embedding(goals["sharded-embedding-ps"], goals["sharded-embedding-copy"],
                        analysis, data, results, rows, notes)
+    _zero(goals, analysis, data, results, rows, notes)
     return rows, notes
 
 
@@ -313,3 +314,39 @@ def _sharded_embedding(ps_goal, copy_goal, analysis, data, results, rows, notes)
         notes.append("- Sharded embedding, chief/worker net peak / table ("
                      + "; ".join(missed["copy"]) + "). "
                      + analysis.get("sharded-embedding-copy", ""))
+
+
+# goal id -> (ratio key in section zero's "ratios", what is shown, the worker counts)
+_ZERO_GOALS = {
+    "zero-optimizer": ("optimizer_bytes_times_n", "optimizer bytes sharded / unsharded x N",
+                       None),
+    "zero-model-state": ("model_state", "model state sharded / unsharded", ("4",)),
+    "zero-step": ("step_time", "step time sharded / unsharded", None),
+    "zero-wire": ("wire_bytes", "ring wire bytes per step sharded / unsharded", None),
+}
+
+
+def _zero(goals, analysis, data, results, rows, notes):
+    """Rows for the ``zero-*`` goals from the ``ratios`` of section ``zero``."""
+    section = data.get("zero") or {}
+    measured = section.get("ratios") or {}
+    quick = (section.get("settings") or {}).get("width", 0) < 2048
+    for goal_id, (key, what, counts) in _ZERO_GOALS.items():
+        goal_ = goals[goal_id]
+        if not measured or quick:
+            rows.append([f"ZeRO: {what}", goal_.target, "not measured",
+                         "a --quick run (small model)" if measured else
+                         _why_missing(results, "zero")])
+            continue
+        missed = []
+        for n, ratios in measured.items():
+            if counts and n not in counts:
+                continue
+            value = ratios[key]
+            rows.append([f"ZeRO, {n} workers ({section.get('engine')}): {what}", goal_.target,
+                         f"{value:.2f}", goal_.status(value)])
+            if not goal_.is_met(value):
+                missed.append(f"{n} workers: {value:.2f}")
+        if missed:
+            notes.append(f"- ZeRO, {what} ({'; '.join(missed)}). "
+                         + analysis.get(goal_id, ""))

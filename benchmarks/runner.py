@@ -42,6 +42,8 @@ SECTIONS = (
     ("slow_link", "Sync, model averaging and Streaming DiLoCo on a 100 Mbit/s link", True),
     ("straggler", "Model averaging with a 3x slower worker: the fast worker's step", False),
     ("sharded_embedding", "Sharded embedding on parameter servers: memory per process", False),
+    ("zero", "Sharded optimizer state (ZeRO-2): memory, step time and bytes per worker",
+     False),
     ("gpu", "GPU throughput", False),
 )
 QUICK_TIMEOUT = 300.0

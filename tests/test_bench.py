@@ -198,3 +198,19 @@ def test_goals_read_the_straggler_ratio(tmp_path):
     assert {row[0]: (row[2], row[3]) for row in rows}[label] == ("1.32", "missed by 1.20x")
     assert any("sync in the same run: 3.00" in note for note in notes)
     assert read_goals()["straggler"].target == "<= 1.1"
+
+
+def test_goals_read_the_zero_ratios(tmp_path):
+    path = tmp_path / "zero.json"
+    ratios = {"optimizer_bytes_times_n": 1.0, "model_state": 0.6, "step_time": 1.05,
+              "wire_bytes": 1.0, "optimizer_bytes": 0.5, "net_peak_rss": 0.7}
+    path.write_text(json.dumps({"engine": "horovod", "settings": {"width": 2048},
+                                "ratios": {"2": ratios, "4": dict(ratios, model_state=0.47)}}))
+    rows, notes = goal_rows({"zero": {"status": "ok", "json": str(path)}})
+    found = {row[0]: (row[2], row[3]) for row in rows}
+    assert found["ZeRO, 4 workers (horovod): model state sharded / unsharded"] == (
+        "0.47", "met")
+    assert "ZeRO, 2 workers (horovod): model state sharded / unsharded" not in found
+    assert found["ZeRO, 2 workers (horovod): step time sharded / unsharded"] == ("1.05", "met")
+    assert not any("ZeRO" in note for note in notes)
+    assert read_goals()["zero-wire"].target == "<= 1.05"

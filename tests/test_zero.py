@@ -144,3 +144,13 @@ def test_two_worker_save_loads_whole_and_resumes_on_one_and_three(tmp_path):
     for workers in (1, 3):
         for weights in run_cluster(resume_job, path, "tf", workers=workers, timeout=200):
             assert_weights_close(weights, ref)
+
+
+def test_config_and_model_averaging():
+    import tfdist
+    from tfdist.strategies import registry
+
+    for name in ("mirrored", "multi_worker"):
+        assert "shard_optimizer_state" in registry.option_names(name)
+    with pytest.raises(ValueError, match="Received: shard_optimizer_state=True"):
+        tfdist.ModelAverageStrategy(period=2, shard_optimizer_state=True)

@@ -1,7 +1,8 @@
 """Communicators: how a strategy's tensors move between replicas and workers.
 
-A `Communicator` all-reduces (sum or mean) and all-gathers, called in cross-replica
-context with per-replica values (what ``merge_call`` hands over). `StrategyCommunicator` uses the
+A `Communicator` all-reduces (sum or mean), all-gathers and reduce-scatters (sharded
+optimizer state, `tfdist.strategies._zero`), called in cross-replica context with
+per-replica values (what ``merge_call`` hands over). `StrategyCommunicator` uses the
 strategy's own cross-device ops: TF's collectives (gRPC ring on CPU, NCCL on GPU),
 ReductionToOneDevice on one host, or whatever cross-device ops an engine's
 ``extended`` reduces with (`tfdist.engines`).
@@ -11,7 +12,8 @@ ReductionToOneDevice on one host, or whatever cross-device ops an engine's
 (`tfdist.comm.accounting.payload_bytes`). Every strategy that compresses or counts
 (the synchronous ones for gradients, model averaging for weights) does so only here;
 all-gathers (model averaging's quantised outer gradients, `tfdist.comm.quantize`) are
-counted there too, as sent.
+counted there too, as sent, and reduce-scatters as the whole payload one replica
+contributes (as an all-reduce).
 IndexedSlices (embedding gradients) travel uncompressed. An engine that moves tensors
 another way gives its own `Communicator` subclass (`tfdist.engines.Engine.make_inner_communicator`).
 """

@@ -14,6 +14,10 @@ all-reduce inside a ``cond`` in replica context, which MirroredStrategy rejects
 to a local (ON_READ) accumulator, then one unconditional ``merge_call`` decides in
 cross-replica context whether this is the k-th micro-batch; only then are the sums
 all-reduced through the communicator (once per k) and applied.
+
+With ``shard_optimizer_state=True`` the optimizer step is replaced too: gradients are
+reduce-scattered and each replica updates its slice (`tfdist.strategies._zero`); saves
+hold the state whole (`tfdist.strategies._zero_saving`).
 """
 
 from __future__ import annotations

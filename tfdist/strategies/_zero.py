@@ -29,8 +29,9 @@ from tfdist.comm.communicator import per_replica, replica_ids
 # Keras optimizers whose update_step works element by element.
 SHARDABLE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Lion",
              "Ftrl")
-# Bytes of gradients per bucket (one reduce-scatter and one all-gather each).
-BUCKET_BYTES = 4 * 2**20
+# Bytes of gradients per bucket (one reduce-scatter and one all-gather each): fewer,
+# larger collectives (benchmarks/zero.py: 4 MB buckets made Horovod's step slower).
+BUCKET_BYTES = 16 * 2**20
 
 
 def check_shardable(optimizer) -> None:

@@ -139,6 +139,10 @@ class ModelAverageStrategy(AverageHandoffMixin, MultiWorkerMirroredStrategy):
         _outer.check_template(outer_optimizer)
         self._outer_template = outer_optimizer
         self.average_optimizer_state = bool(average_optimizer_state)
+        if base_kwargs.pop("shard_optimizer_state", False):
+            raise ValueError("ModelAverageStrategy keeps a whole optimizer per worker; "
+                             "shard_optimizer_state is for the synchronous strategies. "
+                             "Received: shard_optimizer_state=True")
         options = merge_options(base_kwargs.pop("communication_options", None),
                                 compression=compression)
         if options.accumulate_steps > 1:
