@@ -56,6 +56,9 @@ class SyncGradientsMixin(KerasFitMixin):
     locally before each all-reduce.
     """
 
+    #: Set by `_init_sync_gradients`; False for strategies that do not call it.
+    shard_optimizer_state = False
+
     def _init_sync_gradients(self, options: CommunicationOptions,
                              communicator: Accounted | None = None,
                              cross_device_ops=None, shard_optimizer_state: bool = False
@@ -141,7 +144,8 @@ class SyncGradientsMixin(KerasFitMixin):
             optimizer = getattr(model, "optimizer", None)
             if optimizer is not None and not optimizer.built and model.trainable_variables:
                 optimizer.build(model.trainable_variables)  # no slots: loads the counters
-        saving = self._sharded_savings.get(id(getattr(model, "optimizer", None)))
+        saving = getattr(self, "_sharded_savings", {}).get(
+            id(getattr(model, "optimizer", None)))
         if saving is not None and method in ("save", "save_weights") and when == "before":
             saving.before_save()
 
