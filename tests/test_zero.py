@@ -154,3 +154,24 @@ def test_config_and_model_averaging():
         assert "shard_optimizer_state" in registry.option_names(name)
     with pytest.raises(ValueError, match="Received: shard_optimizer_state=True"):
         tfdist.ModelAverageStrategy(period=2, shard_optimizer_state=True)
+
+
+def test_saved_state_with_a_loss_scale(logical_cpus, tmp_path):
+    import keras
+
+    import tfdist
+
+    from zero_jobs import read_saved, save_and_resume
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        paths = [str(tmp_path / f"{name}.weights.h5") for name in ("s", "p")]
+        save_and_resume(lambda: tfdist.MirroredStrategy(shard_optimizer_state=True),
+                        paths[0], "adam", resume=False)
+        save_and_resume(tfdist.MirroredStrategy, paths[1], "adam", resume=False)
+        got, want = read_saved(paths[0]), read_saved(paths[1])
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert_weights_close(got[0], want[0])
+    assert len(got[1]) == len(want[1]) > 4  # the loss scale's, then Adam's
+    assert_weights_close(got[1], want[1])

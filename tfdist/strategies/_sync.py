@@ -133,9 +133,10 @@ class SyncGradientsMixin(KerasFitMixin):
             return
         sharded.check_shardable(optimizer)
         zero_hooks.build_without_slots(getattr(optimizer, "inner_optimizer", optimizer))
-        if id(optimizer) not in self._sharded_savings and not hasattr(
-                optimizer, "inner_optimizer"):  # saved whole (not yet with a loss scale)
-            self._sharded_savings[id(optimizer)] = ShardedSaving(self, model)
+        if id(optimizer) not in self._sharded_savings:  # saved whole
+            saving = ShardedSaving(self, model)
+            self._sharded_savings[id(saving.outer)] = saving
+            self._sharded_savings[id(saving.optimizer)] = saving
 
     def keras_model_event(self, model, method, when):
         super().keras_model_event(model, method, when)

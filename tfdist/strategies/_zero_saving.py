@@ -91,7 +91,8 @@ def _copy_counters(source, target) -> None:
 
 
 class ShardedSaving:
-    """The save/load of one sharded optimizer (installed on it at ``fit``).
+    """The save/load of one sharded optimizer (installed on the model's optimizer at
+    ``fit`` or a load; a `LossScaleOptimizer` writes its own variables first, as Keras).
 
     Args:
         strategy: The strategy (``sharded_optimizer_state``).
@@ -101,10 +102,18 @@ class ShardedSaving:
     def __init__(self, strategy, model):
         self.strategy = strategy
         self.model = model
-        self.optimizer = model.optimizer
+        self.outer = model.optimizer  # a LossScaleOptimizer, or the sharded one itself
+        self.optimizer = getattr(self.outer, "inner_optimizer", self.outer)
         self.template = None   # whole state to write, or loaded and not yet scattered
         self.variables = None
-        zero_hooks.replace_state_io(self.optimizer, self.save, self.load)
+        zero_hooks.replace_state_io(self.outer, self.save, self.load)
+
+    def _prefix(self):
+        """The outer optimizer's own variables (a loss scale's), written first."""
+        if self.outer is self.optimizer:
+            return []
+        inner = {id(v) for v in self.optimizer.variables}
+        return [v for v in self.outer.variables if id(v) not in inner]
 
     def before_save(self) -> None:
         """Every worker, before a save: gather the slots (collective)."""
@@ -119,7 +128,7 @@ class ShardedSaving:
         """Keras' ``save_own_variables``: the template's variables, or the optimizer's
         own before any sharded step."""
         source = self.template if self.template is not None else self.optimizer
-        for i, variable in enumerate(source.variables):
+        for i, variable in enumerate(self._prefix() + list(source.variables)):
             store[str(i)] = np.asarray(variable.numpy())
         self.template = None
 
@@ -127,7 +136,11 @@ class ShardedSaving:
         """Keras' ``load_own_variables``: a whole (unsharded-layout) state."""
         model_variables = list(self.model.trainable_variables)
         template = make_template(self.optimizer, model_variables)
-        template.load_own_variables(store)
+        prefix = self._prefix()
+        for i, variable in enumerate(prefix):
+            variable.assign(store[str(i)])
+        template.load_own_variables({str(i - len(prefix)): store[str(i)]
+                                     for i in range(len(prefix), len(store.keys()))})
         _copy_counters(template, self.optimizer)
         state = self.strategy.sharded_optimizer_state(self.optimizer)
         if state is not None:
