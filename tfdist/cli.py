@@ -94,6 +94,21 @@ def build_parser() -> argparse.ArgumentParser:
                              "alone while restarts are left (one each; with --nnodes: the "
                              "whole job), and with none left the job carries on without it "
                              "(it fails once no worker is left)")
+    elastic = launch.add_argument_group(
+        "elastic", "lose a worker and train on; a worker joins the running job "
+                   "(engine='horovod'; docs/elastic.md)")
+    elastic.add_argument("--min-workers", type=int, default=DEFAULTS.min_workers,
+                         metavar="N",
+                         help="make the job elastic: a dead worker is removed and the others "
+                              "train on while N remain; --max-restarts counts replacements, "
+                              "which join the running job")
+    elastic.add_argument("--max-workers", type=int, default=DEFAULTS.max_workers,
+                         metavar="N", help="the most workers the elastic job may have "
+                                           "(default: --workers)")
+    elastic.add_argument("--elastic-timeout", type=float, default=DEFAULTS.elastic_timeout,
+                         metavar="SECONDS",
+                         help="fail once the job stayed below --min-workers this long "
+                              "(default 600)")
     launch.add_argument("--backup-dir", default=DEFAULTS.backup_dir,
                         help="exported as TFDIST_BACKUP_DIR; restarts resume from it "
                              "(with --nnodes: put it on storage every node reads)")

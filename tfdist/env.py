@@ -22,6 +22,9 @@ TOKEN = "TFDIST_TOKEN"  # the rendezvous' shared secret (read by tfdist launch)
 CONTROL_DIR = "TFDIST_CONTROL_DIR"  # the chief asks for a worker's restart with a file here
 TASK_RESTART = "TFDIST_TASK_RESTART"  # how many times this one task restarted
 
+# Set by the launcher of an elastic job (--min-workers): its membership service.
+ELASTIC_ADDR = "TFDIST_ELASTIC_ADDR"  # HOST:PORT of the service (and of Gloo's rendezvous)
+
 # Read by tfdist, set by the user or a job script.
 ENGINE = "TFDIST_ENGINE"  # replaces engine="auto"'s choice for the whole job
 SLURM_PORT = "TFDIST_SLURM_PORT"  # first port of a Slurm job's tasks

@@ -134,3 +134,16 @@ def traced_train_steps(model) -> list:
     """The graphs of ``model``'s train function traced with local outputs (newest
     last): each holds the input, the step (as a called function) and its loop."""
     return list(_traced_steps.get(model, ()))
+
+
+def remake_train_function(model):
+    """Makes ``model``'s train function anew (traced again on its first call); returns it.
+
+    Why: an elastic ``fit`` (`tfdist.strategies._elastic`) must re-trace the train step
+    after the replica count changed, and put its own wrapper in ``model.train_function``.
+    Keras' ``make_train_function`` returns the existing ``train_function`` unless it is
+    None, and ``fit`` calls it before the first step, so the attribute is the seam.
+    """
+    model.train_function = None
+    model.make_train_function()
+    return model.train_function

@@ -61,7 +61,10 @@ def launch(target: str | os.PathLike | Callable | None = None, *args: Any,
            node_rank: int = DEFAULTS.node_rank, master: str | None = DEFAULTS.master,
            node_addr: str | None = DEFAULTS.node_addr, token: str | None = DEFAULTS.token,
            join_timeout: float = DEFAULTS.join_timeout, evaluator: bool = DEFAULTS.evaluator,
-           evaluator_wait: float = DEFAULTS.evaluator_wait, **kwargs: Any):
+           evaluator_wait: float = DEFAULTS.evaluator_wait,
+           min_workers: int | None = DEFAULTS.min_workers,
+           max_workers: int | None = DEFAULTS.max_workers,
+           elastic_timeout: float = DEFAULTS.elastic_timeout, **kwargs: Any):
     """Runs a script or a function as a local cluster, one fresh process per task.
 
     A function (from a notebook, say) is pickled by value with cloudpickle, run in every
@@ -105,6 +108,11 @@ def launch(target: str | os.PathLike | Callable | None = None, *args: Any,
         join_timeout: Seconds for every node to join.
         evaluator: Add one ``evaluator`` task (see `LaunchOptions`); single-node jobs only.
         evaluator_wait: Seconds the evaluator may run on after training ended.
+        min_workers: Makes the job elastic (docs/elastic.md): a lost worker is removed
+            and the others train on (engine="horovod") while this many remain; each of
+            ``max_restarts`` starts a replacement that joins the running job.
+        max_workers: The most workers of an elastic job (default: ``workers``).
+        elastic_timeout: Seconds an elastic job may stay below ``min_workers``.
         **kwargs: Keyword arguments of the function.
 
     Returns:
@@ -122,7 +130,8 @@ def launch(target: str | os.PathLike | Callable | None = None, *args: Any,
         env=env, backup_dir=backup_dir, grace_period=grace_period, stream=stream,
         isolate_network=isolate_network, gpus_per_task=gpus_per_task, nnodes=nnodes,
         node_rank=node_rank, master=master, node_addr=node_addr, token=token,
-        join_timeout=join_timeout, evaluator=evaluator, evaluator_wait=evaluator_wait)
+        join_timeout=join_timeout, evaluator=evaluator, evaluator_wait=evaluator_wait,
+        min_workers=min_workers, max_workers=max_workers, elastic_timeout=elastic_timeout)
     restarts = restarts_for(chief, ps) if restart_ps_workers else JobRestarts
     return launch_target(target, args, kwargs, options, restarts, module=module)
 

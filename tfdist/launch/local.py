@@ -50,7 +50,15 @@ def run(argv: Sequence[str], options: LaunchOptions | None = None, *,
                                          wrap=lambda spec: prefix)
             return run(argv, placed, restarts=restarts)
     log = options.log or sys.stderr
-    policy = (restarts or JobRestarts)(options.max_restarts, log)
+    if options.is_elastic:
+        from tfdist.launch.elastic import ElasticRestarts
+
+        policy = ElasticRestarts(
+            options.max_restarts, log, host=options.host, min_workers=options.min_workers,
+            max_workers=options.max_workers or options.workers + options.chief,
+            elastic_timeout=options.elastic_timeout)
+    else:
+        policy = (restarts or JobRestarts)(options.max_restarts, log)
     attempt = port_retries = 0
     while True:
         cluster = options.cluster or make_local_cluster(

@@ -18,6 +18,7 @@ DEFAULT_GRACE_SECONDS = 5.0
 # Seconds an evaluator task may go on after training ended before it is stopped.
 DEFAULT_EVALUATOR_WAIT_SECONDS = 120.0
 DEFAULT_JOIN_TIMEOUT = 120.0
+DEFAULT_ELASTIC_TIMEOUT = 600.0  # seconds, as Horovod's HOROVOD_ELASTIC_TIMEOUT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,13 @@ class LaunchOptions:
             prints it when neither is set).
         join_timeout: Seconds for every node to join before each joined node fails,
             naming the missing ones.
+        min_workers: Makes the job elastic (docs/elastic.md): a worker that dies is
+            removed and the others train on while at least this many remain; each
+            ``max_restarts`` starts a replacement that joins the running job. None: a
+            failure stops the job (or restarts it whole).
+        max_workers: The most workers an elastic job may have (default: ``workers``).
+        elastic_timeout: Seconds an elastic job may stay below ``min_workers``
+            before it fails, naming the missing workers.
     """
 
     workers: int = 1
@@ -91,6 +99,14 @@ class LaunchOptions:
     node_addr: str | None = None
     token: str | None = None
     join_timeout: float = DEFAULT_JOIN_TIMEOUT
+    min_workers: int | None = None
+    max_workers: int | None = None
+    elastic_timeout: float = DEFAULT_ELASTIC_TIMEOUT
+
+    @property
+    def is_elastic(self) -> bool:
+        """Whether the job is elastic (``min_workers`` given)."""
+        return self.min_workers is not None
 
     @property
     def is_multi_node(self) -> bool:
@@ -123,6 +139,22 @@ class LaunchOptions:
         check_seconds("timeout", self.timeout, allow_none=True)
         check_int("max_restarts", self.max_restarts, 0)
         check_seconds("evaluator_wait", self.evaluator_wait)
+        if self.max_workers is not None and self.min_workers is None:
+            raise ValueError("max_workers is for elastic jobs: give min_workers too. "
+                             f"Received: max_workers={self.max_workers}, min_workers=None")
+        if self.min_workers is not None:
+            check_int("min_workers", self.min_workers, 1)
+            if self.min_workers > self.workers:
+                raise ValueError(f"min_workers must be <= workers. Received: min_workers="
+                                 f"{self.min_workers}, workers={self.workers}")
+            if self.max_workers is not None and self.max_workers < self.workers:
+                raise ValueError(f"max_workers must be >= workers. Received: max_workers="
+                                 f"{self.max_workers}, workers={self.workers}")
+            check_seconds("elastic_timeout", self.elastic_timeout)
+            if self.ps or self.evaluator:
+                raise ValueError("an elastic job (min_workers) trains with workers (and a "
+                                 "chief) only, through engine='horovod'. Received: "
+                                 f"ps={self.ps}, evaluator={self.evaluator}")
 
 
 DEFAULTS = LaunchOptions()

@@ -38,12 +38,14 @@ import secrets
 import tensorflow as tf
 
 from tfdist._hooks import tf as tf_hooks
-from tfdist.checks import check_seconds
+from tfdist import env
+from tfdist.checks import check_int, check_seconds
 from tfdist.cluster import TRAINING_TASK_TYPES, ClusterSpec, resolve_cluster
 from tfdist.comm.accounting import ByteCounter
 from tfdist.comm.options import merge_options
 from tfdist.engines.base import models_differ
 from tfdist.engines.registry import engine_class, select_engine
+from tfdist.strategies._elastic import DEFAULT_COMMIT_EVERY_STEPS
 from tfdist.strategies._sync import SyncGradientsMixin
 
 DEFAULT_STARTUP_TIMEOUT = 60.0
@@ -125,6 +127,10 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
             `tfdist.engines.select_engine`). Replicas, metrics, the initial-variable
             broadcast, accumulation, compression and byte counting are the same with
             every engine.
+        commit_every_steps: In an elastic job (``tfdist launch --min-workers``,
+            docs/elastic.md): train steps between in-memory commits of the training
+            state; a lost member costs at most this many steps. 1 (the default)
+            commits after every step.
 
     Attributes:
         engine: The engine's name (``"auto"`` resolved).
@@ -142,7 +148,9 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
                  startup_timeout=DEFAULT_STARTUP_TIMEOUT,
                  collective_timeout=DEFAULT_COLLECTIVE_TIMEOUT,
                  heartbeat_timeout=DEFAULT_HEARTBEAT_TIMEOUT, compression=None,
-                 accumulate_steps=None, engine="auto", shard_optimizer_state=False):
+                 accumulate_steps=None, engine="auto", shard_optimizer_state=False,
+                 commit_every_steps=DEFAULT_COMMIT_EVERY_STEPS):
+        self.commit_every_steps = check_int("commit_every_steps", commit_every_steps, 1)
         self.startup_timeout = check_seconds("startup_timeout", startup_timeout)
         self.collective_timeout = check_seconds("collective_timeout", collective_timeout,
                                                 allow_none=True)
@@ -154,6 +162,12 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
         self.engine = select_engine(engine, cluster.num_workers if cluster else 1,
                                     on_gpus=bool(tf.config.list_physical_devices("GPU")),
                                     is_chief=cluster.is_chief() if cluster else True)
+        if os.environ.get(env.ELASTIC_ADDR) and self.engine != "horovod":
+            raise ValueError(
+                f"an elastic job (tfdist launch --min-workers) needs engine='horovod': "
+                f"engine={self.engine!r} cannot re-form its cluster inside a running "
+                f"process (TF's collectives and coordination service are fixed at start). "
+                f"Received: engine={engine!r}")
         self._engine = engine_class(self.engine)(self)
         # Same as TF's CollectiveAllReduceStrategy.__init__, with the extended object
         # made by the engine.
@@ -286,11 +300,41 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
     @contextlib.contextmanager
     def keras_fit_context(self, model, arguments):
         """Keras ``fit`` runs in this: a peer that stopped answering is named."""
-        with super().keras_fit_context(model, arguments):
+        with super().keras_fit_context(model, arguments), self._elastic_fit(model, arguments):
             try:
                 yield
             except tf.errors.OpError as error:
                 raise self._engine.peer_error(error) from error
+
+    @contextlib.contextmanager
+    def _elastic_fit(self, model, arguments):
+        """In an elastic job, ``fit`` commits, and survives a lost or joining member
+        (`tfdist.strategies._elastic`); elsewhere nothing changes."""
+        from tfdist.engines.horovod import elastic
+
+        member = elastic.member() if self.engine == "horovod" else None
+        if member is None:
+            yield
+            return
+        from tfdist.strategies._elastic import ElasticDataset, ElasticFit, check_elastic_batch
+        from tfdist.strategies._fit import global_batch_sizes
+
+        check_elastic_batch(global_batch_sizes("fit", arguments)["batch_size"],
+                            len(self.extended.worker_devices), member.bounds)
+
+        def training_data(dataset):  # fit's first distributed dataset is its training data
+            del self._elastic_dataset
+            return ElasticDataset(dataset, self)
+
+        self._elastic_dataset = training_data
+        fitting = ElasticFit(self, model, self.commit_every_steps)
+        fitting.install()
+        self.elastic_fit = fitting
+        try:
+            yield
+        finally:
+            self.__dict__.pop("_elastic_dataset", None)
+            model.train_function = None
 
     # ---- conveniences --------------------------------------------------------------------
 

@@ -138,6 +138,12 @@ class HorovodExtended(_tf.MirroredExtended):
                              cross_device_ops=self._hvd_ops)
         self.set_cluster_resolver(None)
 
+    def refresh_membership(self) -> None:
+        """Reads this process's rank and the size again after Horovod re-formed
+        (an elastic job): the replica count and ids follow them."""
+        self._hvd_rank = comm.rank()
+        self._hvd_size = comm.size()
+
     def set_cluster_resolver(self, resolver):
         """Sets what stock code reads of TF's multi-worker ``extended`` from ``resolver``.
 
@@ -277,6 +283,9 @@ class HorovodExtended(_tf.MirroredExtended):
                                           num_replicas_in_sync=self._num_replicas_in_sync)
 
     def _experimental_distribute_dataset(self, dataset, options):
+        elastic = getattr(self._container_strategy(), "_elastic_dataset", None)
+        if elastic is not None:  # an elastic fit's training data (tfdist.strategies._elastic)
+            return elastic(dataset)
         if (options and options.experimental_replication_mode
                 == tf.distribute.InputReplicationMode.PER_REPLICA):
             raise NotImplementedError("InputReplicationMode.PER_REPLICA is only supported "

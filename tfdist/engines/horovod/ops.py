@@ -67,6 +67,20 @@ def is_initialized() -> bool:
     return _hvd is not None
 
 
+def shutdown() -> None:
+    """Shuts Horovod down in this process (elastic re-forming); `reinit` starts it again."""
+    if _hvd is not None:
+        _hvd.shutdown()
+
+
+def reinit() -> None:
+    """Initializes Horovod again after `shutdown`, from this process's ``HOROVOD_*``
+    variables, and restarts the call-order op names so every member counts alike."""
+    global _op_count
+    _op_count = itertools.count()
+    hvd().init()
+
+
 def is_available() -> bool:
     """True if ``horovod.tensorflow`` can be imported (does not initialize it)."""
     try:

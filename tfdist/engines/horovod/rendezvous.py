@@ -45,6 +45,13 @@ def init_from_cluster(cluster, timeout_seconds: float = 60.0,
     if is_initialized() or "HOROVOD_RANK" in os.environ:
         hvd()
         return
+    from tfdist.engines.horovod import elastic, membership
+
+    if membership.elastic_address():
+        host = _split(getattr(cluster, cluster.task.type)[cluster.task.index])[0]
+        elastic.join(cluster.task.name, _interface_of(host), _elastic_timeout(),
+                     timeout_seconds if peer_timeout is None else peer_timeout)
+        return
     from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
 
     import_horovod()  # before the hello: a task that said hello is ready for Gloo
@@ -86,6 +93,11 @@ def init_from_cluster(cluster, timeout_seconds: float = 60.0,
 
 
 GLOO_TIMEOUT_ENV = "HOROVOD_GLOO_TIMEOUT_SECONDS"
+ELASTIC_TIMEOUT_ENV = "HOROVOD_ELASTIC_TIMEOUT"  # Horovod's name; the launcher sets it
+
+
+def _elastic_timeout() -> float:
+    return float(os.environ.get(ELASTIC_TIMEOUT_ENV, "600"))
 
 
 def gloo_timeout_value(seconds: float) -> str:

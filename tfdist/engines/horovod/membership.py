@@ -1,0 +1,159 @@
+"""Elastic membership: which tasks form the Horovod job now, served by the launcher.
+
+The launcher of an elastic job (``tfdist launch --min-workers``) hosts one HTTP server:
+Horovod's own Gloo rendezvous server, which also answers ``GET /tfdist-elastic/state``
+with the membership: a version number and the member tasks, oldest first. Each time a
+task leaves or joins, the launcher re-initializes the rendezvous with a new plan (ranks
+follow the members' order, host by host, so the oldest member is rank 0) and then
+publishes the next version. A worker re-forms Horovod against that version
+(`tfdist.engines.horovod.elastic`). The server lives in the launcher, not in a worker,
+so the rendezvous survives the loss of any worker, the chief's too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import urllib.request
+
+SCOPE = "tfdist-elastic"
+
+
+def plan_of(members: list[tuple[str, str]]) -> dict[str, dict]:
+    """``{task name: slot}`` for ``members`` (``[(name, host), ...]``, oldest first).
+
+    A slot holds Horovod's ``rank``, ``size``, ``local_rank``, ``local_size``,
+    ``cross_rank``, ``cross_size`` and the ``host``. Hosts are ordered by their oldest
+    member, and ranks run host by host (as Horovod's own host plan).
+    """
+    hosts: list[str] = []
+    for _, host in members:
+        if host not in hosts:
+            hosts.append(host)
+    on_host = {h: [n for n, host in members if host == h] for h in hosts}
+    slots, rank = {}, 0
+    for host in hosts:
+        for local_rank, name in enumerate(on_host[host]):
+            slots[name] = {"rank": rank, "size": len(members), "local_rank": local_rank,
+                           "local_size": len(on_host[host]), "host": host}
+            # Cross ranks: among the hosts that have this local rank.
+            peers = [h for h in hosts if len(on_host[h]) > local_rank]
+            slots[name].update(cross_rank=peers.index(host), cross_size=len(peers))
+            rank += 1
+    return slots
+
+
+class MembershipServer:
+    """The launcher's membership service and Gloo rendezvous, in a thread.
+
+    Args:
+        host: Address to listen on (every task must reach it).
+        min_workers: Published with each membership (the strategy checks its batch).
+        max_workers: Likewise.
+    """
+
+    def __init__(self, host: str, min_workers: int, max_workers: int):
+        from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
+
+        service = self
+
+        class Handler(RendezvousHandler):
+            def _get_value(self, scope, key):
+                if scope == SCOPE:
+                    with service._lock:
+                        return service._state
+                return super()._get_value(scope, key)
+
+        self._lock = threading.Lock()
+        self._bounds = {"min_workers": min_workers, "max_workers": max_workers}
+        self._state = json.dumps({"version": 0, "members": []}).encode()
+        self.version = 0
+        self.members: list[tuple[str, str]] = []
+        self._server = RendezvousHTTPServer((host, 0), Handler, 0)
+        self.address = f"{host}:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever,
+                                        name="tfdist-elastic-membership", daemon=True)
+        self._thread.start()
+
+    def publish(self, members: list[tuple[str, str]]) -> int:
+        """Makes ``members`` (``[(name, host)]``, oldest first) the job; returns its version.
+
+        The rendezvous gets the new plan before the version is published, so a task that
+        sees the version finds the plan.
+        """
+        from horovod.runner.common.util.hosts import SlotInfo
+
+        slots = plan_of(members)
+        plan = [SlotInfo(hostname=s["host"], rank=s["rank"], local_rank=s["local_rank"],
+                         cross_rank=s["cross_rank"], size=s["size"],
+                         local_size=s["local_size"], cross_size=s["cross_size"])
+                for s in slots.values()]
+        self._server.init(plan)
+        with self._lock:
+            self.version += 1
+            self.members = list(members)
+            self._state = json.dumps({**self._bounds, "version": self.version, "members": [
+                {"name": name, **slots[name]} for name, _ in members]}).encode()
+        return self.version
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+def fetch_state(address: str, timeout: float = 5.0) -> dict:
+    """The membership the service at ``address`` publishes: ``{"version", "members"}``."""
+    with urllib.request.urlopen(f"http://{address}/{SCOPE}/state", timeout=timeout) as reply:
+        return json.loads(reply.read())
+
+
+def wait_for_membership(address: str, name: str, above: int, timeout: float) -> dict:
+    """Waits until the service publishes a version above ``above`` that lists ``name``.
+
+    Returns:
+        That state (``{"version", "members"}``).
+
+    Raises:
+        TimeoutError: none came within ``timeout`` seconds (says what was last seen).
+    """
+    deadline = time.monotonic() + timeout
+    state: dict = {"version": None, "members": []}
+    while True:
+        try:
+            state = fetch_state(address)
+        except OSError:
+            pass  # the launcher is busy or restarting its server: try again
+        if state["version"] is not None and state["version"] > above and any(
+                m["name"] == name for m in state["members"]):
+            return state
+        if time.monotonic() > deadline:
+            names = ", ".join(m["name"] for m in state["members"]) or "none"
+            raise TimeoutError(
+                f"{name}: the elastic job's membership service at {address} published no "
+                f"membership with this task after version {above} within {timeout:g}s "
+                f"(last seen: version {state['version']}, members {names}).")
+        time.sleep(0.05)
+
+
+def slot_env(state: dict, name: str, address: str) -> dict[str, str]:
+    """The ``HOROVOD_*`` variables that make task ``name`` a member of ``state``."""
+    slot = next(m for m in state["members"] if m["name"] == name)
+    host, port = address.rsplit(":", 1)
+    return {"HOROVOD_RANK": str(slot["rank"]), "HOROVOD_SIZE": str(slot["size"]),
+            "HOROVOD_LOCAL_RANK": str(slot["local_rank"]),
+            "HOROVOD_LOCAL_SIZE": str(slot["local_size"]),
+            "HOROVOD_CROSS_RANK": str(slot["cross_rank"]),
+            "HOROVOD_CROSS_SIZE": str(slot["cross_size"]),
+            "HOROVOD_HOSTNAME": slot["host"], "HOROVOD_CONTROLLER": "gloo",
+            "HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_GLOO_RENDEZVOUS_ADDR": host,
+            "HOROVOD_GLOO_RENDEZVOUS_PORT": port}
+
+
+def elastic_address() -> str | None:
+    """The membership service's ``HOST:PORT`` of an elastic job, or None."""
+    from tfdist import env
+
+    return os.environ.get(env.ELASTIC_ADDR) or None

@@ -1,0 +1,114 @@
+"""The launcher's policy for an elastic job (``--min-workers``): lose a worker, carry on.
+
+The launcher hosts the job's membership service and Gloo's rendezvous
+(`tfdist.engines.horovod.membership`), so they outlive any worker. A worker that exits
+non-zero (or is killed) is removed from the membership and the others re-form Horovod
+without it, inside ``fit`` (`tfdist.strategies._elastic`); while ``max_restarts``
+allow, a replacement starts and joins the running job. Below ``min_workers`` for
+longer than ``elastic_timeout`` seconds the job fails, naming who is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable, Iterator
+
+from tfdist import env
+from tfdist.cluster import TRAINING_TASK_TYPES, TaskSpec
+from tfdist.launch.restarts import JobRestarts
+from tfdist.launch.results import LaunchError, announce_restart, exit_cause
+
+
+
+class ElasticRestarts(JobRestarts):
+    """Restart policy of an elastic job on one host (see the module's words).
+
+    Args:
+        max_restarts: Replacement workers allowed over the whole job.
+        log: Where the launcher's messages go.
+        host: The address the membership service listens on (the tasks' host).
+        min_workers: The fewest workers the job trains with.
+        max_workers: The most workers the job may have.
+        elastic_timeout: Seconds the job may stay below ``min_workers``.
+    """
+
+    def __init__(self, max_restarts: int, log, *, host: str, min_workers: int,
+                 max_workers: int, elastic_timeout: float):
+        super().__init__(max_restarts, log)
+        self.host = host
+        self.min_workers = min_workers
+        self.max_workers = max_workers
+        self.elastic_timeout = elastic_timeout
+        self.used = 0  # replacements so far
+        self.server = None
+        self.lost: set[int] = set()  # ids of the TaskProcess objects left out
+        self.removed: list[str] = []  # how each lost worker ended, in order
+        self.below_since: float | None = None
+
+    @property
+    def spent(self) -> int:
+        return self.job_restarts + self.used
+
+    @contextlib.contextmanager
+    def attempt(self) -> Iterator[None]:
+        from tfdist.engines.horovod.membership import MembershipServer
+
+        self.server = MembershipServer(self.host, self.min_workers, self.max_workers)
+        self.lost, self.below_since = set(), None
+        try:
+            yield
+        finally:
+            self.server.close()
+
+    def task_env(self, task_restart: int) -> dict[str, str]:
+        return {env.ELASTIC_ADDR: self.server.address, env.ENGINE: "horovod",
+                "HOROVOD_ELASTIC_TIMEOUT": f"{self.elastic_timeout:g}",
+                env.TASK_RESTART: str(task_restart)}
+
+    def check(self, tasks: list) -> None:
+        """Publishes the first membership; fails the job once it stayed too small."""
+        if self.server.version == 0:
+            self.server.publish([(t.name, self.host) for t in tasks
+                                 if t.spec.type in TRAINING_TASK_TYPES])
+        if self.below_since is not None and \
+                time.monotonic() - self.below_since > self.elastic_timeout:
+            members = [name for name, _ in self.server.members]
+            raise LaunchError(
+                f"the elastic job stayed below --min-workers {self.min_workers} for more "
+                f"than --elastic-timeout {self.elastic_timeout:g}s: {len(members)} "
+                f"worker(s) left ({', '.join(members) or 'none'}); missing: "
+                f"{'; '.join(self.removed)}", attempts=self.job_restarts + 1)
+
+    def replace(self, tasks: list, failed, start: Callable[[TaskSpec, int], object]) -> bool:
+        if failed.spec.type not in TRAINING_TASK_TYPES:
+            return False
+        failed.finish_output()
+        cause = exit_cause(failed.name, failed.poll())
+        self.removed.append(cause)
+        members = [(n, h) for n, h in self.server.members if n != failed.name]
+        if not members and self.spent >= self.max_restarts:
+            return False  # nobody is left to carry on: the job fails on this task
+        self.server.publish(members)
+        if self.spent < self.max_restarts:
+            self.used += 1
+            announce_restart(self.log, self.spent, self.max_restarts, cause,
+                             f"; starting a replacement for {failed.name}, which joins "
+                             "the running elastic job")
+            tasks[tasks.index(failed)] = start(failed.spec, self.used)
+            self.server.publish(members + [(failed.name, self.host)])
+            return True
+        self.lost.add(id(failed))
+        left = ", ".join(name for name, _ in members)
+        print(f"tfdist launch: {cause}; the elastic job carries on with {len(members)} "
+              f"worker(s) ({left}): no restarts left ({self.spent}/{self.max_restarts} "
+              "used)", file=self.log, flush=True)
+        if len(members) < self.min_workers and self.below_since is None:
+            self.below_since = time.monotonic()
+            print(f"tfdist launch: below --min-workers {self.min_workers}; waiting up to "
+                  f"--elastic-timeout {self.elastic_timeout:g}s for workers to join",
+                  file=self.log, flush=True)
+        return True
+
+    def is_lost(self, task) -> bool:
+        return id(task) in self.lost

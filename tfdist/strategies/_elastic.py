@@ -1,0 +1,241 @@
+"""Elastic ``fit``: commit in memory, and on a lost member roll back, re-form, re-trace.
+
+In an elastic job (``tfdist launch --min-workers``, engine ``"horovod"``) Keras' train
+function is wrapped (`ElasticFit`). After every ``commit_every_steps`` train steps (and
+at each epoch's start) the wrapper copies the training state into host memory: the
+model's, optimizer's and metrics' variables and the data position (epoch, batch).
+When Horovod fails because a member was lost, or the launcher publishes a newer
+membership (a joiner), every member:
+
+1. puts the committed values back and rewinds its data to the committed batch;
+2. re-forms Horovod with the next membership (`tfdist.engines.horovod.elastic`);
+3. agrees on the newest commit (members may be one step apart when the loss came in
+   the middle of an all-reduce) and takes its values from the member holding it, by
+   broadcast: a joiner gets the whole state this way;
+4. re-traces Keras' train function (the replica count is baked into it) and replays
+   the rolled-back steps from the data buffer, so no batch is skipped or taken twice.
+
+The data is an `ElasticDataset`: every worker reads every global batch of the user's
+dataset and keeps its replicas' rows, so the global batch (and the trajectory of
+synchronous SGD) does not depend on how many workers compute it, and a position is
+just (epoch, batch). The global batch must divide by every replica count the job can
+have (checked before ``fit`` starts).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import tensorflow as tf
+
+from tfdist.engines.horovod import elastic, ops
+
+DEFAULT_COMMIT_EVERY_STEPS = 1
+
+
+class ElasticDataset:
+    """The training data of an elastic ``fit``: each global batch's rows of this worker.
+
+    Args:
+        dataset: The user's batched `tf.data.Dataset` (global batches).
+        strategy: The strategy (its ``extended`` gives the replica ids now).
+    """
+
+    def __init__(self, dataset, strategy):
+        self._dataset = dataset
+        self._strategy = strategy
+        self.element_spec = dataset.element_spec
+
+    def __iter__(self) -> "ElasticIterator":
+        return ElasticIterator(iter(self._dataset), self._strategy)
+
+
+class ElasticIterator:
+    """Global batches in order, sliced to this worker's replicas, with a replay buffer.
+
+    ``position`` counts the global batches taken this epoch. `rewind` gives back every
+    batch taken since `mark` (the last commit), in order.
+    """
+
+    def __init__(self, source, strategy):
+        self._source = source
+        self._strategy = strategy
+        self._taken: list = []  # global batches since the last mark
+        self._replay: collections.deque = collections.deque()
+        self.position = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = self._replay.popleft() if self._replay else next(self._source)
+        self._taken.append(batch)
+        self.position += 1
+        return self._share(batch)
+
+    def mark(self) -> None:
+        """Forgets the batches taken so far: the state was committed here."""
+        self._taken.clear()
+
+    def rewind(self) -> None:
+        """Goes back to the last `mark`: its batches come again, in order."""
+        self._replay.extendleft(reversed(self._taken))
+        self.position -= len(self._taken)
+        self._taken.clear()
+
+    def skip(self, count: int) -> None:
+        """Takes ``count`` batches without using them (another member trained on them)."""
+        for _ in range(count):
+            next(self)
+
+    def _share(self, batch):
+        """This worker's replicas' rows of ``batch``, as one value per local replica."""
+        strategy = self._strategy
+        rows = int(tf.shape(tf.nest.flatten(batch)[0])[0])
+
+        def rows_of(context):
+            replicas = context.num_replicas_in_sync
+            start = context.replica_id_in_sync_group * rows // replicas
+            stop = (context.replica_id_in_sync_group + 1) * rows // replicas
+            return tf.nest.map_structure(lambda t: t[start:stop], batch)
+
+        return strategy.experimental_distribute_values_from_function(rows_of)
+
+
+class ElasticFit:
+    """Keras' train function of one ``fit``, made elastic (see the module's words).
+
+    Args:
+        strategy: The strategy (Horovod engine, in an elastic job).
+        model: The Keras model being fit.
+        commit_every_steps: Train-function calls between commits.
+    """
+
+    def __init__(self, strategy, model, commit_every_steps: int):
+        self.strategy = strategy
+        self.model = model
+        self.member = elastic.member()
+        self.commit_every_steps = commit_every_steps
+        self.iterator: ElasticIterator | None = None
+        self.epoch = -1
+        self.calls_since_commit = 0
+        self.committed: list[np.ndarray] = []
+        self.committed_at = (0, 0)
+        self.last_logs = None
+        self.recoveries = 0
+        self._inner = None
+
+    # ---- the wrapped train function ------------------------------------------------
+    def install(self) -> None:
+        """Makes Keras' train function (as ``fit`` would) and puts this one in its place."""
+        from tfdist._hooks.keras_steps import remake_train_function
+
+        self._inner = remake_train_function(self.model)
+        self.model.train_function = self
+
+    def __call__(self, iterator):
+        if iterator is not self.iterator:  # a new epoch
+            self.iterator, self.epoch = iterator, self.epoch + 1
+            self.commit()
+        start = iterator.position
+        while True:
+            try:
+                if self.calls_since_commit == 0 and self._may_grow() and \
+                        self.member.changed():
+                    raise _MembershipChanged()
+                while iterator.position < start:  # replay what the rollback undid
+                    self._inner(iterator)
+                logs = self._inner(iterator)
+            except (tf.errors.OpError, _MembershipChanged) as error:
+                if isinstance(error, tf.errors.OpError) and not elastic.is_lost_peer(error):
+                    raise
+                if self._recover(start):
+                    return self.last_logs  # the newest commit is past this call
+                continue
+            self.last_logs = logs
+            self.calls_since_commit += 1
+            if self.calls_since_commit >= self.commit_every_steps:
+                self.commit()
+            return logs
+
+    def _may_grow(self) -> bool:
+        return len(self.member.members) < self.member.bounds[1]
+
+    # ---- commit, rollback, re-form -------------------------------------------------
+    def state_variables(self) -> list:
+        """The model's, optimizer's and metrics' variables, each once, in a fixed order."""
+        found, seen = [], set()
+        metric_vars = [v for m in self.model.metrics for v in m.variables]
+        for v in (*self.model.variables, *self.model.optimizer.variables, *metric_vars):
+            if id(v) not in seen:
+                seen.add(id(v))
+                found.append(v)
+        return found
+
+    def commit(self) -> None:
+        """Copies the training state and the data position into host memory."""
+        self.committed = [np.array(v.numpy(), copy=True) for v in self.state_variables()]
+        self.committed_at = (self.epoch, self.iterator.position)
+        self.iterator.mark()
+        self.calls_since_commit = 0
+
+    def _recover(self, start: int) -> bool:
+        """Rolls back, re-forms, syncs the newest commit, re-traces.
+
+        Returns:
+            True when the newest commit already covers the call that began at ``start``.
+        """
+        self.recoveries += 1
+        self.iterator.rewind()
+        self.member.reform()
+        self.strategy.extended.refresh_membership()
+        root, (epoch, position) = self._newest_commit()
+        variables = self.state_variables()
+        for i, variable in enumerate(variables):
+            self.committed[i] = ops.broadcast(self.committed[i], root_rank=root).numpy()
+            variable.assign(self.committed[i])
+        from tfdist._hooks.keras_steps import remake_train_function
+
+        self._inner = remake_train_function(self.model)
+        self.model.train_function = self
+        if epoch > self.epoch:
+            return True  # the others ended this epoch: its batches are done
+        self.iterator.skip(position - self.iterator.position)  # the others' newer steps
+        self.committed_at = (epoch, position)
+        self.iterator.mark()
+        self.calls_since_commit = 0
+        return position > start
+
+    def _newest_commit(self) -> tuple[int, tuple[int, int]]:
+        """``(rank holding it, (epoch, batch))`` of the newest commit among the members."""
+        mine = tf.constant([[self.committed_at[0], self.committed_at[1], ops.rank()]],
+                           tf.int64)
+        every = ops.allgather(mine).numpy()
+        newest = max((int(e), int(p)) for e, p, _ in every)
+        root = min(int(r) for e, p, r in every if (int(e), int(p)) == newest)
+        return root, newest
+
+
+class _MembershipChanged(Exception):
+    """The launcher published a newer membership (a worker joins)."""
+
+
+def check_elastic_batch(batch_size, local_replicas: int, bounds: tuple[int, int]) -> None:
+    """Raises unless ``batch_size`` divides by every replica count the job can have.
+
+    Args:
+        batch_size: The global batch (None: unknown, not checked).
+        local_replicas: Replicas per worker.
+        bounds: ``(min_workers, max_workers)``.
+    """
+    if batch_size is None:
+        return
+    counts = [w * local_replicas for w in range(bounds[0], bounds[1] + 1)]
+    bad = [c for c in counts if batch_size % c]
+    if bad:
+        raise ValueError(
+            f"in an elastic job the global batch must split evenly over every replica "
+            f"count the job can have ({', '.join(map(str, counts))}), so that every "
+            f"membership trains on the same global batch. Received: batch_size="
+            f"{batch_size}, which does not divide by {', '.join(map(str, bad))}.")
