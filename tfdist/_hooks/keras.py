@@ -109,6 +109,8 @@ def _model_method(name, when, original, handoff_of, fit_driver_methods, fit_driv
                    else contextlib.nullcontext())
         with context:
             handoff.keras_model_event(self, name, "before")
+            if name == "fit" and handoff.keras_fit_initial_epoch(self) is not None:
+                kwargs = {**kwargs, "initial_epoch": handoff.keras_fit_initial_epoch(self)}
             if name in SAVE_METHODS and handoff.keras_safe_saves:
                 result = save_safely(original, self, args, kwargs)
             else:

@@ -16,6 +16,7 @@ What Keras then does, per member of `KerasHandoff`:
 - ``keras_check_call(model, method, arguments)``: may refuse ``fit``/``evaluate``/
   ``predict`` (`FIT_DRIVER_METHODS`) before anything runs.
 - ``keras_fit_context(model, arguments)``: the context ``fit`` runs in.
+- ``keras_fit_initial_epoch(model)``: None, or the ``initial_epoch`` fit starts at.
 - ``keras_model_event(model, method, when)``: told ``"before"`` and ``"after"`` fit,
   and ``"before"`` the other `MODEL_EVENTS`.
 - ``keras_fit_driver``: a module whose ``fit``/``evaluate``/``predict`` replace Keras'
@@ -89,6 +90,12 @@ class KerasHandoff:
         """The context manager ``fit`` runs in (``arguments``: fit's bound arguments)."""
         del model, arguments
         return contextlib.nullcontext()
+
+    def keras_fit_initial_epoch(self, model):
+        """None, or the ``initial_epoch`` that replaces fit's own (asked inside
+        `keras_fit_context`: a worker joining a running elastic job)."""
+        del model
+        return None
 
     def keras_model_event(self, model, method, when):
         """Told ``"before"`` and ``"after"`` fit, and ``"before"`` the other `MODEL_EVENTS`."""

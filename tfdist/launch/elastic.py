@@ -89,15 +89,17 @@ class ElasticRestarts(JobRestarts):
         members = [(n, h) for n, h in self.server.members if n != failed.name]
         if not members and self.spent >= self.max_restarts:
             return False  # nobody is left to carry on: the job fails on this task
-        self.server.publish(members)
         if self.spent < self.max_restarts:
             self.used += 1
             announce_restart(self.log, self.spent, self.max_restarts, cause,
                              f"; starting a replacement for {failed.name}, which joins "
                              "the running elastic job")
-            tasks[tasks.index(failed)] = start(failed.spec, self.used)
+            # One membership without the lost worker and with its replacement (the
+            # youngest member): two versions in a row could split the survivors.
             self.server.publish(members + [(failed.name, self.host)])
+            tasks[tasks.index(failed)] = start(failed.spec, self.used)
             return True
+        self.server.publish(members)
         self.lost.add(id(failed))
         left = ", ".join(name for name, _ in members)
         print(f"tfdist launch: {cause}; the elastic job carries on with {len(members)} "

@@ -100,6 +100,13 @@ class ElasticIterator:
             stop = (context.replica_id_in_sync_group + 1) * rows // replicas
             return tf.nest.map_structure(lambda t: t[start:stop], batch)
 
+        extended = strategy.extended
+        if len(extended.worker_devices) == 1:
+            # Plain tensors, not per-replica values: Keras' fit then builds the model
+            # from a batch without reducing it across workers, which a worker joining a
+            # running job could not do (the members are training).
+            return rows_of(tf.distribute.experimental.ValueContext(
+                extended._get_replica_id_in_sync_group(0), strategy.num_replicas_in_sync))
         return strategy.experimental_distribute_values_from_function(rows_of)
 
 
@@ -124,6 +131,8 @@ class ElasticFit:
         self.committed_at = (0, 0)
         self.last_logs = None
         self.recoveries = 0
+        self.fast_forward = 0  # a joiner's calls to pass before it trains
+        self.committed_metrics: list[np.ndarray] = []
         self._inner = None
 
     # ---- the wrapped train function ------------------------------------------------
@@ -137,12 +146,16 @@ class ElasticFit:
     def __call__(self, iterator):
         if iterator is not self.iterator:  # a new epoch
             self.iterator, self.epoch = iterator, self.epoch + 1
+            iterator.skip(self.fast_forward)  # a joiner's first epoch: the job's position
             self.commit()
+        if self.fast_forward > 0:  # Keras' steps the job trained before this worker joined
+            self.fast_forward -= self.model.steps_per_execution
+            return {}
+        self.member.training = True
         start = iterator.position
         while True:
             try:
-                if self.calls_since_commit == 0 and self._may_grow() and \
-                        self.member.changed():
+                if self.calls_since_commit == 0 and self.member.changed():
                     raise _MembershipChanged()
                 while iterator.position < start:  # replay what the rollback undid
                     self._inner(iterator)
@@ -159,26 +172,55 @@ class ElasticFit:
                 self.commit()
             return logs
 
-    def _may_grow(self) -> bool:
-        return len(self.member.members) < self.member.bounds[1]
-
     # ---- commit, rollback, re-form -------------------------------------------------
     def state_variables(self) -> list:
-        """The model's, optimizer's and metrics' variables, each once, in a fixed order."""
+        """The model's and optimizer's variables, each once, in a fixed order: what every
+        member holds equal (the state a joiner receives)."""
         found, seen = [], set()
-        metric_vars = [v for m in self.model.metrics for v in m.variables]
-        for v in (*self.model.variables, *self.model.optimizer.variables, *metric_vars):
+        for v in (*self.model.variables, *self.model.optimizer.variables):
             if id(v) not in seen:
                 seen.add(id(v))
                 found.append(v)
         return found
 
+    def metric_variables(self) -> list:
+        """This worker's own copies of the metrics' variables (their sums over workers are
+        read at the epoch's end): committed and restored here, never sent."""
+        local = self.strategy.experimental_local_results
+        return [c for m in self.model.metrics for v in m.variables for c in local(v.value)]
+
     def commit(self) -> None:
         """Copies the training state and the data position into host memory."""
         self.committed = [np.array(v.numpy(), copy=True) for v in self.state_variables()]
+        self.committed_metrics = [np.array(v.numpy(), copy=True)
+                                  for v in self.metric_variables()]
         self.committed_at = (self.epoch, self.iterator.position)
         self.iterator.mark()
         self.calls_since_commit = 0
+
+    def join(self) -> int:
+        """On a worker that joined a running job, before fit's loop: takes the job's
+        state from the member with the newest commit. Returns the epoch to start at."""
+        optimizer = self.model.optimizer
+        if not optimizer.built:
+            with self.strategy.scope():
+                optimizer.build(self.model.trainable_variables)
+        self.committed = [v.numpy() for v in self.state_variables()]
+        self.committed_at = (-1, -1)
+        epoch, position = self._sync()
+        self.member.synced = True
+        self.epoch, self.fast_forward = epoch - 1, position
+        return epoch
+
+    def _sync(self) -> tuple[int, int]:
+        """Every member takes the newest commit's values; returns its position."""
+        root, newest = self._newest_commit()
+        elastic._say(f"{self.member.name}: takes the state of rank {root} (epoch "
+                     f"{newest[0]}, batch {newest[1]})")
+        for i, variable in enumerate(self.state_variables()):
+            self.committed[i] = ops.broadcast(self.committed[i], root_rank=root).numpy()
+            variable.assign(self.committed[i])
+        return newest
 
     def _recover(self, start: int) -> bool:
         """Rolls back, re-forms, syncs the newest commit, re-traces.
@@ -188,13 +230,17 @@ class ElasticFit:
         """
         self.recoveries += 1
         self.iterator.rewind()
-        self.member.reform()
-        self.strategy.extended.refresh_membership()
-        root, (epoch, position) = self._newest_commit()
-        variables = self.state_variables()
-        for i, variable in enumerate(variables):
-            self.committed[i] = ops.broadcast(self.committed[i], root_rank=root).numpy()
-            variable.assign(self.committed[i])
+        for variable, value in zip(self.metric_variables(), self.committed_metrics):
+            variable.assign(value)
+        while True:
+            self.member.reform()
+            self.strategy.extended.refresh_membership()
+            try:
+                epoch, position = self._sync()
+                break
+            except tf.errors.OpError as error:  # another member was lost meanwhile
+                if not elastic.is_lost_peer(error):
+                    raise
         from tfdist._hooks.keras_steps import remake_train_function
 
         self._inner = remake_train_function(self.model)

@@ -268,6 +268,11 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
         if not self.extended._in_multi_worker_mode() or (
                 tf.compat.v1.random.get_seed(0)[0] != _DEFAULT_GRAPH_SEED):
             return None
+        from tfdist.engines.horovod import elastic
+
+        if self.engine == "horovod" and elastic.member() is not None and \
+                elastic.member().joined_running:
+            return None  # the members train: no collective before fit syncs (docs/elastic.md)
         contribution = float(secrets.randbelow(2**31 - 1)) if self.is_chief else 0.0
 
         def value_fn(context):
@@ -328,13 +333,21 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
 
         self._elastic_dataset = training_data
         fitting = ElasticFit(self, model, self.commit_every_steps)
+        if not member.synced:
+            self._elastic_initial_epoch = fitting.join()
         fitting.install()
         self.elastic_fit = fitting
         try:
             yield
         finally:
             self.__dict__.pop("_elastic_dataset", None)
+            self.__dict__.pop("_elastic_initial_epoch", None)
             model.train_function = None
+
+    def keras_fit_initial_epoch(self, model):
+        """A worker that joined a running elastic job starts at the job's epoch."""
+        del model
+        return getattr(self, "_elastic_initial_epoch", None)
 
     # ---- conveniences --------------------------------------------------------------------
 

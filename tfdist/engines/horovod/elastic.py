@@ -46,6 +46,10 @@ class ElasticMember:
         self.gloo_timeout = gloo_timeout
         self.state: dict = {"version": 0, "members": []}
         self.reforms = 0  # times Horovod was formed again
+        self.joined_running = False  # formed first with a membership past the first
+        self.synced = False  # holds the job's training state (a joiner: once fit synced)
+        self.training = False  # has trained a step with the members (or started with them)
+        self.latest = 0  # the newest version seen by the watcher thread
 
     @property
     def version(self) -> int:
@@ -67,11 +71,22 @@ class ElasticMember:
                                                self.timeout)
         os.environ.update(membership.slot_env(state, self.name, self.address))
         os.environ["HOROVOD_GLOO_IFACE"] = self.interface
-        os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(int(max(self.gloo_timeout, 1))))
+        os.environ["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(int(max(self.gloo_timeout, 1)))
         first = self.version == 0
         self.state = state
+        _say(f"{self.name}: {'joins' if first else 're-forms'} Horovod: membership "
+             f"{state['version']}, rank {ops_rank(state, self.name)} of "
+             f"{len(state['members'])} ({', '.join(self.members)})")
+        self.latest = max(self.latest, state["version"])
         if first:
+            self.joined_running = state["version"] > 1
+            self.synced = self.training = not self.joined_running
+            if self.joined_running:  # the members re-form at their next commit
+                os.environ["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(int(max(self.timeout, 1)))
             ops.init()
+            ops.reset_op_names()
+            os.environ["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(int(max(self.gloo_timeout, 1)))
+            self._watch()
         else:
             ops.reinit()
 
@@ -83,10 +98,34 @@ class ElasticMember:
 
     def changed(self) -> bool:
         """Whether the launcher published a membership newer than this one (a joiner)."""
-        try:
-            return membership.fetch_state(self.address, timeout=2)["version"] > self.version
-        except OSError:
-            return False
+        return self.latest > self.version
+
+    def _watch(self, every: float = 0.25) -> None:
+        """Reads the newest version every ``every`` seconds, in a daemon thread."""
+        import threading
+        import time
+
+        def watch():
+            while True:
+                try:
+                    self.latest = max(self.latest,
+                                      membership.fetch_state(self.address, timeout=2)["version"])
+                except (OSError, ValueError):
+                    pass
+                time.sleep(every)
+
+        threading.Thread(target=watch, name="tfdist-elastic-watch", daemon=True).start()
+
+
+def ops_rank(state: dict, name: str) -> int:
+    return next(m["rank"] for m in state["members"] if m["name"] == name)
+
+
+def _say(text: str) -> None:
+    """One line on stderr (the launcher prefixes it with the task's name)."""
+    import sys
+
+    print(f"tfdist elastic: {text}", file=sys.stderr, flush=True)
 
 
 _member: ElasticMember | None = None

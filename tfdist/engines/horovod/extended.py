@@ -209,7 +209,7 @@ class HorovodExtended(_tf.MirroredExtended):
     # --- variables: rank 0's initial values everywhere -------------------------------
     def _create_variable(self, next_creator, **kwargs):
         initial = kwargs.get("initial_value")
-        if self._hvd_size > 1:
+        if self._hvd_size > 1 and not _joins_running_job():
             initial_value = kwargs["initial_value"]
             if isinstance(initial_value, _tf.CheckpointInitialValue):
                 initial_value = initial_value.wrapped_value
@@ -244,6 +244,10 @@ class HorovodExtended(_tf.MirroredExtended):
         if _tf.is_mirrored(value) and reduce_op == tf.distribute.ReduceOp.MEAN:
             return value
 
+        if _joins_running_job():  # reads within fit's set-up, before this worker trains
+            return tf.nest.map_structure(
+                lambda v: self._local_reduce(reduce_op, v, destinations), value)
+
         def reduce_one(v):
             if not isinstance(v, tf.distribute.DistributedValues) and (
                     self._num_replicas_in_sync == 1):
@@ -253,6 +257,16 @@ class HorovodExtended(_tf.MirroredExtended):
             return self._hvd_ops.reduce(reduce_op, v, destinations=destinations, options=options)
 
         return tf.nest.map_structure(reduce_one, value)
+
+    def _local_reduce(self, reduce_op, value, destinations):
+        """``value`` reduced over this process's replicas only."""
+        values = _local_values(value)
+        with tf.device(self._devices[0]):
+            total = values[0] if len(values) == 1 else tf.add_n(values)
+            if reduce_op == tf.distribute.ReduceOp.MEAN and len(values) > 1:
+                total = total / len(values)
+        return _tf.simple_broadcast(total, destinations or self._devices[0],
+                                    always_mirrored=True, canonicalize_devices=True)
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         if self._communicator is None:
@@ -307,6 +321,20 @@ class HorovodExtended(_tf.MirroredExtended):
                       self._hvd_rank * local + i, self._num_replicas_in_sync))
                   for i in range(local)]
         return _tf.regroup(values, always_wrap=True)
+
+
+def _joins_running_job() -> bool:
+    """Whether this process joined a running elastic job and does not train yet.
+
+    Its variables get the job's values in ``fit`` (`tfdist.strategies._elastic`), not
+    when made; and until its first train step, reads of on-read variables (Keras resets
+    its metrics when an epoch starts) and fit's build from a batch stay on this process:
+    the members are in the middle of an epoch.
+    """
+    from tfdist.engines.horovod import elastic
+
+    member = elastic.member()
+    return member is not None and not member.training
 
 
 def rank_devices(devices=None) -> list[str]:

@@ -75,10 +75,15 @@ def shutdown() -> None:
 
 def reinit() -> None:
     """Initializes Horovod again after `shutdown`, from this process's ``HOROVOD_*``
-    variables, and restarts the call-order op names so every member counts alike."""
+    variables, and restarts the call-order op names (`reset_op_names`)."""
+    reset_op_names()
+    hvd().init()
+
+
+def reset_op_names() -> None:
+    """Restarts the call-order op names, so members of a new Horovod job count alike."""
     global _op_count
     _op_count = itertools.count()
-    hvd().init()
 
 
 def is_available() -> bool:
