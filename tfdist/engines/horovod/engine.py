@@ -14,7 +14,7 @@ import os
 from tfdist.comm import liveness
 from tfdist.comm.communicator import StrategyCommunicator
 from tfdist.engines.base import Engine, summary
-from tfdist.engines.horovod import ops, rendezvous
+from tfdist.engines.horovod import elastic, ops, rendezvous
 
 # Seconds a peer has to answer a liveness probe after Horovod stopped.
 PROBE_TIMEOUT = 2.0
@@ -71,8 +71,12 @@ class HorovodEngine(Engine):
 
     @property
     def is_chief(self) -> bool:
+        """Rank 0 (in an elastic job the oldest member: it takes the lost chief's role),
+        else TF's rule over the cluster."""
         cluster = self.strategy.cluster
-        return ops.rank() == 0 if cluster is None else cluster.is_chief()
+        if cluster is None or elastic.member() is not None:
+            return ops.rank() == 0
+        return cluster.is_chief()
 
     def peer_error(self, error):
         """``error``, or the same error type naming the tasks that stopped answering.

@@ -143,6 +143,7 @@ class HorovodExtended(_tf.MirroredExtended):
         (an elastic job): the replica count and ids follow them."""
         self._hvd_rank = comm.rank()
         self._hvd_size = comm.size()
+        self._is_chief = self._hvd_rank == 0  # the oldest member has the chief's role
 
     def set_cluster_resolver(self, resolver):
         """Sets what stock code reads of TF's multi-worker ``extended`` from ``resolver``.

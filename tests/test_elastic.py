@@ -1,0 +1,85 @@
+"""Elastic jobs (``tfdist launch --min-workers``, docs/elastic.md): lose a worker and
+train on; a replacement joins the running job; the chief's role moves to the oldest
+survivor. Real processes on one machine, as Horovod's own elastic tests.
+
+Each launched job (tests/elastic_job.py) checks several things at once: the exit code,
+the launcher's words, the survivors' processes (never restarted), the final weights
+against single-process training with the same global batch, the step count, and who
+saved the model.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from helpers import ROOT, TESTS_DIR, assert_weights_close, require_horovod
+
+EPOCHS = 3
+STEPS = EPOCHS * 10  # elastic_job: 480 samples, global batch 48
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Final weights of single-process training with the same global batch."""
+    import elastic_job
+
+    net = elastic_job.model()
+    elastic_job.fit(net, EPOCHS)
+    return net.get_weights()
+
+
+def _launch(tmp_path, *flags, kill):
+    require_horovod()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [ROOT, TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [sys.executable, "-m", "tfdist.cli", "launch", "--workers", "3", "--min-workers",
+         "2", "--timeout", "200", *flags, os.path.join(TESTS_DIR, "elastic_job.py"),
+         str(tmp_path), str(EPOCHS), kill],
+        env=env, capture_output=True, text=True, timeout=240)
+    results = {name[:-5]: json.loads((tmp_path / name).read_text())
+               for name in os.listdir(tmp_path) if name.endswith(".json")}
+    starts = (tmp_path / "starts").read_text().split("\n")
+    return done, results, [line.split() for line in starts if line]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.horovod
+def test_a_lost_worker_with_no_restart_left_leaves_two_that_end_at_the_reference(
+        tmp_path, reference):
+    done, results, starts = _launch(tmp_path, kill="worker-2:1:4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "worker-2 exited with code -9 (signal SIGKILL); the elastic job carries on " \
+           "with 2 worker(s) (worker-0, worker-1)" in done.stderr
+    assert sorted(results) == ["worker-0", "worker-1"]
+    for name, result in results.items():
+        assert [pid for task, pid in starts if task == name] == [str(result["pid"])]
+        assert result["size"] == 2 and result["recoveries"] == 1
+        assert result["iterations"] == STEPS
+        assert_weights_close([np.array(w) for w in result["weights"]], reference)
+    assert os.listdir(tmp_path).count("saved-by-worker-0") == 1
+
+
+@pytest.mark.multiprocess
+@pytest.mark.horovod
+def test_a_lost_chief_is_replaced_by_a_joiner_and_the_oldest_survivor_saves(
+        tmp_path, reference):
+    done, results, starts = _launch(tmp_path, "--max-restarts", "1", kill="worker-0:1:4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "restart 1/1: worker-0 exited with code -9 (signal SIGKILL); starting a " \
+           "replacement for worker-0, which joins the running elastic job" in done.stderr
+    assert sorted(results) == ["worker-0", "worker-1", "worker-2"]
+    assert [task for task, _ in starts].count("worker-0") == 2  # the replacement
+    for name in ("worker-1", "worker-2"):
+        assert [pid for task, pid in starts if task == name] == [str(results[name]["pid"])]
+    assert {n: r["rank"] for n, r in results.items()} == {
+        "worker-1": 0, "worker-2": 1, "worker-0": 2}  # the joiner is the youngest
+    for result in results.values():
+        assert result["size"] == 3 and result["iterations"] == STEPS
+        assert_weights_close([np.array(w) for w in result["weights"]], reference)
+    saved = sorted(n for n in os.listdir(tmp_path) if n.startswith("saved-by-"))
+    assert saved == ["saved-by-worker-1"]  # once, by the oldest survivor (rank 0)
