@@ -5,7 +5,7 @@
 Every task trains the same small regression with global batch `BATCH` through
 ``tfdist.MultiWorkerMirroredStrategy(engine="horovod")``. The task named in the third
 argument SIGKILLs itself after that batch (0-based) of that epoch, on its first start
-only. Each task appends ``<task> <pid>`` to ``OUT/starts`` when it starts and writes
+only (``TASK:EPOCH:BATCH:STOP``: SIGSTOP, it freezes). Each task appends ``<task> <pid>`` to ``OUT/starts`` when it starts and writes
 ``OUT/<task>.json`` when fit ends; the chief saves the model once, recording who did.
 """
 
@@ -60,10 +60,10 @@ def main(out, epochs, kill=""):
             self.epoch = epoch
 
         def on_train_batch_end(self, batch, logs=None):
-            name, epoch, at = (kill.split(":") + ["", "", ""])[:3]
+            name, epoch, at, how = (kill.split(":") + ["KILL"])[:4]
             if name == task and os.environ.get("TFDIST_TASK_RESTART", "0") == "0" and \
                     (self.epoch, batch) == (int(epoch), int(at)):
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), getattr(signal, f"SIG{how}"))
 
     fit(net, epochs, [Kill()] if kill else [])
     if strategy.is_chief:

@@ -32,18 +32,21 @@ def reference():
     return net.get_weights()
 
 
-def _launch(tmp_path, *flags, kill):
+def _launch(tmp_path, *flags, kill, workers=(3, 2)):
     require_horovod()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [ROOT, TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run(
-        [sys.executable, "-m", "tfdist.cli", "launch", "--workers", "3", "--min-workers",
-         "2", "--timeout", "200", *flags, os.path.join(TESTS_DIR, "elastic_job.py"),
+        [sys.executable, "-m", "tfdist.cli", "launch", "--workers", str(workers[0]),
+         "--min-workers", str(workers[1]), "--timeout", "200", *flags, os.path.join(TESTS_DIR, "elastic_job.py"),
          str(tmp_path), str(EPOCHS), kill],
         env=env, capture_output=True, text=True, timeout=240)
     results = {name[:-5]: json.loads((tmp_path / name).read_text())
                for name in os.listdir(tmp_path) if name.endswith(".json")}
     starts = (tmp_path / "starts").read_text().split("\n")
+    for line in starts:  # a frozen task is killed by the launcher; never leave one
+        if line and not any(r["pid"] == int(line.split()[1]) for r in results.values()):
+            _kill_if_ours(int(line.split()[1]), tmp_path)
     return done, results, [line.split() for line in starts if line]
 
 
@@ -83,3 +86,42 @@ def test_a_lost_chief_is_replaced_by_a_joiner_and_the_oldest_survivor_saves(
         assert_weights_close([np.array(w) for w in result["weights"]], reference)
     saved = sorted(n for n in os.listdir(tmp_path) if n.startswith("saved-by-"))
     assert saved == ["saved-by-worker-1"]  # once, by the oldest survivor (rank 0)
+
+
+def _kill_if_ours(pid, tmp_path):
+    """SIGKILLs ``pid`` if it still runs elastic_job.py on ``tmp_path`` (pids are reused)."""
+    import signal
+
+    try:
+        if str(tmp_path).encode() in open(f"/proc/{pid}/cmdline", "rb").read():
+            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+@pytest.mark.multiprocess
+@pytest.mark.horovod
+def test_a_frozen_worker_is_killed_named_and_the_others_train_on(tmp_path, reference):
+    done, results, _ = _launch(tmp_path, kill="worker-1:1:4:STOP")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "worker-1 stopped answering Horovod: worker-0, worker-2 reported a lost peer " \
+           "in membership 1" in done.stderr
+    assert "worker-1 exited with code -9 (signal SIGKILL); the elastic job carries on " \
+           "with 2 worker(s) (worker-0, worker-2)" in done.stderr
+    assert sorted(results) == ["worker-0", "worker-2"]
+    for result in results.values():
+        assert result["size"] == 2 and result["iterations"] == STEPS
+        assert_weights_close([np.array(w) for w in result["weights"]], reference)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.horovod
+def test_below_min_workers_past_the_elastic_timeout_fails_naming_who_is_missing(tmp_path):
+    done, results, _ = _launch(tmp_path, "--elastic-timeout", "3", kill="worker-1:1:4",
+                               workers=(2, 2))
+    assert done.returncode == 1
+    assert "the elastic job stayed below --min-workers 2 for more than --elastic-timeout " \
+           "3s: 1 worker(s) left (worker-0); missing: worker-1 exited with code -9 " \
+           "(signal SIGKILL)" in done.stderr, done.stderr[-3000:]
+    assert not results

@@ -11,6 +11,7 @@ longer than ``elastic_timeout`` seconds the job fails, naming who is missing.
 from __future__ import annotations
 
 import contextlib
+import signal
 import time
 from typing import Callable, Iterator
 
@@ -19,6 +20,11 @@ from tfdist.cluster import TRAINING_TASK_TYPES, TaskSpec
 from tfdist.launch.restarts import JobRestarts
 from tfdist.launch.results import LaunchError, announce_restart, exit_cause
 
+
+
+# Seconds after the first member reported a lost peer by which every live member has
+# reported too (they all wait on the same collective): the silent ones are frozen.
+REPORT_GRACE = 10.0
 
 
 class ElasticRestarts(JobRestarts):
@@ -45,6 +51,7 @@ class ElasticRestarts(JobRestarts):
         self.lost: set[int] = set()  # ids of the TaskProcess objects left out
         self.removed: list[str] = []  # how each lost worker ended, in order
         self.below_since: float | None = None
+        self.first_report: tuple[int, float] | None = None  # (version, when)
 
     @property
     def spent(self) -> int:
@@ -56,6 +63,7 @@ class ElasticRestarts(JobRestarts):
 
         self.server = MembershipServer(self.host, self.min_workers, self.max_workers)
         self.lost, self.below_since = set(), None
+        self.members: list[tuple[str, str]] = []  # oldest first; published once >= min
         try:
             yield
         finally:
@@ -67,18 +75,47 @@ class ElasticRestarts(JobRestarts):
                 env.TASK_RESTART: str(task_restart)}
 
     def check(self, tasks: list) -> None:
-        """Publishes the first membership; fails the job once it stayed too small."""
+        """Publishes the first membership; kills frozen members; fails the job once it
+        stayed too small."""
         if self.server.version == 0:
-            self.server.publish([(t.name, self.host) for t in tasks
-                                 if t.spec.type in TRAINING_TASK_TYPES])
+            self.members = [(t.name, self.host) for t in tasks
+                            if t.spec.type in TRAINING_TASK_TYPES]
+            self.server.publish(self.members)
+        self._kill_frozen(tasks)
         if self.below_since is not None and \
                 time.monotonic() - self.below_since > self.elastic_timeout:
-            members = [name for name, _ in self.server.members]
+            members = [name for name, _ in self.members]
             raise LaunchError(
                 f"the elastic job stayed below --min-workers {self.min_workers} for more "
                 f"than --elastic-timeout {self.elastic_timeout:g}s: {len(members)} "
                 f"worker(s) left ({', '.join(members) or 'none'}); missing: "
                 f"{'; '.join(self.removed)}", attempts=self.job_restarts + 1)
+
+    def _kill_frozen(self, tasks: list) -> None:
+        """SIGKILLs the members that stayed silent while the others reported a lost peer.
+
+        A frozen (e.g. SIGSTOPped) worker neither exits nor answers: its peers' Horovod
+        fails after Gloo's timeout and each reports it (`membership.report_lost`). Members
+        that did not report within `REPORT_GRACE` seconds of the first report are killed;
+        their exit then removes them like any other lost worker.
+        """
+        reported = self.server.reports()
+        if not reported:
+            return
+        version = self.server.version
+        if self.first_report is None or self.first_report[0] != version:
+            self.first_report = (version, time.monotonic())
+        if time.monotonic() - self.first_report[1] < REPORT_GRACE:
+            return
+        members = {name for name, _ in self.server.members}
+        for task in tasks:
+            if task.name in members and task.name not in reported and task.poll() is None:
+                print(f"tfdist launch: {task.name} stopped answering Horovod: "
+                      f"{', '.join(sorted(reported))} reported a lost peer in membership "
+                      f"{version} and {task.name} did not within {REPORT_GRACE:g}s; it is "
+                      "frozen (e.g. SIGSTOP) or hung: killing it", file=self.log, flush=True)
+                task.signal_group(signal.SIGKILL)
+        self.first_report = (version, float("inf"))  # once per membership
 
     def replace(self, tasks: list, failed, start: Callable[[TaskSpec, int], object]) -> bool:
         if failed.spec.type not in TRAINING_TASK_TYPES:
@@ -86,7 +123,7 @@ class ElasticRestarts(JobRestarts):
         failed.finish_output()
         cause = exit_cause(failed.name, failed.poll())
         self.removed.append(cause)
-        members = [(n, h) for n, h in self.server.members if n != failed.name]
+        members = [(n, h) for n, h in self.members if n != failed.name]
         if not members and self.spent >= self.max_restarts:
             return False  # nobody is left to carry on: the job fails on this task
         if self.spent < self.max_restarts:
@@ -96,18 +133,23 @@ class ElasticRestarts(JobRestarts):
                              "the running elastic job")
             # One membership without the lost worker and with its replacement (the
             # youngest member): two versions in a row could split the survivors.
-            self.server.publish(members + [(failed.name, self.host)])
+            self.members = members + [(failed.name, self.host)]
+            self.server.publish(self.members)
             tasks[tasks.index(failed)] = start(failed.spec, self.used)
             return True
-        self.server.publish(members)
+        self.members = members
+        if len(members) >= self.min_workers:
+            self.server.publish(members)  # below min_workers the survivors wait
         self.lost.add(id(failed))
         left = ", ".join(name for name, _ in members)
-        print(f"tfdist launch: {cause}; the elastic job carries on with {len(members)} "
-              f"worker(s) ({left}): no restarts left ({self.spent}/{self.max_restarts} "
-              "used)", file=self.log, flush=True)
-        if len(members) < self.min_workers and self.below_since is None:
+        none_left = f"no restarts left ({self.spent}/{self.max_restarts} used)"
+        if len(members) >= self.min_workers:
+            print(f"tfdist launch: {cause}; the elastic job carries on with {len(members)} "
+                  f"worker(s) ({left}): {none_left}", file=self.log, flush=True)
+        elif self.below_since is None:
             self.below_since = time.monotonic()
-            print(f"tfdist launch: below --min-workers {self.min_workers}; waiting up to "
+            print(f"tfdist launch: {cause}; {len(members)} worker(s) left ({left}), below "
+                  f"--min-workers {self.min_workers}, and {none_left}: the job waits up to "
                   f"--elastic-timeout {self.elastic_timeout:g}s for workers to join",
                   file=self.log, flush=True)
         return True

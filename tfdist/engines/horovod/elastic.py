@@ -92,6 +92,7 @@ class ElasticMember:
 
     def reform(self) -> None:
         """Shuts Horovod down and forms it again with the next membership."""
+        membership.report_lost(self.address, self.name, self.version)
         ops.shutdown()
         self.reforms += 1
         self.form()

@@ -19,6 +19,8 @@ import time
 import urllib.request
 
 SCOPE = "tfdist-elastic"
+# Members PUT their name here when Horovod failed under them (body: their version).
+LOST_SCOPE = "tfdist-elastic-lost"
 
 
 def plan_of(members: list[tuple[str, str]]) -> dict[str, dict]:
@@ -98,6 +100,13 @@ class MembershipServer:
                 {"name": name, **slots[name]} for name, _ in members]}).encode()
         return self.version
 
+    def reports(self) -> set[str]:
+        """The members that reported a lost peer in the current membership."""
+        with self._server.cache_lock:
+            found = dict(self._server.cache.get(LOST_SCOPE, {}))
+        return {name for name, version in found.items()
+                if version.decode(errors="replace") == str(self.version)}
+
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
@@ -108,6 +117,17 @@ def fetch_state(address: str, timeout: float = 5.0) -> dict:
     """The membership the service at ``address`` publishes: ``{"version", "members"}``."""
     with urllib.request.urlopen(f"http://{address}/{SCOPE}/state", timeout=timeout) as reply:
         return json.loads(reply.read())
+
+
+def report_lost(address: str, name: str, version: int) -> None:
+    """Tells the launcher that Horovod failed under ``name`` in membership ``version``
+    (a member it cannot see die may be frozen: `MembershipServer.reports`)."""
+    request = urllib.request.Request(f"http://{address}/{LOST_SCOPE}/{name}",
+                                     data=str(version).encode(), method="PUT")
+    try:
+        urllib.request.urlopen(request, timeout=5).close()
+    except OSError:
+        pass  # the launcher sees deaths itself; a report only names a frozen member
 
 
 def wait_for_membership(address: str, name: str, above: int, timeout: float) -> dict:

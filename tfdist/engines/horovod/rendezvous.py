@@ -97,7 +97,9 @@ ELASTIC_TIMEOUT_ENV = "HOROVOD_ELASTIC_TIMEOUT"  # Horovod's name; the launcher 
 
 
 def _elastic_timeout() -> float:
-    return float(os.environ.get(ELASTIC_TIMEOUT_ENV, "600"))
+    """How long a member waits for a membership: the launcher's ``--elastic-timeout``
+    plus a margin, so that the launcher, which knows who is missing, decides first."""
+    return float(os.environ.get(ELASTIC_TIMEOUT_ENV, "600")) + 30.0
 
 
 def gloo_timeout_value(seconds: float) -> str:
