@@ -50,6 +50,110 @@ def _launch(tmp_path, *flags, kill, workers=(3, 2)):
     return done, results, [line.split() for line in starts if line]
 
 
+# ---- in-process: options, plans, data positions ------------------------------------
+
+@pytest.mark.parametrize("fields, words", [
+    ({"workers": 2, "min_workers": 3}, "min_workers must be <= workers"),
+    ({"workers": 2, "max_workers": 3}, "max_workers is for elastic jobs"),
+    ({"workers": 3, "min_workers": 2, "max_workers": 2}, "max_workers must be >= workers"),
+    ({"workers": 2, "min_workers": 0}, "min_workers must be an integer >= 1"),
+    ({"workers": 2, "chief": True, "ps": 1, "min_workers": 1}, "trains with workers"),
+    ({"workers": 2, "min_workers": 1, "elastic_timeout": -1}, "elastic_timeout"),
+])
+def test_elastic_options_are_checked_before_anything_runs(fields, words):
+    from tfdist.launch.options import LaunchOptions
+
+    with pytest.raises(ValueError, match=words):
+        LaunchOptions(**fields).check()
+
+
+def test_cli_and_launch_take_the_elastic_options():
+    import inspect
+
+    import tfdist
+    from tfdist.cli import build_parser
+
+    args = build_parser().parse_args(["launch", "--workers", "3", "--min-workers", "2",
+                                      "--max-workers", "4", "--elastic-timeout", "30",
+                                      "train.py"])
+    assert (args.min_workers, args.max_workers, args.elastic_timeout) == (2, 4, 30.0)
+    parameters = inspect.signature(tfdist.launch).parameters
+    assert parameters["elastic_timeout"].default == 600.0
+    assert {"min_workers", "max_workers"} <= set(parameters)
+
+
+def test_engine_tf_is_refused_in_an_elastic_job(monkeypatch):
+    import tfdist
+    from tfdist import env
+
+    monkeypatch.setenv(env.ELASTIC_ADDR, "127.0.0.1:1")
+    cluster = {"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
+               "task": {"type": "worker", "index": 0}}
+    with pytest.raises(ValueError, match=r"needs engine='horovod': engine='tf' cannot "
+                                         r"re-form its cluster inside a running process"):
+        tfdist.MultiWorkerMirroredStrategy(cluster, engine="tf")
+
+
+def test_plan_ranks_follow_hosts_in_order_of_their_oldest_member():
+    from tfdist.engines.horovod.membership import plan_of
+
+    plan = plan_of([("worker-1", "a"), ("worker-0", "b"), ("worker-2", "a")])
+    assert {n: (s["rank"], s["local_rank"], s["cross_rank"], s["cross_size"])
+            for n, s in plan.items()} == {"worker-1": (0, 0, 0, 2), "worker-2": (1, 1, 0, 1),
+                                          "worker-0": (2, 0, 1, 2)}
+    assert {s["size"] for s in plan.values()} == {3}
+
+
+def test_membership_service_publishes_versions_and_collects_lost_reports():
+    require_horovod()
+    from tfdist.engines.horovod import membership
+
+    server = membership.MembershipServer("127.0.0.1", 2, 3)
+    try:
+        assert membership.fetch_state(server.address)["version"] == 0
+        server.publish([("worker-0", "127.0.0.1"), ("worker-1", "127.0.0.1")])
+        state = membership.wait_for_membership(server.address, "worker-1", 0, timeout=5)
+        assert (state["version"], state["min_workers"], state["max_workers"]) == (1, 2, 3)
+        assert membership.slot_env(state, "worker-1", server.address)["HOROVOD_RANK"] == "1"
+        membership.report_lost(server.address, "worker-0", 1)
+        membership.report_lost(server.address, "worker-1", 0)  # an older membership's
+        assert server.reports() == {"worker-0"}
+        with pytest.raises(TimeoutError, match="worker-2: .* no membership with this task "
+                                               r"after version 0 within 0.2s"):
+            membership.wait_for_membership(server.address, "worker-2", 0, timeout=0.2)
+    finally:
+        server.close()
+
+
+def test_data_positions_rewind_and_skip_over_global_batches():
+    import tensorflow as tf
+
+    import tfdist
+    from tfdist.strategies._elastic import ElasticDataset
+
+    strategy = tfdist.MirroredStrategy(["/cpu:0"])
+    dataset = tf.data.Dataset.range(12).batch(4)  # 3 global batches
+    iterator = iter(ElasticDataset(dataset, strategy))
+    assert next(iterator).numpy().tolist() == [0, 1, 2, 3]
+    iterator.mark()  # a commit
+    assert next(iterator).numpy().tolist() == [4, 5, 6, 7]
+    iterator.rewind()  # a rollback: the batch comes again
+    assert iterator.position == 1
+    iterator.skip(1)  # another member's newer commit
+    assert next(iterator).numpy().tolist() == [8, 9, 10, 11] and iterator.position == 3
+
+
+def test_a_global_batch_must_divide_by_every_replica_count():
+    from tfdist.strategies._elastic import check_elastic_batch
+
+    check_elastic_batch(48, 1, (2, 4))
+    check_elastic_batch(None, 1, (2, 4))
+    with pytest.raises(ValueError, match="batch_size=40, which does not divide by 3"):
+        check_elastic_batch(40, 1, (2, 4))
+
+
+# ---- launched jobs ----------------------------------------------------------------
+
 @pytest.mark.multiprocess
 @pytest.mark.horovod
 def test_a_lost_worker_with_no_restart_left_leaves_two_that_end_at_the_reference(

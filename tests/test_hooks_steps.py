@@ -138,3 +138,44 @@ def test_count_collectives_separates_conditional_branches():
 
     assert count_collectives(quiet.get_concrete_function(tf.TensorSpec([2])).graph
                              ).every_step == 0
+
+
+def test_elastic_fit_seams_in_keras_train_function_and_fit_exist():
+    """An elastic fit (tfdist/strategies/_elastic.py) puts its wrapper in
+    ``model.train_function`` (`remake_train_function`), feeds it a Python iterator, and
+    a joiner starts fit at the job's epoch (``initial_epoch``)."""
+    from keras.src.backend.tensorflow import trainer
+
+    make = inspect.getsource(_original(trainer.TensorFlowTrainer.make_train_function))
+    assert "if self.train_function is not None and not force:" in make, (
+        "Keras' make_train_function no longer keeps an existing train_function: an "
+        "elastic fit's wrapper would be replaced")
+    fit = inspect.getsource(trainer.TensorFlowTrainer.fit)
+    assert "self.make_train_function()" in fit and "self.train_function(iterator)" in fit
+    assert "initial_epoch" in inspect.signature(trainer.TensorFlowTrainer.fit).parameters
+    function = inspect.getsource(trainer.TensorFlowTrainer._make_function)
+    assert "range(self.steps_per_execution)" in function and \
+        "one_step_on_data(data)" in function, (
+        "Keras' train function no longer steps a Python iterator one batch at a time")
+
+
+def test_remake_train_function_traces_anew_and_fit_keeps_a_wrapper():
+    import keras
+    import numpy as np
+
+    from tfdist._hooks.keras_steps import remake_train_function
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    first = remake_train_function(model)
+    assert callable(first) and remake_train_function(model) is not first
+    calls = []
+
+    def wrapper(iterator):
+        calls.append(1)
+        return inner(iterator)
+
+    inner = remake_train_function(model)
+    model.train_function = wrapper
+    model.fit(np.ones((8, 2)), np.ones((8, 1)), batch_size=4, epochs=1, verbose=0)
+    assert len(calls) == 2  # fit called the wrapper, once per batch
