@@ -75,7 +75,8 @@ class StrategyEntry:
 
 
 _SYNC_OPTIONS = frozenset({"accumulate_steps", "communication_options", "compression"})
-_MULTI_WORKER_OPTIONS = _SYNC_OPTIONS | {"collective_timeout", "engine", "heartbeat_timeout",
+_MULTI_WORKER_OPTIONS = _SYNC_OPTIONS | {"collective_timeout", "commit_every_steps", "engine",
+                                         "heartbeat_timeout",
                                          "startup_timeout"}
 
 STRATEGIES: dict[str, StrategyEntry] = {entry.name: entry for entry in (

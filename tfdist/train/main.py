@@ -51,7 +51,10 @@ def launch_job(config: dict[str, Any], config_path: Path) -> int:
             ps=cluster["ps"], timeout=cluster["timeout"],
             max_restarts=cluster["max_restarts"],
             backup_dir=str(Path(config["train"]["output_dir"]) / "backup"),
-            restarts=restarts_for(cluster["chief"], cluster["ps"]), **nodes)
+            restarts=restarts_for(cluster["chief"], cluster["ps"]),
+            min_workers=cluster["min_workers"] or None,
+            max_workers=cluster["max_workers"] or None,
+            elastic_timeout=cluster["elastic_timeout"], **nodes)
     except (LaunchError, RendezvousError) as error:
         print(f"tfdist train: FAILED: {error}", file=sys.stderr, flush=True)
         return 1
