@@ -131,6 +131,7 @@ class ElasticFit:
         self.committed_at = (0, 0)
         self.last_logs = None
         self.recoveries = 0
+        self.steps_lost = 0  # steps rolled back (the one in flight included)
         self.fast_forward = 0  # a joiner's calls to pass before it trains
         self.committed_metrics: list[np.ndarray] = []
         self._inner = None
@@ -229,6 +230,7 @@ class ElasticFit:
             True when the newest commit already covers the call that began at ``start``.
         """
         self.recoveries += 1
+        self.steps_lost += self.iterator.position - self.committed_at[1]
         self.iterator.rewind()
         for variable, value in zip(self.metric_variables(), self.committed_metrics):
             variable.assign(value)

@@ -1,0 +1,214 @@
+"""Elastic training, measured: what a lost worker costs, against restart-and-resume.
+
+Every cell is one job of 3 workers (engine "horovod") training the digits CNN with a
+global batch of 48 for 3 epochs (33 steps each); worker-2 SIGKILLs itself after batch
+9 of epoch 1, writing ``time.monotonic()`` (one clock for every process of this
+machine) just before. Each task notes the time of every completed step.
+
+- ``elastic k=1`` / ``elastic k=5``: ``tfdist launch --min-workers 2`` with
+  ``commit_every_steps`` 1 and 5; the survivors roll back, re-form and go on.
+- ``restart + BackupAndRestore``: today's way, ``--max-restarts 1`` and Keras'
+  ``BackupAndRestore`` (a backup at each epoch's end): every task restarts and the
+  epoch resumes from its start.
+
+Per cell: seconds from the kill to the next completed step (on any task), steps lost
+(steps trained twice: rolled back, or redone after the restart) and the whole run's
+seconds. A fourth job (2 workers, no fault) measures what a commit costs: the median
+step time of a fit that commits every step over one that commits once per epoch, fits
+alternated (goal: below 1.05).
+
+Run from the repository root (about 3 minutes on a busy 2-core machine):
+
+    .venv/bin/python -m benchmarks.elastic [--quick] [--output DIR]
+
+Not part of ``python -m benchmarks`` (it kills processes); docs/elastic.md quotes it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import (horovod_missing, machine_info, markdown_table,
+                               parse_section_args, section_parser, skip_section, task_env,
+                               write_section)
+
+NAME = "elastic"
+TITLE = "Elastic training: a lost worker against restart-and-resume"
+BATCH = 48
+EPOCHS = 3
+KILL_AT = (1, 9)  # (epoch, batch) after which worker-2 SIGKILLs itself
+HEARTBEAT = 5  # heartbeat_timeout: Gloo's timeout for the members not next to the loss
+
+
+def _cnn():
+    import keras
+
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([
+        keras.Input((8, 8, 1)), keras.layers.Conv2D(16, 3, activation="relu"),
+        keras.layers.Conv2D(32, 3, activation="relu"), keras.layers.Flatten(),
+        keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def job(out, commit_every, kill, epochs, backup=False, commit_runs=0):
+    """One task: trains, noting each completed step's time in ``OUT/<task>-<pid>.json``."""
+    import signal
+
+    import keras
+
+    import tfdist
+    from tfdist.data import load_digits_data
+
+    x, y = load_digits_data()
+    x = x.reshape(-1, 8, 8, 1)[:1584]  # 33 global batches of 48
+    y = y[:1584]
+    task, restart = os.environ["TFDIST_TASK"], os.environ.get("TFDIST_RESTART", "0")
+    strategy = tfdist.MultiWorkerMirroredStrategy(
+        engine="horovod", heartbeat_timeout=HEARTBEAT, commit_every_steps=commit_every)
+    with strategy.scope():
+        model = _cnn()
+    steps = []
+
+    class Note(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            steps.append((self.epoch, batch, time.monotonic()))
+            if kill and task == "worker-2" and restart == "0" and \
+                    os.environ.get("TFDIST_TASK_RESTART", "0") == "0" and \
+                    (self.epoch, batch) == KILL_AT:
+                Path(out, "killed").write_text(str(time.monotonic()))
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    callbacks = [Note()]
+    if backup:
+        callbacks.append(keras.callbacks.BackupAndRestore(os.path.join(out, "backup")))
+    fits = []
+    for run in range(commit_runs or 1):
+        if commit_runs:  # alternate: every step, then once per epoch
+            strategy.commit_every_steps = 1 if run % 2 == 0 else 10**9
+        steps.clear()
+        model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
+                  callbacks=callbacks)
+        fits.append({"commit_every": strategy.commit_every_steps, "steps": list(steps)})
+    fitting = getattr(strategy, "elastic_fit", None)
+    Path(out, f"{task}-{os.getpid()}.json").write_text(json.dumps({
+        "steps": steps, "fits": fits, "restart": restart,
+        "steps_lost": fitting.steps_lost if fitting else None}))
+
+
+def _launch(out, *, min_workers, max_restarts, commit_every=1, kill=True, backup=False,
+            workers=3, epochs=EPOCHS, commit_runs=0):
+    import tfdist
+
+    started = time.monotonic()
+    try:
+        tfdist.launch(job, out, commit_every, kill, epochs, backup, commit_runs,
+                      workers=workers, min_workers=min_workers, max_restarts=max_restarts,
+                      timeout=600, env=task_env(), stream=None)
+        error = None
+    except Exception as e:  # noqa: BLE001 - recorded in the report
+        error = f"{type(e).__name__}: {str(e)[:300]}"
+    return time.monotonic() - started, error
+
+
+def _fault_cell(name, **launch):
+    with tempfile.TemporaryDirectory(prefix="tfdist-elastic-") as out:
+        seconds, error = _launch(out, **launch)
+        killed = float(Path(out, "killed").read_text()) if Path(out, "killed").exists() \
+            else None
+        tasks = [json.loads(p.read_text()) for p in Path(out).glob("worker-*.json")]
+    after = sorted(t for task in tasks for _, _, t in task["steps"] if killed and t > killed)
+    # Steps trained twice: those noted more than once over every process of a task.
+    noted = {}
+    for task in tasks:
+        for epoch, batch, _ in task["steps"]:
+            noted[(epoch, batch)] = noted.get((epoch, batch), 0) + 1
+    per_step = max(1, len([t for t in tasks if t["restart"] == "0"]))
+    twice = sum(1 for n in noted.values() if n > per_step)
+    lost = max((t["steps_lost"] or 0 for t in tasks), default=0)
+    return {"cell": name, "seconds": seconds, "error": error,
+            "kill_to_next_step": after[0] - killed if after and killed else None,
+            "steps_lost": lost if launch.get("min_workers") else twice}
+
+
+def _commit_cell(quick):
+    with tempfile.TemporaryDirectory(prefix="tfdist-elastic-") as out:
+        seconds, error = _launch(out, min_workers=1, max_restarts=0, kill=False, workers=2,
+                                 epochs=1, commit_runs=2 if quick else 6)
+        tasks = [json.loads(p.read_text()) for p in Path(out).glob("worker-*.json")]
+    times = {1: [], 10**9: []}
+    for task in tasks:
+        for fit in task["fits"][1:] if len(task["fits"]) > 2 else task["fits"]:
+            stamps = [t for _, _, t in fit["steps"]][1:]  # the first step traces
+            times[fit["commit_every"]] += [b - a for a, b in zip(stamps, stamps[1:])]
+    every, once = (statistics.median(times[k]) if times[k] else None for k in (1, 10**9))
+    return {"cell": "commit cost", "seconds": seconds, "error": error,
+            "step_commit_every_step": every, "step_commit_once_per_epoch": once,
+            "ratio": every / once if every and once else None}
+
+
+def markdown(report) -> str:
+    rows = [["cell", "kill → next completed step (s)", "steps lost", "run (s)", "error"]]
+    for c in report["faults"]:
+        kill = "n/a" if c["kill_to_next_step"] is None else f"{c['kill_to_next_step']:.2f}"
+        rows.append([c["cell"], kill, c["steps_lost"], f"{c['seconds']:.1f}",
+                     c["error"] or ""])
+    commit = report["commit"]
+    ratio = "n/a" if commit["ratio"] is None else f"{commit['ratio']:.3f}"
+    return "\n".join([
+        f"# {TITLE}", "", f"`{report['command']}`, {report['date']}, "
+        f"{report['machine'].get('cpus')} CPUs, load before {report['load_before']}.", "",
+        f"3 workers, digits CNN, global batch {BATCH}, {EPOCHS} epochs of 33 steps; "
+        f"worker-2 SIGKILLed after batch {KILL_AT[1]} of epoch {KILL_AT[0]}; "
+        f"heartbeat_timeout {HEARTBEAT} s (Gloo's timeout).", "",
+        markdown_table(rows), "",
+        f"Commit cost (2 workers, no fault): median step {_ms(commit['step_commit_every_step'])} "
+        f"committing every step against {_ms(commit['step_commit_once_per_epoch'])} once "
+        f"per epoch: ratio **{ratio}** (goal < 1.05).", ""])
+
+
+def _ms(seconds):
+    return "n/a" if seconds is None else f"{seconds * 1000:.1f} ms"
+
+
+def main(argv=None):
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    args = parse_section_args(section_parser("benchmarks.elastic", __doc__), argv)
+    missing = horovod_missing()
+    if missing:
+        skip_section(args.output, NAME, TITLE, missing)
+        return 0
+    load = " ".join(f"{v:.1f}" for v in os.getloadavg())
+    start = time.monotonic()
+    faults = [_fault_cell("elastic k=1", min_workers=2, max_restarts=0),
+              _fault_cell("elastic k=5", min_workers=2, max_restarts=0, commit_every=5),
+              _fault_cell("restart + BackupAndRestore", min_workers=None, max_restarts=1,
+                          backup=True)]
+    for cell in faults:
+        print(cell, flush=True)
+    commit = _commit_cell(args.quick)
+    print(commit, flush=True)
+    report = {"command": "python -m benchmarks.elastic" + (" --quick" if args.quick else ""),
+              "date": datetime.datetime.now(datetime.timezone.utc).strftime(
+                  "%Y-%m-%d %H:%M UTC"),
+              "machine": machine_info(), "load_before": load,
+              "seconds": time.monotonic() - start, "faults": faults, "commit": commit}
+    write_section(args.output, NAME, markdown(report), report)
+    print(f"wrote {args.output / 'elastic.md'} ({report['seconds']:.0f} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
