@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 
-import numpy as np
 import tensorflow as tf
 
 from tfdist.engines.horovod import elastic, ops
@@ -127,13 +126,14 @@ class ElasticFit:
         self.iterator: ElasticIterator | None = None
         self.epoch = -1
         self.calls_since_commit = 0
-        self.committed: list[np.ndarray] = []
+        self.committed: list = []  # tensors: the state variables' committed values
         self.committed_at = (0, 0)
         self.last_logs = None
         self.recoveries = 0
         self.steps_lost = 0  # steps rolled back (the one in flight included)
         self.fast_forward = 0  # a joiner's calls to pass before it trains
-        self.committed_metrics: list[np.ndarray] = []
+        self.committed_metrics: list = []
+        self._snapshot = None  # (variables, tf.function reading them all)
         self._inner = None
 
     # ---- the wrapped train function ------------------------------------------------
@@ -192,12 +192,23 @@ class ElasticFit:
 
     def commit(self) -> None:
         """Copies the training state and the data position into host memory."""
-        self.committed = [np.array(v.numpy(), copy=True) for v in self.state_variables()]
-        self.committed_metrics = [np.array(v.numpy(), copy=True)
-                                  for v in self.metric_variables()]
+        values = self._read_all()
+        count = len(values) - len(self.metric_variables())
+        self.committed, self.committed_metrics = values[:count], values[count:]
         self.committed_at = (self.epoch, self.iterator.position)
         self.iterator.mark()
         self.calls_since_commit = 0
+
+    def _read_all(self) -> list:
+        """Copies of the state and metric variables, read by one traced function (a
+        read is a snapshot: later assignments do not change it)."""
+        variables = [*self.state_variables(), *self.metric_variables()]
+        if self._snapshot is None or len(self._snapshot[0]) != len(variables) or any(
+                a is not b for a, b in zip(self._snapshot[0], variables)):
+            reads = [_tf_variable(v) for v in variables]
+            self._snapshot = (variables, tf.function(
+                lambda: [tf.identity(r) for r in reads], autograph=False))
+        return list(self._snapshot[1]())
 
     def join(self) -> int:
         """On a worker that joined a running job, before fit's loop: takes the job's
@@ -206,7 +217,7 @@ class ElasticFit:
         if not optimizer.built:
             with self.strategy.scope():
                 optimizer.build(self.model.trainable_variables)
-        self.committed = [v.numpy() for v in self.state_variables()]
+        self.committed = [tf.identity(_tf_variable(v)) for v in self.state_variables()]
         self.committed_at = (-1, -1)
         epoch, position = self._sync()
         self.member.synced = True
@@ -219,7 +230,7 @@ class ElasticFit:
         elastic._say(f"{self.member.name}: takes the state of rank {root} (epoch "
                      f"{newest[0]}, batch {newest[1]})")
         for i, variable in enumerate(self.state_variables()):
-            self.committed[i] = ops.broadcast(self.committed[i], root_rank=root).numpy()
+            self.committed[i] = ops.broadcast(self.committed[i], root_rank=root)
             variable.assign(self.committed[i])
         return newest
 
@@ -263,6 +274,11 @@ class ElasticFit:
         newest = max((int(e), int(p)) for e, p, _ in every)
         root = min(int(r) for e, p, r in every if (int(e), int(p)) == newest)
         return root, newest
+
+
+def _tf_variable(variable):
+    """The TF variable behind a Keras variable (its public ``value``), or ``variable``."""
+    return variable if isinstance(variable, tf.Variable) else variable.value
 
 
 class _MembershipChanged(Exception):
