@@ -193,7 +193,7 @@ class ElasticFit:
     def commit(self) -> None:
         """Copies the training state and the data position into host memory."""
         values = self._read_all()
-        count = len(values) - len(self.metric_variables())
+        count = self._snapshot[2]
         self.committed, self.committed_metrics = values[:count], values[count:]
         self.committed_at = (self.epoch, self.iterator.position)
         self.iterator.mark()
@@ -201,13 +201,15 @@ class ElasticFit:
 
     def _read_all(self) -> list:
         """Copies of the state and metric variables, read by one traced function (a
-        read is a snapshot: later assignments do not change it)."""
-        variables = [*self.state_variables(), *self.metric_variables()]
-        if self._snapshot is None or len(self._snapshot[0]) != len(variables) or any(
-                a is not b for a, b in zip(self._snapshot[0], variables)):
+        read is a snapshot: later assignments do not change it). The function is made
+        again when the variables change (the optimizer builds its own lazily)."""
+        key = (len(self.model.variables), len(self.model.optimizer.variables),
+               len(self.model.metrics))
+        if self._snapshot is None or self._snapshot[0] != key:
+            variables = [*self.state_variables(), *self.metric_variables()]
             reads = [_tf_variable(v) for v in variables]
-            self._snapshot = (variables, tf.function(
-                lambda: [tf.identity(r) for r in reads], autograph=False))
+            self._snapshot = (key, tf.function(lambda: [tf.identity(r) for r in reads],
+                                               autograph=False), len(self.state_variables()))
         return list(self._snapshot[1]())
 
     def join(self) -> int:
