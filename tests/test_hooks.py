@@ -301,3 +301,17 @@ def test_compiled_loss_changes_with_each_compile():
     assert first is not None, "Keras no longer keeps the compiled loss in _compile_loss"
     model.compile("sgd", "mae")
     assert compiled_loss(model) is not first
+
+
+def test_keras_clips_in_apply_before_its_all_reduce():
+    """tfdist._hooks.keras reduces before Keras' ``_backend_apply_gradients`` clips, and
+    skips ``_all_reduce_sum_gradients`` inside it: both must still be where Keras clips."""
+    from keras.src.backend.tensorflow import optimizer as tf_optimizer
+    from keras.src.optimizers import base_optimizer
+
+    source = inspect.getsource(base_optimizer.BaseOptimizer._backend_apply_gradients)
+    assert "self._clip_gradients(" in source and "self._backend_update_step(" in source, (
+        "Keras no longer clips in _backend_apply_gradients before _backend_update_step: "
+        "tfdist's clipping after the reduction must be rewritten")
+    step_source = inspect.getsource(tf_optimizer.TFOptimizer._backend_update_step)
+    assert "self._all_reduce_sum_gradients(" in step_source

@@ -2,9 +2,8 @@
 workers under tfdist launch (both engines): the same weights as the unsharded run and
 one device, half the slots per replica.
 
-Clipping is compared with one device only: the unsharded strategies clip each
-replica's gradient before the all-reduce (Keras clips inside ``apply``, before its
-all-reduce), while the sharded step clips the summed gradient, as one device does."""
+Clipping: sharded, unsharded and one device agree; tfdist clips the reduced gradient
+(stock Keras 3 clips each replica's gradient before its all-reduce)."""
 
 import pytest
 
@@ -81,7 +80,7 @@ def test_two_workers_horovod_engine():
 
 
 @pytest.mark.parametrize("case", ["accumulate", "global_clipnorm", "clipnorm",
-                                  "mixed_float16"])
+                                  "clipvalue", "mixed_float16"])
 def test_sharded_matches_unsharded_with(logical_cpus, case):
     import tfdist
 
@@ -93,6 +92,8 @@ def test_sharded_matches_unsharded_with(logical_cpus, case):
         kwargs = {"batch_size": GLOBAL_BATCH // 2}
     elif case in ("global_clipnorm", "clipnorm"):
         kwargs = {case: 0.05}
+    elif case == "clipvalue":
+        kwargs = {case: 0.01}
     else:
         kwargs = {"policy": "mixed_float16"}
     for optimizer in ("adamw", "sgd"):
@@ -106,6 +107,9 @@ def test_sharded_matches_unsharded_with(logical_cpus, case):
         ref, _ = train(None, optimizer,
                        **{k: v for k, v in kwargs.items() if k != "batch_size"})
         assert_weights_close(got, ref)
+        if case != "accumulate":  # the unsharded run also clips the reduced gradient
+            plain, _ = train(tfdist.MirroredStrategy(), optimizer, **kwargs)
+            assert_weights_close(plain, ref)
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])

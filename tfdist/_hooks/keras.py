@@ -71,19 +71,33 @@ def _patch_optimizer(TFOptimizer, handoff_of) -> None:
     original_apply = TFOptimizer._backend_apply_gradients
     original_reduce = TFOptimizer._all_reduce_sum_gradients
 
+    reduced_already = set()  # optimizers inside an apply whose gradients are reduced
+
     def _backend_apply_gradients(self, grads, trainable_variables):
         handoff = _replica_handoff(handoff_of)
         update = handoff.keras_local_update() if handoff else None
-        if update is None:
+        if update is not None:
+            return update(self, original_apply, grads, trainable_variables)
+        if handoff is None or not handoff.keras_clip_after_reduce:
             return original_apply(self, grads, trainable_variables)
-        return update(self, original_apply, grads, trainable_variables)
+        # Why: Keras 3 clips (``_clip_gradients``) each replica's gradient here, before
+        # ``_backend_update_step`` all-reduces; tfdist reduces first so that clipping sees
+        # the global-batch gradient, as on one device (and as Keras 2 did).
+        variables = list(trainable_variables)
+        reduced = handoff.keras_reduce_gradients(list(zip(grads, variables)),
+                                                 functools.partial(original_reduce, self))
+        reduced_already.add(id(self))
+        try:
+            return original_apply(self, [g for g, _ in reduced], variables)
+        finally:
+            reduced_already.discard(id(self))
 
     def _all_reduce_sum_gradients(self, grads_and_vars):
         handoff = _replica_handoff(handoff_of)
         if handoff is None:
             return original_reduce(self, grads_and_vars)
-        if handoff.keras_local_update() is not None:
-            return list(grads_and_vars)  # applied locally: no all-reduce
+        if handoff.keras_local_update() is not None or id(self) in reduced_already:
+            return list(grads_and_vars)  # applied locally, or reduced before clipping
         return handoff.keras_reduce_gradients(list(grads_and_vars),
                                               functools.partial(original_reduce, self))
 

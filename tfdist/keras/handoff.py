@@ -69,6 +69,9 @@ class KerasHandoff:
     keras_local_step_outputs = False
     #: A LossScaleOptimizer skips or applies each step on every replica together.
     keras_global_finite_check = False
+    #: Whether Keras clips the all-reduced gradient (as one device does) rather than each
+    #: replica's (stock Keras 3); for the synchronous strategies.
+    keras_clip_after_reduce = False
 
     def keras_local_update(self):
         """None, or ``f(optimizer, apply_fn, grads, variables)`` that replaces Keras'

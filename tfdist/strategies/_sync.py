@@ -97,6 +97,8 @@ class SyncGradientsMixin(KerasFitMixin):
 
     # ---- every step: replaces Keras' own all-reduce --------------------------------------
 
+    keras_clip_after_reduce = True  # clipping as on one device (see docs/zero.md)
+
     def keras_reduce_gradients(self, grads_and_vars, reduce):
         present = [grad for grad, _ in grads_and_vars if grad is not None]
         if not present:
