@@ -19,9 +19,20 @@ def make_optimizer(name, **kwargs):
         return opt
     if name == "sgd":
         return keras.optimizers.SGD(0.1, momentum=0.9, **kwargs)
-    if name == "lamb":
-        return keras.optimizers.Lamb(0.01)
+    if name == "rmsprop":
+        return keras.optimizers.RMSprop(0.01, **kwargs)
+    if name == "adagrad":
+        return keras.optimizers.Adagrad(0.1, **kwargs)
+    if name == "lion":
+        return keras.optimizers.Lion(0.001, **kwargs)
+    if name in UNSHARDABLE:
+        return getattr(keras.optimizers, UNSHARDABLE[name])(0.01)
     raise ValueError(name)
+
+
+# Optimizers that need whole tensors (layer-wise trust ratios, orthogonalised updates,
+# factored second moments): refused by shard_optimizer_state=True.
+UNSHARDABLE = {"lamb": "Lamb", "muon": "Muon", "adafactor": "Adafactor"}
 
 
 def train(strategy, optimizer, epochs=2, n=64, policy=None, batch_size=GLOBAL_BATCH,
@@ -54,7 +65,8 @@ def slot_elements(strategy, model):
 def full_slot_elements(model):
     """Slot elements of an unsharded optimizer of the same kind on the model."""
     return sum(int(np.prod(v.shape)) for v in model.trainable_variables) * {
-        "Adam": 2, "AdamW": 2, "SGD": 1}[type(model.optimizer).__name__]
+        "Adam": 2, "AdamW": 2, "SGD": 1, "RMSprop": 1, "Adagrad": 1,
+        "Lion": 1}[type(model.optimizer).__name__]
 
 
 def launched_task(engine):
