@@ -94,6 +94,26 @@ def test_engine_tf_is_refused_in_an_elastic_job(monkeypatch):
         tfdist.MultiWorkerMirroredStrategy(cluster, engine="tf")
 
 
+def test_model_averaging_is_refused_in_an_elastic_job(monkeypatch):
+    import tfdist
+    from tfdist import env
+
+    monkeypatch.setenv(env.ELASTIC_ADDR, "127.0.0.1:1")
+    with pytest.raises(ValueError, match="ModelAverageStrategy does not run in an elastic "
+                                         "job"):
+        tfdist.ModelAverageStrategy(period=2, engine="horovod")
+
+
+def test_an_elastic_multi_node_job_is_refused_before_anything_runs(tmp_path):
+    import tfdist
+
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('a task ran')\n")
+    with pytest.raises(ValueError, match="an elastic job .* runs on one host today"):
+        tfdist.launch(str(script), workers=2, min_workers=1, nnodes=2, node_rank=0,
+                      master="127.0.0.1:1")
+
+
 def test_plan_ranks_follow_hosts_in_order_of_their_oldest_member():
     from tfdist.engines.horovod.membership import plan_of
 

@@ -136,6 +136,12 @@ def _check(options: LaunchOptions) -> None:
         raise ValueError("an evaluator task runs in single-node jobs only; run it as "
                          "a job of its own (or in the chief's process) on a multi-node "
                          f"job. Received: evaluator=True, nnodes={nnodes!r}")
+    if options.is_elastic:
+        raise ValueError("an elastic job (min_workers) runs on one host today: its "
+                         "launcher hosts every worker (docs/elastic.md, Limits). Run "
+                         "the elastic launch on one host, or a multi-node job with "
+                         "max_restarts and BackupAndRestore. Received: "
+                         f"min_workers={options.min_workers}, nnodes={nnodes!r}")
     if options.master is None:
         raise ValueError(f"a multi-node job needs master='HOST:PORT' (node 0's rendezvous). "
                          f"Received: nnodes={nnodes!r}, master=None")

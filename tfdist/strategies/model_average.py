@@ -36,6 +36,9 @@ cross-replica steps (anchors, deltas, exchange, forced average) in
 
 from __future__ import annotations
 
+import os
+
+from tfdist import env
 from tfdist.checks import check_int
 from tfdist.comm.averaging import PeriodicAverager
 from tfdist.comm.options import merge_options
@@ -149,6 +152,13 @@ class ModelAverageStrategy(AverageHandoffMixin, MultiWorkerMirroredStrategy):
             raise ValueError("ModelAverageStrategy applies every micro-batch locally; "
                              "accumulate_steps is for the synchronous strategies. Received: "
                              f"accumulate_steps={options.accumulate_steps}")
+        if os.environ.get(env.ELASTIC_ADDR):
+            raise ValueError(
+                "ModelAverageStrategy does not run in an elastic job (tfdist launch "
+                "--min-workers) yet: its averages cannot drop a lost worker "
+                "(docs/elastic.md, Limits). Use MultiWorkerMirroredStrategy(engine="
+                "'horovod'), or launch without --min-workers and with --max-restarts "
+                "and BackupAndRestore. Received: an elastic job")
         self._options = options
         self.outer_compression = check_outer_compression(outer_compression,
                                                          options.compression)

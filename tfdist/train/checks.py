@@ -75,6 +75,8 @@ def check_job(config: dict[str, Any], source: str = "<config>") -> None:
                 f"its ranks with horovodrun, and horovod is not installed here (no horovodrun on "
                 f"PATH or next to {sys.executable}). Install it (docs/horovod.md) or choose "
                 "another strategy.name")
+    if cluster["min_workers"]:
+        _check_elastic(config, source)
     engine = {"spark": "pyspark", "ray": "ray"}.get(cluster["mode"])
     if engine is not None and importlib.util.find_spec(engine) is None:
         raise ConfigError(f"{source}: cluster.mode = {cluster['mode']!r} needs {engine}, which "
@@ -93,6 +95,21 @@ def check_job(config: dict[str, Any], source: str = "<config>") -> None:
             raise ConfigError(f"{source}: model.name = 'cnn' needs square images; a sample "
                               f"has {size} features. Received shape "
                               f"{data.x_train.shape[1:]}")
+
+
+def _check_elastic(config: dict[str, Any], source: str) -> None:
+    """An elastic launch (``cluster.min_workers``) runs synchronous Horovod workers on
+    one host (docs/elastic.md, Limits)."""
+    strategy, cluster = config["strategy"], config["cluster"]
+    if cluster["mode"] != "local":
+        raise ConfigError(f"{source}: cluster.min_workers needs cluster.mode = 'local' (an "
+                          "elastic launcher hosts every worker on one host). Received: "
+                          f"cluster.mode = {cluster['mode']!r}")
+    if strategy["name"] != "multi_worker" or strategy["options"].get("engine") != "horovod":
+        raise ConfigError(
+            f"{source}: cluster.min_workers needs strategy.name = 'multi_worker' with "
+            "options.engine = 'horovod' (docs/elastic.md). Received: strategy.name = "
+            f"{strategy['name']!r}, options.engine = {strategy['options'].get('engine')!r}")
 
 
 def _check_environment(config: dict[str, Any], source: str) -> None:
