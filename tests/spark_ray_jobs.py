@@ -51,7 +51,7 @@ def mwms_reference():
     return _fit(None, x, y, "sgd", use_dataset=False)["weights"]
 
 
-def fault_job(result_dir, mode, victim):
+def fault_job(result_dir, mode, victim, workers=2):
     """Records this task's pid; the victim fails by ``mode``, the others wait to be killed.
 
     Modes: "raise" (an exception), "kill" (SIGKILL to itself), "kill-engine" (SIGKILL to
@@ -61,7 +61,10 @@ def fault_job(result_dir, mode, victim):
     with open(os.path.join(result_dir, f"{task}.pid"), "w") as f:
         f.write(str(os.getpid()))
     if task == victim:
-        time.sleep(1.0)  # let the others record their pids
+        # Let the others record their pids: a loaded machine starts them seconds apart.
+        deadline = time.monotonic() + 120
+        while len(os.listdir(result_dir)) < workers and time.monotonic() < deadline:
+            time.sleep(0.1)
         if mode == "raise":
             raise RuntimeError(f"injected failure in {task}")
         os.kill(os.getpid() if mode == "kill" else os.getppid(), signal.SIGKILL)

@@ -25,6 +25,17 @@ def linear_parts(kernel_shape, fragments):
     return [[(p.variable, p.start, p.stop) for p in fragment] for fragment in split]
 
 
+def np_outer_step(anchor, momentum, g, outer):
+    """In place on the blocks: the plain average (``outer`` None: ``anchor - g``), or the
+    Nesterov SGD outer step ``outer = (learning_rate, momentum)`` on the outer gradient."""
+    if outer is None:
+        anchor[...] = anchor - g
+        return
+    outer_lr, mu = np.float32(outer[0]), np.float32(outer[1])
+    momentum[...] = mu * momentum - outer_lr * g
+    anchor[...] = anchor + mu * momentum - outer_lr * g
+
+
 def numpy_streaming_diloco(x, y, w0, b0, steps, period, fragments, warmup=0, replicas=2,
                            lr=LR, outer=None, delay=0, mix=1.0, saves=()):
     """Streaming DiLoCo for the linear model (kernel, bias).
@@ -65,10 +76,8 @@ def numpy_streaming_diloco(x, y, w0, b0, steps, period, fragments, warmup=0, rep
                 if outer is None:
                     anchor[i][a:b] = mean
                 else:
-                    outer_lr, mu = outer
-                    g = anchor[i][a:b] - mean
-                    momentum[i][a:b] = mu * momentum[i][a:b] - outer_lr * g
-                    anchor[i][a:b] = anchor[i][a:b] + mu * momentum[i][a:b] - outer_lr * g
+                    np_outer_step(anchor[i][a:b], momentum[i][a:b], anchor[i][a:b] - mean,
+                                  outer)
             pending = (s + delay, part)
             if delay == 0:
                 apply(part)

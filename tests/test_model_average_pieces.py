@@ -12,6 +12,7 @@ import pytest
 
 from helpers import assert_weights_close, require_horovod, run_cluster
 from test_model_average import GLOBAL_BATCH, LR, linear_data, replica_batches
+from test_model_average_fragments import np_outer_step
 from test_model_average_quant import np_error_feedback
 
 FEATURES, HIDDEN = 30, 8
@@ -83,12 +84,7 @@ def numpy_pieces_diloco(x, y, initial, parts, steps, period, replicas=2, lr=LR,
                             delta, residual[r][i][a:b], name)
                     deltas.append(delta)
                 g = sum(deltas[1:], deltas[0]) / f32(replicas)
-                if outer is None:
-                    anchor[i][a:b] = anchor[i][a:b] - g
-                else:
-                    outer_lr, mu = f32(outer[0]), f32(outer[1])
-                    momentum[i][a:b] = mu * momentum[i][a:b] - outer_lr * g
-                    anchor[i][a:b] = anchor[i][a:b] + mu * momentum[i][a:b] - outer_lr * g
+                np_outer_step(anchor[i][a:b], momentum[i][a:b], g, outer)
             pending = (s + delay, part)
             if delay == 0:
                 apply(part)

@@ -14,7 +14,7 @@ import pytest
 
 from helpers import assert_weights_close, require_horovod, run_cluster
 from test_model_average import LR, fit_linear, linear_data, replica_batches
-from test_model_average_fragments import linear_parts, numpy_streaming_diloco
+from test_model_average_fragments import linear_parts, np_outer_step, numpy_streaming_diloco
 
 LEVELS = {"int8": 127, "int4": 7}
 CAST = {"fp16": np.float16}
@@ -105,12 +105,7 @@ def numpy_quantized_diloco(x, y, w0, b0, steps, period, fragments, name, replica
                         anchor[i][a:b] - params[r][i][a:b], residual[r][i][a:b], name)
                     total = total + deq
                 g = total / f32(replicas)
-                if outer is None:
-                    anchor[i][a:b] = anchor[i][a:b] - g
-                else:
-                    outer_lr, mu = f32(outer[0]), f32(outer[1])
-                    momentum[i][a:b] = mu * momentum[i][a:b] - outer_lr * g
-                    anchor[i][a:b] = anchor[i][a:b] + mu * momentum[i][a:b] - outer_lr * g
+                np_outer_step(anchor[i][a:b], momentum[i][a:b], g, outer)
             pending = (s + delay, part)
             if delay == 0:
                 apply(part)

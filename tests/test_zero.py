@@ -185,7 +185,8 @@ def test_saved_state_with_a_loss_scale(logical_cpus, tmp_path):
     assert_weights_close(got[1], want[1])
 
 
-def test_keras_backup_and_restore_resumes_sharded_state(logical_cpus, tmp_path):
+@pytest.mark.parametrize("owner", ["keras", "tfdist"])
+def test_backup_and_restore_resumes_sharded_state(logical_cpus, tmp_path, owner):
     import keras
     import numpy as np
 
@@ -202,13 +203,14 @@ def test_keras_backup_and_restore_resumes_sharded_state(logical_cpus, tmp_path):
     x, y = classification_data(n=64)
     strategy = tfdist.MirroredStrategy(shard_optimizer_state=True)
     backup = str(tmp_path / "backup")
+    backup_class = (keras if owner == "keras" else tfdist.keras).callbacks.BackupAndRestore
     first = _compiled(strategy, "adam")
     with pytest.raises(RuntimeError, match="interrupted"):
         first.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0,
-                  callbacks=[keras.callbacks.BackupAndRestore(backup), Interrupt()])
+                  callbacks=[backup_class(backup), Interrupt()])
     again = _compiled(strategy, "adam", seed=7)
     again.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0,
-              callbacks=[keras.callbacks.BackupAndRestore(backup)])
+              callbacks=[backup_class(backup)])
     ref, _ = train(None, "adam", epochs=2)
     assert_weights_close([np.asarray(w) for w in again.get_weights()], ref)
 
@@ -253,31 +255,3 @@ def test_model_save_and_tfdist_model_checkpoint_write_the_whole_state(logical_cp
         assert_weights_close(got[0], want[0])
         assert len(got[1]) == len(want[1]) > 2
         assert_weights_close(got[1], want[1])
-
-
-def test_tfdist_backup_and_restore_resumes_sharded_state(logical_cpus, tmp_path):
-    import keras
-    import numpy as np
-
-    import tfdist
-    from helpers import classification_data
-
-    from zero_jobs import GLOBAL_BATCH, _compiled
-
-    class Interrupt(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            if epoch == 1:
-                raise RuntimeError("interrupted")
-
-    x, y = classification_data(n=64)
-    strategy = tfdist.MirroredStrategy(shard_optimizer_state=True)
-    backup = str(tmp_path / "backup")
-    first = _compiled(strategy, "adam")
-    with pytest.raises(RuntimeError, match="interrupted"):
-        first.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0,
-                  callbacks=[tfdist.keras.callbacks.BackupAndRestore(backup), Interrupt()])
-    again = _compiled(strategy, "adam", seed=7)
-    again.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0,
-              callbacks=[tfdist.keras.callbacks.BackupAndRestore(backup)])
-    ref, _ = train(None, "adam", epochs=2)
-    assert_weights_close([np.asarray(w) for w in again.get_weights()], ref)
