@@ -5,7 +5,10 @@
 Every task trains the same small regression with global batch `BATCH` through
 ``tfdist.MultiWorkerMirroredStrategy(engine="horovod")``. The task named in the third
 argument SIGKILLs itself after that batch (0-based) of that epoch, on its first start
-only (``TASK:EPOCH:BATCH:STOP``: SIGSTOP, it freezes). Each task appends ``<task> <pid>`` to ``OUT/starts`` when it starts and writes
+only (``TASK:EPOCH:BATCH:STOP``: SIGSTOP, it freezes; ``TASK:EPOCH:BATCH:GROW``: it
+writes ``OUT/grow-EPOCH-BATCH`` and then slows down, up to 120 s, until a worker more
+has joined). Several events are separated by commas. Each task notes its weights
+after every step. ``JOB_HEARTBEAT`` sets the strategy's ``heartbeat_timeout`` (5 s). Each task appends ``<task> <pid>`` to ``OUT/starts`` when it starts and writes
 ``OUT/<task>.json`` when fit ends; the chief saves the model once, recording who did.
 """
 
@@ -13,6 +16,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import numpy as np
 
@@ -51,21 +55,39 @@ def main(out, epochs, kill=""):
     task = os.environ["TFDIST_TASK"]
     with open(os.path.join(out, "starts"), "a") as f:
         f.write(f"{task} {os.getpid()}\n")
-    strategy = tfdist.MultiWorkerMirroredStrategy(engine="horovod", heartbeat_timeout=5)
+    strategy = tfdist.MultiWorkerMirroredStrategy(
+        engine="horovod", heartbeat_timeout=float(os.environ.get("JOB_HEARTBEAT", 5)))
     with strategy.scope():
         net = model()
 
-    class Kill(keras.callbacks.Callback):
+    class Events(keras.callbacks.Callback):
+        """Runs the events of ``kill`` (comma-separated) and notes the weights after
+        every step."""
+        grow_to = None
+
         def on_epoch_begin(self, epoch, logs=None):
             self.epoch = epoch
 
         def on_train_batch_end(self, batch, logs=None):
-            name, epoch, at, how = (kill.split(":") + ["KILL"])[:4]
-            if name == task and os.environ.get("TFDIST_TASK_RESTART", "0") == "0" and \
-                    (self.epoch, batch) == (int(epoch), int(at)):
-                os.kill(os.getpid(), getattr(signal, f"SIG{how}"))
+            if logs:  # a joiner's calls before its first step return no logs
+                steps[f"{self.epoch}:{batch}"] = [float(v) for w in net.get_weights()
+                                                  for v in np.ravel(w)]
+            if self.grow_to is not None and strategy.size < self.grow_to and \
+                    time.monotonic() < self.deadline:
+                time.sleep(0.2)  # the test adds a worker; wait for it to join
+            for event in filter(None, kill.split(",")):
+                name, epoch, at, how = (event.split(":") + ["KILL"])[:4]
+                if name != task or os.environ.get("TFDIST_TASK_RESTART", "0") != "0" or \
+                        (self.epoch, batch) != (int(epoch), int(at)):
+                    continue
+                if how == "GROW":
+                    self.grow_to, self.deadline = strategy.size + 1, time.monotonic() + 120
+                    open(os.path.join(out, f"grow-{epoch}-{at}"), "w").close()
+                else:
+                    os.kill(os.getpid(), getattr(signal, f"SIG{how}"))
 
-    fit(net, epochs, [Kill()] if kill else [])
+    steps = {}  # "epoch:batch" -> the weights after that step
+    fit(net, epochs, [Events()])
     if strategy.is_chief:
         net.save(os.path.join(out, "model.keras"))
         open(os.path.join(out, f"saved-by-{task}"), "w").close()
@@ -74,7 +96,8 @@ def main(out, epochs, kill=""):
         json.dump({"pid": os.getpid(), "weights": [w.tolist() for w in net.get_weights()],
                    "iterations": int(net.optimizer.iterations.numpy()),
                    "size": strategy.size, "rank": strategy.rank,
-                   "recoveries": fitting.recoveries if fitting else None}, f)
+                   "recoveries": fitting.recoveries if fitting else None,
+                   "steps": steps}, f)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,10 @@ saved the model.
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -32,15 +34,32 @@ def reference():
     return net.get_weights()
 
 
-def _launch(tmp_path, *flags, kill, workers=(3, 2)):
+def _launch(tmp_path, *flags, kill, workers=(3, 2), heartbeat=5):
+    """Runs elastic_job under ``tfdist launch``; for each ``GROW`` event, asks the
+    launcher for a worker (SIGUSR1) once the job has written that event's marker."""
     require_horovod()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+    env = dict(os.environ, JOB_HEARTBEAT=str(heartbeat), PYTHONPATH=os.pathsep.join(
         [ROOT, TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "tfdist.cli", "launch", "--workers", str(workers[0]),
-         "--min-workers", str(workers[1]), "--timeout", "200", *flags, os.path.join(TESTS_DIR, "elastic_job.py"),
-         str(tmp_path), str(EPOCHS), kill],
-        env=env, capture_output=True, text=True, timeout=240)
+         "--min-workers", str(workers[1]), "--timeout", "200", *flags,
+         os.path.join(TESTS_DIR, "elastic_job.py"), str(tmp_path), str(EPOCHS), kill],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for event in kill.split(","):
+            if not event.endswith(":GROW"):
+                continue
+            marker = tmp_path / "grow-{}-{}".format(*event.split(":")[1:3])
+            deadline = time.monotonic() + 200
+            while not marker.exists() and proc.poll() is None and \
+                    time.monotonic() < deadline:
+                time.sleep(0.1)
+            proc.send_signal(signal.SIGUSR1)
+        stdout, stderr = proc.communicate(timeout=240)
+    except BaseException:
+        proc.kill()
+        raise
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     results = {name[:-5]: json.loads((tmp_path / name).read_text())
                for name in os.listdir(tmp_path) if name.endswith(".json")}
     starts = (tmp_path / "starts").read_text().split("\n")
@@ -188,7 +207,61 @@ def test_a_lost_worker_with_no_restart_left_leaves_two_that_end_at_the_reference
         assert result["size"] == 2 and result["recoveries"] == 1
         assert result["iterations"] == STEPS
         assert_weights_close([np.array(w) for w in result["weights"]], reference)
+    _assert_members_agree_at_every_step(results)
     assert os.listdir(tmp_path).count("saved-by-worker-0") == 1
+
+
+@pytest.mark.multiprocess
+@pytest.mark.horovod
+def test_a_worker_added_to_a_running_job_joins_and_the_end_equals_the_reference(
+        tmp_path, reference):
+    done, results, starts = _launch(tmp_path, "--max-workers", "3", kill="worker-0:1:2:GROW",
+                                    workers=(2, 2))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "adds a worker (up to --max-workers 3)" in done.stderr
+    assert "adding worker-2, which joins the running elastic job (3 workers)" in done.stderr
+    assert sorted(results) == ["worker-0", "worker-1", "worker-2"]
+    for name, result in results.items():
+        assert [pid for task, pid in starts if task == name] == [str(result["pid"])]
+        assert result["size"] == 3 and result["iterations"] == STEPS
+        assert_weights_close([np.array(w) for w in result["weights"]], reference)
+    _assert_members_agree_at_every_step(results)
+    assert os.listdir(tmp_path).count("saved-by-worker-0") == 1
+
+
+def _assert_members_agree_at_every_step(results):
+    """Every step that several members ran left them with equal weights."""
+    steps = [r["steps"] for r in results.values()]
+    for key in set().union(*steps):
+        held = [np.array(s[key]) for s in steps if key in s]
+        for other in held[1:]:
+            np.testing.assert_allclose(other, held[0], atol=1e-6, err_msg=key)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.horovod
+@pytest.mark.timeout(300)
+def test_a_seeded_schedule_of_kills_and_joins_keeps_the_members_equal(tmp_path, reference):
+    """worker-1 killed and replaced, worker-2 killed for good, a worker added: at
+    batches drawn from a seed, one event per epoch. Gloo's timeout (heartbeat_timeout)
+    also bounds each re-forming, and a replacement that has just joined may reach the
+    next one seconds late (its first trace): 20 s, where 5 s aborted the members."""
+    rng = np.random.default_rng(2026)
+    a, b, c = (int(rng.integers(2, 8)) for _ in range(3))
+    schedule = f"worker-1:0:{a},worker-2:1:{b},worker-0:2:{c}:GROW"
+    done, results, starts = _launch(tmp_path, "--max-restarts", "1", "--max-workers", "3",
+                                    kill=schedule, heartbeat=20)
+    assert done.returncode == 0, schedule + "\n" + done.stderr[-3000:]
+    assert "starting a replacement for worker-1" in done.stderr
+    assert "worker-2 exited with code -9 (signal SIGKILL); the elastic job carries on " \
+           "with 2 worker(s)" in done.stderr
+    assert "adding worker-3, which joins the running elastic job (3 workers)" in done.stderr
+    assert sorted(results) == ["worker-0", "worker-1", "worker-3"]
+    assert [task for task, _ in starts].count("worker-1") == 2
+    for result in results.values():
+        assert result["size"] == 3 and result["iterations"] == STEPS
+        assert_weights_close([np.array(w) for w in result["weights"]], reference)
+    _assert_members_agree_at_every_step(results)
 
 
 @pytest.mark.multiprocess

@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "which join the running job")
     elastic.add_argument("--max-workers", type=int, default=DEFAULTS.max_workers,
                          metavar="N", help="the most workers the elastic job may have "
-                                           "(default: --workers)")
+                                           "(default: --workers); `kill -USR1` to the "
+                                           "launcher adds one to the running job")
     elastic.add_argument("--elastic-timeout", type=float, default=DEFAULTS.elastic_timeout,
                          metavar="SECONDS",
                          help="fail once the job stayed below --min-workers this long "

@@ -62,9 +62,9 @@ def run_attempt(argv: list[str], cluster: ClusterSpec, options: LaunchOptions, a
     trained_at = None
     tasks: list[TaskProcess] = []
 
-    def start(spec, task_restart=0):
+    def start(spec, task_restart=0, grown=None):
         prefix = [str(a) for a in options.wrap(spec)] if options.wrap is not None else []
-        environ = task_env(cluster, spec, options.env, attempt, options.backup_dir)
+        environ = task_env(grown or cluster, spec, options.env, attempt, options.backup_dir)
         if extra_env is not None:
             environ.update(extra_env(spec))
         environ.update(policy.task_env(task_restart))
@@ -77,6 +77,7 @@ def run_attempt(argv: list[str], cluster: ClusterSpec, options: LaunchOptions, a
             deadline = None if timeout is None else time.monotonic() + timeout
             while True:
                 policy.check(tasks)
+                policy.grow(tasks, cluster, start)
                 _report_evaluator_exit(tasks, reported, log)
                 counted = [t for t in tasks if not policy.is_lost(t)]
                 failed = first_failed(counted)

@@ -6,17 +6,25 @@ non-zero (or is killed) is removed from the membership and the others re-form Ho
 without it, inside ``fit`` (`tfdist.strategies._elastic`); while ``max_restarts``
 allow, a replacement starts and joins the running job. Below ``min_workers`` for
 longer than ``elastic_timeout`` seconds the job fails, naming who is missing.
+
+A worker is added to the running job, up to ``max_workers``, by ``kill -USR1`` to the
+launcher's PID (printed when the job starts), or by `ElasticRestarts.add_worker`: the
+new worker joins like a replacement, under the next free name (``worker-N``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import os
 import signal
+import threading
 import time
 from typing import Callable, Iterator
 
 from tfdist import env
 from tfdist.cluster import TRAINING_TASK_TYPES, TaskSpec
+from tfdist.launch.network import find_free_ports
 from tfdist.launch.restarts import JobRestarts
 from tfdist.launch.results import LaunchError, announce_restart, exit_cause
 
@@ -52,6 +60,13 @@ class ElasticRestarts(JobRestarts):
         self.removed: list[str] = []  # how each lost worker ended, in order
         self.below_since: float | None = None
         self.first_report: tuple[int, float] | None = None  # (version, when)
+        self.requested = 0  # workers asked for (SIGUSR1, add_worker) and not yet added
+        self.grown = None  # the cluster with the added workers' addresses
+
+    def add_worker(self) -> None:
+        """Asks for one more worker; the launcher adds it at its next poll (up to
+        ``max_workers``). Safe from a signal handler or another thread."""
+        self.requested += 1
 
     @property
     def spent(self) -> int:
@@ -62,12 +77,41 @@ class ElasticRestarts(JobRestarts):
         from tfdist.engines.horovod.membership import MembershipServer
 
         self.server = MembershipServer(self.host, self.min_workers, self.max_workers)
-        self.lost, self.below_since = set(), None
+        self.lost, self.below_since, self.grown = set(), None, None
         self.members: list[tuple[str, str]] = []  # oldest first; published once >= min
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGUSR1, lambda *_: self.add_worker())
+            print(f"tfdist launch: elastic job: `kill -USR1 {os.getpid()}` adds a worker "
+                  f"(up to --max-workers {self.max_workers})", file=self.log, flush=True)
         try:
             yield
         finally:
+            if previous is not None:
+                signal.signal(signal.SIGUSR1, previous)
             self.server.close()
+
+    def grow(self, tasks: list, cluster, start) -> None:
+        """Starts the workers asked for (`add_worker`); each joins the running job."""
+        while self.requested > 0:
+            self.requested -= 1
+            if len(self.members) >= self.max_workers:
+                print(f"tfdist launch: a worker was asked for, but the elastic job already "
+                      f"has --max-workers {self.max_workers} ({len(self.members)}): none "
+                      "added", file=self.log, flush=True)
+                continue
+            base = self.grown or cluster
+            (port,) = find_free_ports(1, self.host)
+            self.grown = dataclasses.replace(
+                base, worker=base.worker + (f"{self.host}:{port}",))
+            spec = TaskSpec("worker", len(base.worker))
+            tasks.append(start(spec, 0, self.grown))
+            self.members = self.members + [(spec.name, self.host)]
+            if len(self.members) >= self.min_workers:
+                self.below_since = None
+                self.server.publish(self.members)
+            print(f"tfdist launch: adding {spec.name}, which joins the running elastic job "
+                  f"({len(self.members)} workers)", file=self.log, flush=True)
 
     def task_env(self, task_restart: int) -> dict[str, str]:
         return {env.ELASTIC_ADDR: self.server.address, env.ENGINE: "horovod",
@@ -135,7 +179,7 @@ class ElasticRestarts(JobRestarts):
             # youngest member): two versions in a row could split the survivors.
             self.members = members + [(failed.name, self.host)]
             self.server.publish(self.members)
-            tasks[tasks.index(failed)] = start(failed.spec, self.used)
+            tasks[tasks.index(failed)] = start(failed.spec, self.used, self.grown)
             return True
         self.members = members
         if len(members) >= self.min_workers:

@@ -66,7 +66,7 @@ def run(argv: Sequence[str], options: LaunchOptions | None = None, *,
         started = time.monotonic()
         pins = gpu_env(cluster.tasks(), command_env(options.env), options.gpus_per_task)
         tasks, failed, timed_out = run_attempt(list(argv), cluster, options, attempt, policy,
-                                               extra_env=lambda spec: pins[spec.name])
+                                               extra_env=lambda spec: pins.get(spec.name, {}))
         if failed is None and not timed_out:
             return launch_result(tasks, attempt + 1, cluster)
         if timed_out:

@@ -71,7 +71,8 @@ class LaunchOptions:
             removed and the others train on while at least this many remain; each
             ``max_restarts`` starts a replacement that joins the running job. None: a
             failure stops the job (or restarts it whole).
-        max_workers: The most workers an elastic job may have (default: ``workers``).
+        max_workers: The most workers an elastic job may have (default: ``workers``);
+            up to it, SIGUSR1 to the launcher adds a worker to the running job.
         elastic_timeout: Seconds an elastic job may stay below ``min_workers``
             before it fails, naming the missing workers.
     """

@@ -67,6 +67,10 @@ class JobRestarts:
     def check(self, tasks: list) -> None:
         """Called with the attempt's running `TaskProcess` list on every poll."""
 
+    def grow(self, tasks: list, cluster, start: Callable[..., object]) -> None:
+        """Adds tasks to the running attempt: ``start(spec, 0, grown_cluster)`` appended
+        to ``tasks`` (none here)."""
+
     def replace(self, tasks: list, failed, start: Callable[[TaskSpec, int], object]) -> bool:
         """Restarts ``failed`` alone in ``tasks`` with ``start(spec, n)``, or lets the job
         go on without it (`is_lost`); False if its failure ends the attempt."""
