@@ -45,12 +45,13 @@ java:
 	    openjdk-17-jre-headless; \
 	fi
 
-# Three pytest workers, one test file each at a time (module fixtures such as the Spark
-# and Ray sessions stay in one process): many tests wait on timeouts and start-ups (with
-# two, the cores were busy 1.55 of 2 on average), so three files at once keep both cores
-# busy. `pytest tests/...` alone runs serially.
+# Two pytest workers, one test file each at a time (module fixtures such as the Spark
+# and Ray sessions stay in one process): many tests wait on timeouts and start-ups, so two
+# files at once keep both cores busy. Three were no faster (54 min of CPU in 33.5 min
+# against 48 in 34.7) and starved Ray's start-up and elastic re-forming past their
+# timeouts. `pytest tests/...` alone runs serially.
 test: $(VENV)/.installed $(VENV)/.horovod slurm java
-	TFDIST_REQUIRE_HOROVOD=1 TFDIST_REQUIRE_SPARK_RAY=1 $(PY) -m pytest -n 3 --dist loadfile
+	TFDIST_REQUIRE_HOROVOD=1 TFDIST_REQUIRE_SPARK_RAY=1 $(PY) -m pytest -n 2 --dist loadfile
 
 # Re-executes every notebook and stores it with its outputs (plots visible on the web).
 notebooks: $(VENV)/.installed $(VENV)/.horovod

@@ -6,8 +6,8 @@ Every task trains the same small regression with global batch `BATCH` through
 ``tfdist.MultiWorkerMirroredStrategy(engine="horovod")``. The task named in the third
 argument SIGKILLs itself after that batch (0-based) of that epoch, on its first start
 only (``TASK:EPOCH:BATCH:STOP``: SIGSTOP, it freezes; ``TASK:EPOCH:BATCH:GROW``: it
-writes ``OUT/grow-EPOCH-BATCH`` and then slows down, up to 120 s, until a worker more
-has joined). Several events are separated by commas. Each task notes its weights
+writes ``OUT/grow-EPOCH-BATCH`` and then waits, up to 120 s, until the launcher lists
+a worker more). Several events are separated by commas. Each task notes its weights
 after every step. ``JOB_HEARTBEAT`` sets the strategy's ``heartbeat_timeout`` (5 s). Each task appends ``<task> <pid>`` to ``OUT/starts`` when it starts and writes
 ``OUT/<task>.json`` when fit ends; the chief saves the model once, recording who did.
 """
@@ -51,6 +51,7 @@ def main(out, epochs, kill=""):
     import keras
 
     import tfdist
+    from tfdist.engines.horovod.elastic import member as elastic_member
 
     task = os.environ["TFDIST_TASK"]
     with open(os.path.join(out, "starts"), "a") as f:
@@ -72,9 +73,10 @@ def main(out, epochs, kill=""):
             if logs:  # a joiner's calls before its first step return no logs
                 steps[f"{self.epoch}:{batch}"] = [float(v) for w in net.get_weights()
                                                   for v in np.ravel(w)]
-            if self.grow_to is not None and strategy.size < self.grow_to and \
-                    time.monotonic() < self.deadline:
-                time.sleep(0.2)  # the test adds a worker; wait for it to join
+            member = elastic_member()
+            while self.grow_to is not None and strategy.size < self.grow_to and \
+                    not member.changed() and time.monotonic() < self.deadline:
+                time.sleep(0.2)  # the test adds a worker: wait until the launcher lists it
             for event in filter(None, kill.split(",")):
                 name, epoch, at, how = (event.split(":") + ["KILL"])[:4]
                 if name != task or os.environ.get("TFDIST_TASK_RESTART", "0") != "0" or \

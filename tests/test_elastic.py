@@ -22,6 +22,10 @@ from helpers import ROOT, TESTS_DIR, assert_weights_close, require_horovod
 
 EPOCHS = 3
 STEPS = EPOCHS * 10  # elastic_job: 480 samples, global batch 48
+# heartbeat_timeout of the jobs a worker joins: the members re-form at once and wait in
+# Gloo's rendezvous, for at most this long, for the joiner still importing TensorFlow
+# (docs/elastic.md, Limits); 5 s aborted the members on a loaded machine.
+JOINER_HEARTBEAT = 10
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +220,7 @@ def test_a_lost_worker_with_no_restart_left_leaves_two_that_end_at_the_reference
 def test_a_worker_added_to_a_running_job_joins_and_the_end_equals_the_reference(
         tmp_path, reference):
     done, results, starts = _launch(tmp_path, "--max-workers", "3", kill="worker-0:1:2:GROW",
-                                    workers=(2, 2))
+                                    workers=(2, 2), heartbeat=JOINER_HEARTBEAT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "adds a worker (up to --max-workers 3)" in done.stderr
     assert "adding worker-2, which joins the running elastic job (3 workers)" in done.stderr
@@ -268,7 +272,8 @@ def test_a_seeded_schedule_of_kills_and_joins_keeps_the_members_equal(tmp_path, 
 @pytest.mark.horovod
 def test_a_lost_chief_is_replaced_by_a_joiner_and_the_oldest_survivor_saves(
         tmp_path, reference):
-    done, results, starts = _launch(tmp_path, "--max-restarts", "1", kill="worker-0:1:4")
+    done, results, starts = _launch(tmp_path, "--max-restarts", "1", kill="worker-0:1:4",
+                                    heartbeat=JOINER_HEARTBEAT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "restart 1/1: worker-0 exited with code -9 (signal SIGKILL); starting a " \
            "replacement for worker-0, which joins the running elastic job" in done.stderr

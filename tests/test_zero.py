@@ -62,6 +62,11 @@ def _check_launched(results):
         for result in (mine, theirs):
             (count,) = result["slots"]
             assert result["full_slots"] / 2 <= count <= result["full_slots"] / 2 + 2
+    for result in (chief, other):
+        assert_weights_close(result["mixed_float16"]["sharded"],
+                             result["mixed_float16"]["plain"])
+    assert_weights_close(chief["mixed_float16"]["sharded"], other["mixed_float16"]["sharded"],
+                         atol=0)
 
 
 @pytest.mark.multiprocess

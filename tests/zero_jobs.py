@@ -84,6 +84,13 @@ def launched_task(engine):
         plain, _ = train(strategy, name)
         out[name] = {"sharded": weights, "plain": plain, "slots": counts,
                      "full_slots": full_slot_elements(model)}
+    # mixed_float16: the loss scale's finite-gradient decision is taken on every worker
+    # from the reduced gradient, so sharded and unsharded runs agree.
+    runs = []
+    for sharded in (True, False):
+        strategy.shard_optimizer_state = sharded
+        runs.append(train(strategy, "adamw", policy="mixed_float16")[0])
+    out["mixed_float16"] = {"sharded": runs[0], "plain": runs[1]}
     if strategy.is_chief:
         out["reference"] = {name: train(None, name)[0] for name in OPTIMIZERS}
     return out
