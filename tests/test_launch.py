@@ -179,14 +179,15 @@ def test_isolated_network_keeps_task_ports_unreachable_from_outside(tmp_path):
         open(os.path.join(out, os.environ["TFDIST_TASK"] + ".ready"), "w").write(me)
         for peer in config["cluster"]["worker"]:  # the peer may not listen yet: retry
             host, port = peer.rsplit(":", 1)
-            for attempt in range(300):
+            deadline = time.time() + 60
+            while True:
                 try:
                     socket.create_connection((host, int(port)), timeout=10).close()
                     break
-                except ConnectionRefusedError:
+                except OSError as error:
+                    if time.time() > deadline:
+                        sys.exit(f"could not reach {peer} inside the namespace: {error!r}")
                     time.sleep(0.1)
-            else:
-                sys.exit(f"could not reach {peer} inside the namespace")
         deadline = time.time() + 60
         while not os.path.exists(os.path.join(out, "checked")) and time.time() < deadline:
             time.sleep(0.1)
@@ -216,7 +217,8 @@ def test_isolated_network_keeps_task_ports_unreachable_from_outside(tmp_path):
         (tmp_path / "checked").write_text("")
         job.join(120)
     if "error" in outcome:
-        raise outcome["error"]
+        error = outcome["error"]
+        pytest.fail(f"{error!r}\n{getattr(error, 'output_tail', '')}"[:3000])
     assert [t.returncode for t in outcome["result"].tasks] == [0, 0]
     # The namespace has no name, and this process no longer holds it open.
     assert not [link for link in _fd_links() if link.startswith("net:[")]
