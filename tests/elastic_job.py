@@ -5,10 +5,13 @@
 Every task trains the same small regression with global batch `BATCH` through
 ``tfdist.MultiWorkerMirroredStrategy(engine="horovod")``. The task named in the third
 argument SIGKILLs itself after that batch (0-based) of that epoch, on its first start
-only (``TASK:EPOCH:BATCH:STOP``: SIGSTOP, it freezes; ``TASK:EPOCH:BATCH:GROW``: it
+only (``TASK:EPOCH:BATCH:BEGIN``: SIGKILL before that batch's step;
+``TASK:EPOCH:BATCH:STOP``: SIGSTOP, it freezes; ``TASK:EPOCH:BATCH:GROW``: it
 writes ``OUT/grow-EPOCH-BATCH`` and then waits, up to 120 s, until the launcher lists
 a worker more). Several events are separated by commas. Each task notes its weights
-after every step. ``JOB_HEARTBEAT`` sets the strategy's ``heartbeat_timeout`` (5 s). Each task appends ``<task> <pid>`` to ``OUT/starts`` when it starts and writes
+after every step. ``JOB_HEARTBEAT`` sets the strategy's ``heartbeat_timeout`` (5 s);
+``JOB_PERIOD`` trains with ``tfdist.ModelAverageStrategy(period=JOB_PERIOD)`` instead.
+Each task appends ``<task> <pid>`` to ``OUT/starts`` when it starts and writes
 ``OUT/<task>.json`` when fit ends; the chief saves the model once, recording who did.
 """
 
@@ -56,8 +59,13 @@ def main(out, epochs, kill=""):
     task = os.environ["TFDIST_TASK"]
     with open(os.path.join(out, "starts"), "a") as f:
         f.write(f"{task} {os.getpid()}\n")
-    strategy = tfdist.MultiWorkerMirroredStrategy(
-        engine="horovod", heartbeat_timeout=float(os.environ.get("JOB_HEARTBEAT", 5)))
+    heartbeat = float(os.environ.get("JOB_HEARTBEAT", 5))
+    if os.environ.get("JOB_PERIOD"):
+        strategy = tfdist.ModelAverageStrategy(period=int(os.environ["JOB_PERIOD"]),
+                                               engine="horovod", heartbeat_timeout=heartbeat)
+    else:
+        strategy = tfdist.MultiWorkerMirroredStrategy(engine="horovod",
+                                                      heartbeat_timeout=heartbeat)
     with strategy.scope():
         net = model()
 
@@ -69,6 +77,12 @@ def main(out, epochs, kill=""):
         def on_epoch_begin(self, epoch, logs=None):
             self.epoch = epoch
 
+        def on_train_batch_begin(self, batch, logs=None):
+            for name, epoch, at, how in events():
+                if how == "BEGIN" and name == task and first_start and \
+                        (self.epoch, batch) == (int(epoch), int(at)):
+                    os.kill(os.getpid(), signal.SIGKILL)
+
         def on_train_batch_end(self, batch, logs=None):
             if logs:  # a joiner's calls before its first step return no logs
                 steps[f"{self.epoch}:{batch}"] = [float(v) for w in net.get_weights()
@@ -77,9 +91,8 @@ def main(out, epochs, kill=""):
             while self.grow_to is not None and strategy.size < self.grow_to and \
                     not member.changed() and time.monotonic() < self.deadline:
                 time.sleep(0.2)  # the test adds a worker: wait until the launcher lists it
-            for event in filter(None, kill.split(",")):
-                name, epoch, at, how = (event.split(":") + ["KILL"])[:4]
-                if name != task or os.environ.get("TFDIST_TASK_RESTART", "0") != "0" or \
+            for name, epoch, at, how in events():
+                if name != task or not first_start or how == "BEGIN" or \
                         (self.epoch, batch) != (int(epoch), int(at)):
                     continue
                 if how == "GROW":
@@ -88,6 +101,10 @@ def main(out, epochs, kill=""):
                 else:
                     os.kill(os.getpid(), getattr(signal, f"SIG{how}"))
 
+    def events():
+        return [(event.split(":") + ["KILL"])[:4] for event in filter(None, kill.split(","))]
+
+    first_start = os.environ.get("TFDIST_TASK_RESTART", "0") == "0"
     steps = {}  # "epoch:batch" -> the weights after that step
     fit(net, epochs, [Events()])
     if strategy.is_chief:

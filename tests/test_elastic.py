@@ -41,12 +41,13 @@ def reference():
     return net.get_weights()
 
 
-def _launch(tmp_path, *flags, kill, workers=(3, 2), heartbeat=5):
-    """Runs elastic_job under ``tfdist launch``; for each ``GROW`` event, asks the
-    launcher for a worker (SIGUSR1) once the job has written that event's marker."""
+def _launch(tmp_path, *flags, kill, workers=(3, 2), heartbeat=5, **job_env):
+    """Runs elastic_job under ``tfdist launch`` (``job_env``: more of its environment,
+    e.g. ``JOB_PERIOD``); for each ``GROW`` event, asks the launcher for a worker
+    (SIGUSR1) once the job has written that event's marker."""
     require_horovod()
     env = dict(os.environ, JOB_HEARTBEAT=str(heartbeat), PYTHONPATH=os.pathsep.join(
-        [ROOT, TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
+        [ROOT, TESTS_DIR, os.environ.get("PYTHONPATH", "")]), **job_env)
     proc = subprocess.Popen(
         [sys.executable, "-m", "tfdist.cli", "launch", "--workers", str(workers[0]),
          "--min-workers", str(workers[1]), "--timeout", "200", *flags,
@@ -120,14 +121,16 @@ def test_engine_tf_is_refused_in_an_elastic_job(monkeypatch):
         tfdist.MultiWorkerMirroredStrategy(cluster, engine="tf")
 
 
-def test_model_averaging_is_refused_in_an_elastic_job(monkeypatch):
+@pytest.mark.parametrize("options, named", [
+    ({"fragments": 2}, "fragments=2"), ({"fragments": 2, "sync_delay": 1}, "sync_delay=1"),
+    ({"outer_compression": "int8"}, "outer_compression='int8'")])
+def test_streaming_diloco_is_refused_in_an_elastic_job(monkeypatch, options, named):
     import tfdist
     from tfdist import env
 
     monkeypatch.setenv(env.ELASTIC_ADDR, "127.0.0.1:1")
-    with pytest.raises(ValueError, match="ModelAverageStrategy does not run in an elastic "
-                                         "job"):
-        tfdist.ModelAverageStrategy(period=2, engine="horovod")
+    with pytest.raises(ValueError, match=r"In an elastic job .* Received: .*" + named):
+        tfdist.ModelAverageStrategy(period=4, engine="horovod", **options)
 
 
 def test_an_elastic_multi_node_job_is_refused_before_anything_runs(tmp_path):

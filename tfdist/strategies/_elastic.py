@@ -109,6 +109,41 @@ class ElasticIterator:
         return strategy.experimental_distribute_values_from_function(rows_of)
 
 
+class ElasticRules:
+    """What a strategy tells `ElasticFit`; synchronous training's answers.
+
+    Every member holds the whole state equal after every step, so a membership change
+    may be acted on before any step, and the newest commit is everyone's state.
+
+    Args:
+        strategy: The strategy.
+        model: The Keras model being fit.
+    """
+
+    def __init__(self, strategy, model):
+        self.strategy = strategy
+        self.model = model
+
+    def prepare(self) -> None:
+        """Makes the strategy's own state variables (before the first commit)."""
+
+    def extra_variables(self) -> list:
+        """The strategy's state variables besides the model's and optimizer's."""
+        return []
+
+    def own_variables(self) -> set:
+        """Ids of the variables a member keeps its own values of when its commit is the
+        newest (they differ between members)."""
+        return set()
+
+    def may_reform(self) -> bool:
+        """Whether a newer membership may be taken in before the next step."""
+        return True
+
+    def after_join(self) -> None:
+        """On a joiner, after it took the newest commit's values."""
+
+
 class ElasticFit:
     """Keras' train function of one ``fit``, made elastic (see the module's words).
 
@@ -135,6 +170,7 @@ class ElasticFit:
         self.committed_metrics: list = []
         self._snapshot = None  # (variables, tf.function reading them all)
         self._inner = None
+        self.rules = strategy.elastic_rules(model)
 
     # ---- the wrapped train function ------------------------------------------------
     def install(self) -> None:
@@ -146,6 +182,8 @@ class ElasticFit:
 
     def __call__(self, iterator):
         if iterator is not self.iterator:  # a new epoch
+            if self.iterator is None:
+                self.rules.prepare()
             self.iterator, self.epoch = iterator, self.epoch + 1
             iterator.skip(self.fast_forward)  # a joiner's first epoch: the job's position
             self.commit()
@@ -156,7 +194,8 @@ class ElasticFit:
         start = iterator.position
         while True:
             try:
-                if self.calls_since_commit == 0 and self.member.changed():
+                if self.calls_since_commit == 0 and self.member.changed() and \
+                        self.rules.may_reform():
                     raise _MembershipChanged()
                 while iterator.position < start:  # replay what the rollback undid
                     self._inner(iterator)
@@ -178,7 +217,8 @@ class ElasticFit:
         """The model's and optimizer's variables, each once, in a fixed order: what every
         member holds equal (the state a joiner receives)."""
         found, seen = [], set()
-        for v in (*self.model.variables, *self.model.optimizer.variables):
+        for v in (*self.model.variables, *self.model.optimizer.variables,
+                  *self.rules.extra_variables()):
             if id(v) not in seen:
                 seen.add(id(v))
                 found.append(v)
@@ -204,7 +244,7 @@ class ElasticFit:
         read is a snapshot: later assignments do not change it). The function is made
         again when the variables change (the optimizer builds its own lazily)."""
         key = (len(self.model.variables), len(self.model.optimizer.variables),
-               len(self.model.metrics))
+               len(self.rules.extra_variables()), len(self.model.metrics))
         if self._snapshot is None or self._snapshot[0] != key:
             variables = [*self.state_variables(), *self.metric_variables()]
             reads = [_tf_variable(v) for v in variables]
@@ -219,20 +259,27 @@ class ElasticFit:
         if not optimizer.built:
             with self.strategy.scope():
                 optimizer.build(self.model.trainable_variables)
+        self.rules.prepare()
         self.committed = [tf.identity(_tf_variable(v)) for v in self.state_variables()]
         self.committed_at = (-1, -1)
         epoch, position = self._sync()
+        self.rules.after_join()
         self.member.synced = True
         self.epoch, self.fast_forward = epoch - 1, position
         return epoch
 
     def _sync(self) -> tuple[int, int]:
-        """Every member takes the newest commit's values; returns its position."""
+        """Every member takes the newest commit's values (a member holding the newest
+        commit keeps its own values of the rules' ``own_variables``); returns its
+        position."""
         root, newest = self._newest_commit()
+        keep = self.rules.own_variables() if self.committed_at == newest else set()
         elastic._say(f"{self.member.name}: takes the state of rank {root} (epoch "
                      f"{newest[0]}, batch {newest[1]})")
         for i, variable in enumerate(self.state_variables()):
-            self.committed[i] = ops.broadcast(self.committed[i], root_rank=root)
+            value = ops.broadcast(self.committed[i], root_rank=root)
+            if id(variable) not in keep:
+                self.committed[i] = value
             variable.assign(self.committed[i])
         return newest
 

@@ -45,7 +45,7 @@ from tfdist.comm.options import merge_options
 from tfdist.comm.quantize import check_outer_compression
 from tfdist.keras import handoff
 from tfdist.keras.optimizer import inner_optimizer
-from tfdist.strategies import _average_steps, _delayed, _outer
+from tfdist.strategies import _average_elastic, _average_steps, _delayed, _outer
 from tfdist.strategies._average_keras import AverageHandoffMixin
 from tfdist.strategies._average_state import (check_fragments, is_replicated_float,
                                               wants_multi_worker)
@@ -152,16 +152,11 @@ class ModelAverageStrategy(AverageHandoffMixin, MultiWorkerMirroredStrategy):
             raise ValueError("ModelAverageStrategy applies every micro-batch locally; "
                              "accumulate_steps is for the synchronous strategies. Received: "
                              f"accumulate_steps={options.accumulate_steps}")
-        if os.environ.get(env.ELASTIC_ADDR):
-            raise ValueError(
-                "ModelAverageStrategy does not run in an elastic job (tfdist launch "
-                "--min-workers) yet: its averages cannot drop a lost worker "
-                "(docs/elastic.md, Limits). Use MultiWorkerMirroredStrategy(engine="
-                "'horovod'), or launch without --min-workers and with --max-restarts "
-                "and BackupAndRestore. Received: an elastic job")
         self._options = options
         self.outer_compression = check_outer_compression(outer_compression,
                                                          options.compression)
+        if os.environ.get(env.ELASTIC_ADDR):
+            _average_elastic.check_elastic(self)
         if options.timeout_seconds is not None:
             base_kwargs.setdefault("collective_timeout", options.timeout_seconds)
         # One host: the local devices are the replicas, through TF's engine.
@@ -206,6 +201,10 @@ class ModelAverageStrategy(AverageHandoffMixin, MultiWorkerMirroredStrategy):
                                          make_communicator=self._engine.make_communicator,
                                          fragments=self.fragments,
                                          outer_compression=self.outer_compression)
+
+    def elastic_rules(self, model):
+        """Members meet only at averages (`tfdist.strategies._average_elastic`)."""
+        return _average_elastic.AverageElasticRules(self, model)
 
     @property
     def cluster_resolver(self):

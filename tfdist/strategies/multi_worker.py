@@ -344,6 +344,12 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
             self.__dict__.pop("_elastic_initial_epoch", None)
             model.train_function = None
 
+    def elastic_rules(self, model):
+        """What elastic ``fit`` asks this strategy (`tfdist.strategies._elastic`)."""
+        from tfdist.strategies._elastic import ElasticRules
+
+        return ElasticRules(self, model)
+
     def keras_fit_initial_epoch(self, model):
         """A worker that joined a running elastic job starts at the job's epoch."""
         del model
