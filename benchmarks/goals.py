@@ -100,6 +100,7 @@ def goal_rows(results: dict) -> tuple[list[list[str]], list[str]]:
     _sharded_embedding(goals["sharded-embedding-ps"], goals["sharded-embedding-copy"],
                        analysis, data, results, rows, notes)
     _zero(goals, analysis, data, results, rows, notes)
+    _elastic(goals, analysis, data, results, rows, notes)
     return rows, notes
 
 
@@ -349,4 +350,30 @@ def _zero(goals, analysis, data, results, rows, notes):
                 missed.append(f"{n} workers: {value:.2f}")
         if missed:
             notes.append(f"- ZeRO, {what} ({'; '.join(missed)}). "
+                         + analysis.get(goal_id, ""))
+
+
+_ELASTIC_GOALS = {  # goal id -> (key in the section's ratios, label, digits)
+    "elastic-next-step": ("next_step_seconds", "kill -> next completed step (s)", 2),
+    "elastic-steps-lost": ("steps_lost_per_k", "steps lost / k, commit every k=5", 2),
+    "elastic-work-lost": ("work_lost_ratio", "task-steps lost, restart-and-resume / "
+                          "elastic", 1),
+    "elastic-commit": ("commit_ratio", "step committing every step / once per epoch", 3),
+}
+
+
+def _elastic(goals, analysis, data, results, rows, notes):
+    """Rows for the ``elastic-*`` goals from the ``ratios`` of section ``elastic``."""
+    measured = (data.get("elastic") or {}).get("ratios") or {}
+    for goal_id, (key, label, digits) in _ELASTIC_GOALS.items():
+        goal_, value = goals[goal_id], measured.get(key)
+        if value is None:
+            rows.append([f"elastic: {label}", goal_.target, "not measured",
+                         "not in the section's results" if measured else
+                         _why_missing(results, "elastic")])
+            continue
+        rows.append([f"elastic: {label}", goal_.target, f"{value:.{digits}f}",
+                     goal_.status(value)])
+        if not goal_.is_met(value):
+            notes.append(f"- Elastic, {label}: {value:.{digits}f}. "
                          + analysis.get(goal_id, ""))

@@ -10,7 +10,9 @@ only (``TASK:EPOCH:BATCH:BEGIN``: SIGKILL before that batch's step;
 writes ``OUT/grow-EPOCH-BATCH`` and then waits, up to 120 s, until the launcher lists
 a worker more). Several events are separated by commas. Each task notes its weights
 after every step. ``JOB_HEARTBEAT`` sets the strategy's ``heartbeat_timeout`` (5 s);
-``JOB_PERIOD`` trains with ``tfdist.ModelAverageStrategy(period=JOB_PERIOD)`` instead.
+``JOB_PERIOD`` trains with ``tfdist.ModelAverageStrategy(period=JOB_PERIOD)`` instead;
+``JOB_COMMIT_EVERY`` and ``JOB_STEPS_PER_EXECUTION`` set ``commit_every_steps`` and
+Keras' ``steps_per_execution``.
 Each task appends ``<task> <pid>`` to ``OUT/starts`` when it starts and writes
 ``OUT/<task>.json`` when fit ends; the chief saves the model once, recording who did.
 """
@@ -40,7 +42,8 @@ def model():
     keras.utils.set_random_seed(1)
     net = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, activation="tanh"),
                             keras.layers.Dense(1)])
-    net.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+    net.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse",
+                steps_per_execution=int(os.environ.get("JOB_STEPS_PER_EXECUTION", 1)))
     return net
 
 
@@ -64,8 +67,9 @@ def main(out, epochs, kill=""):
         strategy = tfdist.ModelAverageStrategy(period=int(os.environ["JOB_PERIOD"]),
                                                engine="horovod", heartbeat_timeout=heartbeat)
     else:
-        strategy = tfdist.MultiWorkerMirroredStrategy(engine="horovod",
-                                                      heartbeat_timeout=heartbeat)
+        strategy = tfdist.MultiWorkerMirroredStrategy(
+            engine="horovod", heartbeat_timeout=heartbeat,
+            commit_every_steps=int(os.environ.get("JOB_COMMIT_EVERY", 1)))
     with strategy.scope():
         net = model()
 
@@ -116,6 +120,7 @@ def main(out, epochs, kill=""):
                    "iterations": int(net.optimizer.iterations.numpy()),
                    "size": strategy.size, "rank": strategy.rank,
                    "recoveries": fitting.recoveries if fitting else None,
+                   "steps_lost": fitting.steps_lost if fitting else None,
                    "steps": steps}, f)
 
 

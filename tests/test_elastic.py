@@ -223,6 +223,23 @@ def test_a_lost_worker_with_no_restart_left_leaves_two_that_end_at_the_reference
 
 @pytest.mark.multiprocess
 @pytest.mark.horovod
+def test_commits_every_k_calls_of_several_steps_roll_back_at_most_k_calls(
+        tmp_path, reference):
+    """``commit_every_steps=3`` with ``steps_per_execution=2``: a commit every 6 steps;
+    the kill after step 16 (epoch 1, batch 5) rolls back the steps since the last one,
+    and they are trained again with the same global batches."""
+    done, results, _ = _launch(tmp_path, kill="worker-2:1:5", JOB_COMMIT_EVERY="3",
+                               JOB_STEPS_PER_EXECUTION="2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(results) == ["worker-0", "worker-1"]
+    for result in results.values():
+        assert result["size"] == 2 and result["iterations"] == STEPS
+        assert 1 <= result["steps_lost"] <= 6, result["steps_lost"]
+        assert_weights_close([np.array(w) for w in result["weights"]], reference)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.horovod
 def test_a_worker_added_to_a_running_job_joins_and_the_end_equals_the_reference(
         tmp_path, reference):
     done, results, starts = _launch(tmp_path, "--max-workers", "3", kill="worker-0:1:2:GROW",

@@ -92,10 +92,11 @@ CSV_OK = "a,b,label\n" + "".join(f"{i},{i % 3},{i % 2}\n" for i in range(20))
     ("spark master of no known scheme",
      ['strategy.name="multi_worker"', 'cluster.mode="spark"', 'cluster.master="nonsense://x"'],
      ["job.toml: cluster.master must be a Spark master URL", "Received: 'nonsense://x'"]),
-    ("elastic model averaging",
-     ['strategy.name="model_average"', "cluster.min_workers=1"],
-     ["job.toml: cluster.min_workers needs strategy.name = 'multi_worker' with "
-      "options.engine = 'horovod'", "Received: strategy.name = 'model_average'"]),
+    ("elastic mirrored",
+     ['strategy.name="mirrored"', "cluster.min_workers=1"],
+     ["job.toml: cluster.min_workers needs strategy.name = 'multi_worker' or "
+      "'model_average' with options.engine = 'horovod'",
+      "Received: strategy.name = 'mirrored'"]),
     ("elastic engine tf",
      ['strategy.name="multi_worker"', 'strategy.options.engine="tf"', "cluster.min_workers=1"],
      ["options.engine = 'tf'"]),

@@ -98,18 +98,20 @@ def check_job(config: dict[str, Any], source: str = "<config>") -> None:
 
 
 def _check_elastic(config: dict[str, Any], source: str) -> None:
-    """An elastic launch (``cluster.min_workers``) runs synchronous Horovod workers on
-    one host (docs/elastic.md, Limits)."""
+    """An elastic launch (``cluster.min_workers``) runs Horovod workers (synchronous or
+    model averaging) on one host (docs/elastic.md, Limits)."""
     strategy, cluster = config["strategy"], config["cluster"]
     if cluster["mode"] != "local":
         raise ConfigError(f"{source}: cluster.min_workers needs cluster.mode = 'local' (an "
                           "elastic launcher hosts every worker on one host). Received: "
                           f"cluster.mode = {cluster['mode']!r}")
-    if strategy["name"] != "multi_worker" or strategy["options"].get("engine") != "horovod":
+    if strategy["name"] not in ("multi_worker", "model_average") or \
+            strategy["options"].get("engine") != "horovod":
         raise ConfigError(
-            f"{source}: cluster.min_workers needs strategy.name = 'multi_worker' with "
-            "options.engine = 'horovod' (docs/elastic.md). Received: strategy.name = "
-            f"{strategy['name']!r}, options.engine = {strategy['options'].get('engine')!r}")
+            f"{source}: cluster.min_workers needs strategy.name = 'multi_worker' or "
+            "'model_average' with options.engine = 'horovod' (docs/elastic.md). Received: "
+            f"strategy.name = {strategy['name']!r}, options.engine = "
+            f"{strategy['options'].get('engine')!r}")
 
 
 def _check_environment(config: dict[str, Any], source: str) -> None:

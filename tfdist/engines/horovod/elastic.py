@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 from tfdist.engines.horovod import membership, ops
+from tfdist.engines.horovod.connections import Formation
 
 # In Horovod's errors when a member died or froze (the op names as Horovod's elastic
 # wrapper matches them, and the words of its background loop's shutdown).
@@ -50,6 +51,7 @@ class ElasticMember:
         self.synced = False  # holds the job's training state (a joiner: once fit synced)
         self.training = False  # has trained a step with the members (or started with them)
         self.latest = 0  # the newest version seen by the watcher thread
+        self.formation = Formation()  # the sockets of the current Horovod formation
 
     @property
     def version(self) -> int:
@@ -83,16 +85,21 @@ class ElasticMember:
             self.synced = self.training = not self.joined_running
             if self.joined_running:  # the members re-form at their next commit
                 os.environ["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(int(max(self.timeout, 1)))
+            self.formation.opening()
             ops.init()
+            self.formation.opened()
             ops.reset_op_names()
             os.environ["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(int(max(self.gloo_timeout, 1)))
             self._watch()
         else:
+            self.formation.opening()
             ops.reinit()
+            self.formation.opened()
 
     def reform(self) -> None:
         """Shuts Horovod down and forms it again with the next membership."""
         membership.report_lost(self.address, self.name, self.version)
+        self.formation.close()  # peers still waiting on this member fail over at once
         ops.shutdown()
         self.reforms += 1
         self.form()
