@@ -48,6 +48,7 @@ SECTIONS = (
     ("gpu", "GPU throughput", False),
 )
 QUICK_TIMEOUT = 300.0
+QUICK_JOBS = 3  # a smoke run: sections overlap (their launches wait on start-ups)
 FULL_TIMEOUT = 1800.0
 _NOISE = re.compile(r"oneDNN custom operations|cpu_feature_guard|AVX2 AVX512|rebuild "
                     r"TensorFlow with|absl::InitializeLog|^\s*$|WARNING: All log messages")
@@ -307,7 +308,7 @@ def main(args) -> int:
         names = [n for n in names if n in chosen]
     timeout = getattr(args, "timeout", None) or (QUICK_TIMEOUT if quick else FULL_TIMEOUT)
     # Timing sections run one at a time; the quick smoke run may overlap two.
-    jobs = getattr(args, "jobs", None) or (2 if quick else 1)
+    jobs = getattr(args, "jobs", None) or (QUICK_JOBS if quick else 1)
     started = time.time()
     _say(f"benchmarks: {len(names)} section(s) into {out}"
          + (" (quick)" if quick else "") + f", {jobs} at a time, {timeout:g} s limit each")
@@ -352,7 +353,7 @@ def build_parser():
     parser.add_argument("--sections", default=None,
                         help="comma-separated subset of: " + ", ".join(n for n, _, _ in SECTIONS))
     parser.add_argument("--jobs", type=int, default=None,
-                        help="sections run at once (default: 1; 2 with --quick)")
+                        help=f"sections run at once (default: 1; {QUICK_JOBS} with --quick)")
     parser.add_argument("--timeout", type=float, default=None,
                         help=f"seconds per section (default: {QUICK_TIMEOUT:g} quick, "
                              f"{FULL_TIMEOUT:g} full)")

@@ -121,6 +121,30 @@ def test_engine_tf_is_refused_in_an_elastic_job(monkeypatch):
         tfdist.MultiWorkerMirroredStrategy(cluster, engine="tf")
 
 
+def test_a_formation_shuts_down_only_the_sockets_opened_while_it_formed():
+    """`Formation.close` ends the connections made between `opening` and `opened` (the
+    peer reads EOF at once) and leaves older ones alone."""
+    import socket
+
+    from tfdist.engines.horovod.connections import Formation
+
+    older = socket.socketpair()
+    formation = Formation()
+    formation.opening()
+    mine = socket.socketpair()
+    formation.opened()
+    try:
+        assert formation.close() >= 1
+        assert mine[1].recv(1) == b""  # shut down: the peer sees the end at once
+        older[0].sendall(b"x")
+        assert older[1].recv(1) == b"x"
+        assert formation.close() == 0  # once
+    finally:
+        for pair in (older, mine):
+            for end in pair:
+                end.close()
+
+
 @pytest.mark.parametrize("options, named", [
     ({"fragments": 2}, "fragments=2"), ({"fragments": 2, "sync_delay": 1}, "sync_delay=1"),
     ({"outer_compression": "int8"}, "outer_compression='int8'")])

@@ -580,6 +580,16 @@ def test_assign_gpus():
     assert gpus.visible_gpus({"CUDA_VISIBLE_DEVICES": "1, 3"}) == ["1", "3"]
 
 
+def test_an_elastic_job_splits_the_gpus_over_its_worker_slots():
+    """An added worker (``worker-k``, k past the first workers) gets its slot's GPUs."""
+    from tfdist.cluster import TaskSpec
+
+    pin = gpus.elastic_gpu_env(4, {"CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+    assert [pin(TaskSpec("worker", k))["CUDA_VISIBLE_DEVICES"] for k in range(6)] == [
+        "0", "1", "2", "3", "0", "1"]
+    assert gpus.elastic_gpu_env(3, {"CUDA_VISIBLE_DEVICES": "-1"})(TaskSpec("worker", 5)) == {}
+
+
 def test_each_task_gets_its_own_gpus(tmp_path):
     script = _script(tmp_path, """
         import os, sys

@@ -172,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--output", default=None, metavar="DIR",
                        help="where RESULTS.md goes (default: benchmarks/ of the checkout; "
                             "a temporary directory with --quick)")
+    bench.add_argument("--jobs", type=int, default=None,
+                       help="sections run at once (default: 1; 3 with --quick)")
     bench.set_defaults(handler=_bench)
     return parser
 

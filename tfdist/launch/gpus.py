@@ -65,3 +65,17 @@ def gpu_env(specs: Sequence[TaskSpec], environ: dict[str, str],
     pins = assign_gpus(visible_gpus(environ), len(specs), gpus_per_task)
     return {spec.name: ({} if pin is None else {"CUDA_VISIBLE_DEVICES": pin})
             for spec, pin in zip(specs, pins)}
+
+
+def elastic_gpu_env(max_workers: int, environ: dict[str, str],
+                    gpus_per_task: int | None = None):
+    """Pins of an elastic job: the GPUs are split over ``max_workers`` worker slots (a
+    worker cannot take more GPUs when others leave), and ``worker-k``, an added one
+    included, takes slot ``k % max_workers``.
+
+    Returns:
+        A function: `TaskSpec` -> ``{"CUDA_VISIBLE_DEVICES": ...}`` (empty without GPUs).
+    """
+    slots = gpu_env([TaskSpec("worker", i) for i in range(max_workers)], environ,
+                    gpus_per_task)
+    return lambda spec: slots[f"worker-{spec.index % max_workers}"]

@@ -8,7 +8,7 @@ import time
 from typing import Sequence
 
 from tfdist.launch.attempt import run_attempt
-from tfdist.launch.gpus import gpu_env
+from tfdist.launch.gpus import elastic_gpu_env, gpu_env
 from tfdist.launch.network import make_local_cluster, private_network
 from tfdist.launch.options import LaunchOptions, resolve_options
 from tfdist.launch.process import TaskProcess, command_env
@@ -64,9 +64,14 @@ def run(argv: Sequence[str], options: LaunchOptions | None = None, *,
         cluster = options.cluster or make_local_cluster(
             options.workers, options.chief, options.ps, options.host, options.evaluator)
         started = time.monotonic()
-        pins = gpu_env(cluster.tasks(), command_env(options.env), options.gpus_per_task)
+        if options.is_elastic:
+            pin = elastic_gpu_env(policy.max_workers, command_env(options.env),
+                                  options.gpus_per_task)
+        else:
+            pins = gpu_env(cluster.tasks(), command_env(options.env), options.gpus_per_task)
+            pin = lambda spec: pins.get(spec.name, {})  # noqa: E731
         tasks, failed, timed_out = run_attempt(list(argv), cluster, options, attempt, policy,
-                                               extra_env=lambda spec: pins.get(spec.name, {}))
+                                               extra_env=pin)
         if failed is None and not timed_out:
             return launch_result(tasks, attempt + 1, cluster)
         if timed_out:
