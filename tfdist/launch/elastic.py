@@ -106,12 +106,17 @@ class ElasticRestarts(JobRestarts):
                 base, worker=base.worker + (f"{self.host}:{port}",))
             spec = TaskSpec("worker", len(base.worker))
             tasks.append(start(spec, 0, self.grown))
-            self.members = self.members + [(spec.name, self.host)]
-            if len(self.members) >= self.min_workers:
-                self.below_since = None
-                self.server.publish(self.members)
+            self._publish(self.members + [(spec.name, self.host)])
             print(f"tfdist launch: adding {spec.name}, which joins the running elastic job "
                   f"({len(self.members)} workers)", file=self.log, flush=True)
+
+    def _publish(self, members: list[tuple[str, str]]) -> None:
+        """Makes ``members`` the job's; publishes them if they are at least
+        ``min_workers`` (below, the survivors wait for a joiner)."""
+        self.members = members
+        if len(members) >= self.min_workers:
+            self.below_since = None
+            self.server.publish(members)
 
     def task_env(self, task_restart: int) -> dict[str, str]:
         return {env.ELASTIC_ADDR: self.server.address, env.ENGINE: "horovod",
@@ -177,13 +182,10 @@ class ElasticRestarts(JobRestarts):
                              "the running elastic job")
             # One membership without the lost worker and with its replacement (the
             # youngest member): two versions in a row could split the survivors.
-            self.members = members + [(failed.name, self.host)]
-            self.server.publish(self.members)
+            self._publish(members + [(failed.name, self.host)])
             tasks[tasks.index(failed)] = start(failed.spec, self.used, self.grown)
             return True
-        self.members = members
-        if len(members) >= self.min_workers:
-            self.server.publish(members)  # below min_workers the survivors wait
+        self._publish(members)
         self.lost.add(id(failed))
         left = ", ".join(name for name, _ in members)
         none_left = f"no restarts left ({self.spent}/{self.max_restarts} used)"
