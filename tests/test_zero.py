@@ -51,6 +51,14 @@ def test_shard_optimizer_state_must_be_a_bool():
         tfdist.MirroredStrategy(shard_optimizer_state=1)
 
 
+def test_a_sharded_save_needs_every_worker(logical_cpus):
+    """`tfdist train` (train/task.py) asks this: every worker then joins the save."""
+    import tfdist
+
+    assert tfdist.MirroredStrategy(shard_optimizer_state=True).save_needs_every_worker
+    assert not tfdist.MirroredStrategy().save_needs_every_worker
+
+
 def _check_launched(results):
     chief, other = results
     assert chief["chief"] and not other["chief"] and chief["replicas"] == 2

@@ -59,6 +59,12 @@ class SyncGradientsMixin(KerasFitMixin):
     #: Set by `_init_sync_gradients`; False for strategies that do not call it.
     shard_optimizer_state = False
 
+    @property
+    def save_needs_every_worker(self) -> bool:
+        """Whether a save runs collectives, so that every worker must call it, as in
+        stock TF's multi-worker saving: sharded optimizer state is gathered."""
+        return self.shard_optimizer_state
+
     def _init_sync_gradients(self, options: CommunicationOptions,
                              communicator: Accounted | None = None,
                              cross_device_ops=None, shard_optimizer_state: bool = False

@@ -225,7 +225,7 @@ def run_task(config: dict[str, Any], name: str | None = None) -> dict[str, Any] 
         final = {f"val_{k}": float(v) for k, v in values.items()}
     final.update({k: v[-1] for k, v in history.items() if not k.startswith("val_") and v})
     if not chief:
-        if getattr(strategy, "shard_optimizer_state", False):
+        if getattr(strategy, "save_needs_every_worker", False):
             _save_with_the_chief(model)
         return None
     report = {
@@ -262,9 +262,10 @@ def _jsonable(value):
 
 
 def _save_with_the_chief(model) -> None:
-    """Takes part in the chief's ``model.save``: sharded optimizer state is gathered
-    from every worker (docs/zero.md). This worker's copy is written to a temporary
-    directory and removed, as in stock TF's multi-worker saving."""
+    """Takes part in the chief's ``model.save`` when the strategy's save runs collectives
+    (``save_needs_every_worker``: sharded optimizer state is gathered from every worker,
+    docs/zero.md). This worker's copy is written to a temporary directory and removed,
+    as in stock TF's multi-worker saving."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="tfdist-save-") as tmp:
