@@ -147,7 +147,8 @@ def test_a_formation_shuts_down_only_the_sockets_opened_while_it_formed():
 
 @pytest.mark.parametrize("options, named", [
     ({"fragments": 2}, "fragments=2"), ({"fragments": 2, "sync_delay": 1}, "sync_delay=1"),
-    ({"outer_compression": "int8"}, "outer_compression='int8'")])
+    ({"outer_compression": "int8"}, "outer_compression='int8'"),
+    ({"commit_every_steps": 4}, "commit_every_steps=4")])
 def test_streaming_diloco_is_refused_in_an_elastic_job(monkeypatch, options, named):
     import tfdist
     from tfdist import env

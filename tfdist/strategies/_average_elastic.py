@@ -24,23 +24,27 @@ from tfdist.strategies._average_state import assign_piece, tf_variable
 from tfdist.strategies._elastic import ElasticRules
 
 
-def check_elastic(strategy) -> None:
+def check_elastic(strategy, commit_every_steps=1) -> None:
     """Raises unless the strategy's options can drop and take in members.
 
     Args:
         strategy: A `tfdist.ModelAverageStrategy` in an elastic job.
+        commit_every_steps: As given to it: members that fail apart must meet at a
+            commit taken at an average, so it must be 1.
     """
     refused = [(name, value) for name, value, default in (
         ("fragments", strategy.fragments, 1), ("sync_delay", strategy.sync_delay, 0),
-        ("mix", strategy.mix, 1.0), ("outer_compression", strategy.outer_compression, None))
+        ("mix", strategy.mix, 1.0), ("outer_compression", strategy.outer_compression, None),
+        ("commit_every_steps", commit_every_steps, 1))
         if value != default]
     if refused:
         given = ", ".join(f"{name}={value!r}" for name, value in refused)
         raise ValueError(
             "In an elastic job (tfdist launch --min-workers) ModelAverageStrategy averages "
-            "whole models at each average: Streaming DiLoCo (fragments, sync_delay, mix) "
-            "and outer_compression keep per-worker state that cannot be handed to a "
-            f"joiner yet (docs/elastic.md, Limits). Received: {given}")
+            "whole models at each average and commits every step: Streaming DiLoCo "
+            "(fragments, sync_delay, mix) and outer_compression keep per-worker state "
+            "that cannot be handed to a joiner yet, and a commit between averages could "
+            f"not be shared (docs/elastic.md, Limits). Received: {given}")
 
 
 class AverageElasticRules(ElasticRules):

@@ -156,7 +156,7 @@ class ModelAverageStrategy(AverageHandoffMixin, MultiWorkerMirroredStrategy):
         self.outer_compression = check_outer_compression(outer_compression,
                                                          options.compression)
         if os.environ.get(env.ELASTIC_ADDR):
-            _average_elastic.check_elastic(self)
+            _average_elastic.check_elastic(self, base_kwargs.get("commit_every_steps", 1))
         if options.timeout_seconds is not None:
             base_kwargs.setdefault("collective_timeout", options.timeout_seconds)
         # One host: the local devices are the replicas, through TF's engine.
