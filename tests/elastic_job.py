@@ -8,7 +8,9 @@ argument SIGKILLs itself after that batch (0-based) of that epoch, on its first 
 only (``TASK:EPOCH:BATCH:BEGIN``: SIGKILL before that batch's step;
 ``TASK:EPOCH:BATCH:STOP``: SIGSTOP, it freezes; ``TASK:EPOCH:BATCH:GROW``: it
 writes ``OUT/grow-EPOCH-BATCH`` and then waits, up to 120 s, until the launcher lists
-a worker more). Several events are separated by commas. Each task notes its weights
+a worker more; ``TASK:EPOCH:BATCH:HOLD``: it writes ``OUT/hold-EPOCH-BATCH`` and
+waits, up to 120 s, for ``OUT/release-EPOCH-BATCH``). Several events are separated by
+commas. Each task notes its weights
 after every step. ``JOB_HEARTBEAT`` sets the strategy's ``heartbeat_timeout`` (5 s);
 ``JOB_PERIOD`` trains with ``tfdist.ModelAverageStrategy(period=JOB_PERIOD)`` instead;
 ``JOB_COMMIT_EVERY`` and ``JOB_STEPS_PER_EXECUTION`` set ``commit_every_steps`` and
@@ -102,6 +104,12 @@ def main(out, epochs, kill=""):
                 if how == "GROW":
                     self.grow_to, self.deadline = strategy.size + 1, time.monotonic() + 120
                     open(os.path.join(out, f"grow-{epoch}-{at}"), "w").close()
+                elif how == "HOLD":
+                    open(os.path.join(out, f"hold-{epoch}-{at}"), "w").close()
+                    release, deadline = os.path.join(out, f"release-{epoch}-{at}"), \
+                        time.monotonic() + 120
+                    while not os.path.exists(release) and time.monotonic() < deadline:
+                        time.sleep(0.1)
                 else:
                     os.kill(os.getpid(), getattr(signal, f"SIG{how}"))
 

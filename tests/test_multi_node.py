@@ -369,6 +369,93 @@ def test_a_restarted_two_node_job_resumes_from_its_backup(hosts, tmp_path):
 
 # ---- the rendezvous rules, on loopback -------------------------------------------------------
 
+# ---- an elastic job over two hosts ---------------------------------------------------------
+
+def _wait_for(predicate, processes, what, seconds=150):
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        ended = [p for p in processes if p.poll() is not None]
+        if ended or time.monotonic() > deadline:
+            pytest.fail(f"{what}: not seen within {seconds}s" +
+                        (f"; a launcher ended (rc {ended[0].returncode})" if ended else ""))
+        time.sleep(0.1)
+
+
+def test_an_elastic_job_loses_a_whole_host_carries_on_and_takes_it_back(hosts, tmp_path):
+    """Node 1 (its launcher and its worker) is killed in epoch 2; node 0 carries on alone,
+    its worker never restarted; node 1's launcher is started again in epoch 3 and its
+    worker joins. Both end equal to one process with the same global batch."""
+    import elastic_job
+
+    from helpers import require_horovod
+
+    require_horovod()
+    net = elastic_job.model()
+    elastic_job.fit(net, 3)
+    reference = net.get_weights()
+    job = os.path.join(TESTS_DIR, "elastic_job.py")
+    events = "worker-0:1:3:HOLD,worker-0:2:2:GROW"
+    env = _env({"JOB_HEARTBEAT": "30", "TFDIST_TOKEN": TOKEN})
+    logs = [tmp_path / f"node{i}.log" for i in range(3)]
+
+    def start(rank, log):
+        argv = ["ip", "netns", "exec", hosts.names[rank], sys.executable, "-m", "tfdist.cli",
+                "launch", "--nnodes", "2", "--node-rank", str(rank), "--master",
+                f"{hosts.addrs[0]}:{_port()}", "--workers", "1", "--min-workers", "1",
+                "--timeout", "240", job, str(tmp_path), "3", events]
+        with open(log, "w") as out:
+            return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                    cwd=REPO, start_new_session=True)
+
+    node0, node1 = start(0, logs[0]), start(1, logs[1])
+    back = None
+    try:
+        _wait_for((tmp_path / "hold-1-3").exists, [node0, node1], "worker-0 at epoch 2")
+        for pid in [node1.pid, *hosts.pids(1)]:  # the whole host goes
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        node1.wait(timeout=30)
+        _wait_for(lambda: "node 1 (" in logs[0].read_text() and "sent no heartbeat" in
+                  logs[0].read_text(), [node0], "node 0 dropping node 1")
+        (tmp_path / "release-1-3").touch()
+        _wait_for((tmp_path / "grow-2-2").exists, [node0], "worker-0 alone in epoch 3")
+        back = start(1, logs[2])  # the host comes back
+        assert node0.wait(timeout=240) == 0, logs[0].read_text()[-3000:]
+        assert back.wait(timeout=60) == 0, logs[2].read_text()[-3000:]
+    finally:
+        for process in (node0, node1, back):
+            if process is not None and process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+    said = logs[0].read_text()
+    assert "worker-1 removed; the elastic job carries on with 1 worker(s) (worker-0)" in said
+    assert "node 1 (" + hosts.addrs[1] + ") joins the running elastic job with worker-1" in said
+    starts = [line.split() for line in (tmp_path / "starts").read_text().splitlines()]
+    assert [name for name, _ in starts].count("worker-0") == 1  # never restarted
+    for name in ("worker-0", "worker-1"):
+        result = json.loads((tmp_path / f"{name}.json").read_text())
+        assert result["size"] == 2 and result["iterations"] == 30
+        assert_weights_close([np.array(w) for w in result["weights"]], reference, atol=1e-5)
+    assert sorted(p.name for p in tmp_path.glob("saved-by-*")) == ["saved-by-worker-0"]
+
+
+def test_elastic_node_messages_are_signed_and_checked():
+    from tfdist.launch.elastic_hub import _beat_problem
+    from tfdist.launch.elastic_wire import sign, verify
+
+    beat = {"rank": 1, "addr": "10.0.0.2", "workers": 1, "ports": [4000],
+            "incarnation": "ab", "beat": 3, "exited": {"worker-1": [0, 0]}}
+    assert verify(TOKEN, sign(TOKEN, beat)) == beat
+    assert verify("another", sign(TOKEN, beat)) is None
+    assert verify(TOKEN, b"not json") is None
+    assert _beat_problem(None, "1", 2).startswith("its signature is not the job's token")
+    assert _beat_problem(beat, "1", 2) is None
+    assert "rank must be 1..1" in _beat_problem(beat, "2", 2)
+    assert "IP address" in _beat_problem({**beat, "addr": "x; rm"}, "1", 2)
+    assert "as many ports" in _beat_problem({**beat, "ports": []}, "1", 2)
+
+
 def _join(port, rank, nnodes=2, token=TOKEN, counts=None, **kwargs):
     counts = counts or {"chief": 0, "worker": 1, "ps": 0}
     return rendezvous.join(f"127.0.0.1:{port}", rank=rank, nnodes=nnodes, token=token,

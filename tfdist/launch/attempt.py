@@ -91,7 +91,7 @@ def run_attempt(argv: list[str], cluster: ClusterSpec, options: LaunchOptions, a
                     failed.finish_output()
                     return tasks, failed, False
                 done = all(t.poll() == 0 for t in counted
-                           if t.spec.type in TRAINING_TASK_TYPES)
+                           if t.spec.type in TRAINING_TASK_TYPES) and policy.others_done(tasks)
                 if done and peers is not None:
                     peers.report_done()  # ps tasks serve on until every node is done
                 if done and trained_at is None:

@@ -45,12 +45,14 @@ class ElasticRestarts(JobRestarts):
         min_workers: The fewest workers the job trains with.
         max_workers: The most workers the job may have.
         elastic_timeout: Seconds the job may stay below ``min_workers``.
+        port: The membership service's port (0: any free one).
     """
 
     def __init__(self, max_restarts: int, log, *, host: str, min_workers: int,
-                 max_workers: int, elastic_timeout: float):
+                 max_workers: int, elastic_timeout: float, port: int = 0):
         super().__init__(max_restarts, log)
         self.host = host
+        self.port = port
         self.min_workers = min_workers
         self.max_workers = max_workers
         self.elastic_timeout = elastic_timeout
@@ -76,7 +78,8 @@ class ElasticRestarts(JobRestarts):
     def attempt(self) -> Iterator[None]:
         from tfdist.engines.horovod.membership import MembershipServer
 
-        self.server = MembershipServer(self.host, self.min_workers, self.max_workers)
+        self.server = MembershipServer(self.host, self.min_workers, self.max_workers,
+                                       self.port)
         self.lost, self.below_since, self.grown = set(), None, None
         self.members: list[tuple[str, str]] = []  # oldest first; published once >= min
         previous = None
@@ -131,6 +134,10 @@ class ElasticRestarts(JobRestarts):
                             if t.spec.type in TRAINING_TASK_TYPES]
             self.server.publish(self.members)
         self._kill_frozen(tasks)
+        self._check_size()
+
+    def _check_size(self) -> None:
+        """Fails the job once it stayed below ``min_workers`` for ``elastic_timeout``."""
         if self.below_since is not None and \
                 time.monotonic() - self.below_since > self.elastic_timeout:
             members = [name for name, _ in self.members]
@@ -156,39 +163,67 @@ class ElasticRestarts(JobRestarts):
             self.first_report = (version, time.monotonic())
         if time.monotonic() - self.first_report[1] < REPORT_GRACE:
             return
-        members = {name for name, _ in self.server.members}
-        for task in tasks:
-            if task.name in members and task.name not in reported and task.poll() is None:
-                print(f"tfdist launch: {task.name} stopped answering Horovod: "
+        for name, _ in self.server.members:
+            if name not in reported and self._kill_member(name, tasks):
+                print(f"tfdist launch: {name} stopped answering Horovod: "
                       f"{', '.join(sorted(reported))} reported a lost peer in membership "
-                      f"{version} and {task.name} did not within {REPORT_GRACE:g}s; it is "
+                      f"{version} and {name} did not within {REPORT_GRACE:g}s; it is "
                       "frozen (e.g. SIGSTOP) or hung: killing it", file=self.log, flush=True)
-                task.signal_group(signal.SIGKILL)
         self.first_report = (version, float("inf"))  # once per membership
+
+    def _kill_member(self, name: str, tasks: list) -> bool:
+        """SIGKILLs member ``name`` if it still runs here; whether it did."""
+        for task in tasks:
+            if task.name == name and task.poll() is None:
+                task.signal_group(signal.SIGKILL)
+                return True
+        return False
 
     def replace(self, tasks: list, failed, start: Callable[[TaskSpec, int], object]) -> bool:
         if failed.spec.type not in TRAINING_TASK_TYPES:
             return False
         failed.finish_output()
-        cause = exit_cause(failed.name, failed.poll())
-        self.removed.append(cause)
-        members = [(n, h) for n, h in self.members if n != failed.name]
-        if not members and self.spent >= self.max_restarts:
+        outcome = self.lose(failed.name, self.host, exit_cause(failed.name, failed.poll()))
+        if outcome is None:
             return False  # nobody is left to carry on: the job fails on this task
-        if self.spent < self.max_restarts:
+        if outcome:
+            tasks[tasks.index(failed)] = start(failed.spec, self.used, self.grown)
+        else:
+            self.lost.add(id(failed))
+        return True
+
+    def lose(self, name: str, host: str, cause: str, *, replaceable: bool = True
+             ) -> bool | None:
+        """Removes member ``name`` (``cause``: how it ended) and publishes the rest.
+
+        Returns:
+            True when a replacement is due (one of ``max_restarts`` is counted; it joins
+            as the youngest member), False when the job carries on (or waits) without
+            it, None when nobody is left and no restart either: the job fails.
+        """
+        self.removed.append(cause)
+        members = [(n, h) for n, h in self.members if n != name]
+        if not members and (self.spent >= self.max_restarts or not replaceable):
+            return None
+        if replaceable and self.spent < self.max_restarts:
             self.used += 1
             announce_restart(self.log, self.spent, self.max_restarts, cause,
-                             f"; starting a replacement for {failed.name}, which joins "
+                             f"; starting a replacement for {name}, which joins "
                              "the running elastic job")
             # One membership without the lost worker and with its replacement (the
             # youngest member): two versions in a row could split the survivors.
-            self._publish(members + [(failed.name, self.host)])
-            tasks[tasks.index(failed)] = start(failed.spec, self.used, self.grown)
+            self._publish(members + [(name, host)])
             return True
+        self._carry_on(members, cause, None if replaceable else "it is not replaced")
+        return False
+
+    def _carry_on(self, members: list[tuple[str, str]], cause: str,
+                  none_left: str | None = None) -> None:
+        """Publishes ``members`` (the job without what ``cause`` says) and says so
+        (``none_left``: why no replacement starts)."""
         self._publish(members)
-        self.lost.add(id(failed))
         left = ", ".join(name for name, _ in members)
-        none_left = f"no restarts left ({self.spent}/{self.max_restarts} used)"
+        none_left = none_left or f"no restarts left ({self.spent}/{self.max_restarts} used)"
         if len(members) >= self.min_workers:
             print(f"tfdist launch: {cause}; the elastic job carries on with {len(members)} "
                   f"worker(s) ({left}): {none_left}", file=self.log, flush=True)
@@ -198,7 +233,6 @@ class ElasticRestarts(JobRestarts):
                   f"--min-workers {self.min_workers}, and {none_left}: the job waits up to "
                   f"--elastic-timeout {self.elastic_timeout:g}s for workers to join",
                   file=self.log, flush=True)
-        return True
 
     def is_lost(self, task) -> bool:
         return id(task) in self.lost

@@ -20,7 +20,8 @@ MAX_PORT_RETRIES = 3
 
 
 def run(argv: Sequence[str], options: LaunchOptions | None = None, *,
-        restarts: type[JobRestarts] | None = None, **fields) -> LaunchResult:
+        restarts: type[JobRestarts] | None = None, policy: JobRestarts | None = None,
+        **fields) -> LaunchResult:
     """Starts ``argv`` once per task on this host and waits for the job.
 
     A task that fails stops every other task; then the job starts again while the
@@ -32,6 +33,8 @@ def run(argv: Sequence[str], options: LaunchOptions | None = None, *,
         options: The job's `LaunchOptions` (default: the defaults).
         restarts: The restart policy class, made with ``(max_restarts, log)``
             (default: `JobRestarts`, whole-job restarts only).
+        policy: A restart policy already made (node 0 of a multi-node elastic job);
+            replaces ``restarts``.
         **fields: `LaunchOptions` fields that replace those of ``options``.
 
     Returns:
@@ -48,9 +51,11 @@ def run(argv: Sequence[str], options: LaunchOptions | None = None, *,
         with private_network() as prefix:
             placed = dataclasses.replace(options, isolate_network=False,
                                          wrap=lambda spec: prefix)
-            return run(argv, placed, restarts=restarts)
+            return run(argv, placed, restarts=restarts, policy=policy)
     log = options.log or sys.stderr
-    if options.is_elastic:
+    if policy is not None:
+        pass
+    elif options.is_elastic:
         from tfdist.launch.elastic import ElasticRestarts
 
         policy = ElasticRestarts(

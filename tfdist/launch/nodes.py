@@ -7,6 +7,7 @@ rendezvous (`tfdist.launch.rendezvous`). A failure on any node stops every node;
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from typing import Sequence
@@ -50,6 +51,8 @@ def run_node(argv: Sequence[str], options: LaunchOptions) -> LaunchResult:
         ValueError: bad options.
     """
     _check(options)
+    if options.is_elastic:
+        return _run_elastic(argv, options)
     nnodes, node_rank, master = options.nnodes, options.node_rank, options.master
     log = options.log or sys.stderr
     token = resolve_token(options.token, node_rank, log)
@@ -106,6 +109,28 @@ def run_node(argv: Sequence[str], options: LaunchOptions) -> LaunchResult:
             server.close()
 
 
+def _run_elastic(argv: Sequence[str], options: LaunchOptions) -> LaunchResult:
+    """A node of a multi-node elastic job: node 0 hosts the membership at ``master``
+    (`tfdist.launch.elastic_hub`), the others beat to it (`tfdist.launch.elastic_node`)."""
+    if options.node_rank > 0:
+        from tfdist.launch.elastic_node import run_elastic_node
+
+        return run_elastic_node(argv, options)
+    from tfdist.launch.elastic_hub import ElasticHub
+    from tfdist.launch.local import run as run_local
+
+    log = options.log or sys.stderr
+    host, port = parse_master(options.master)
+    addr = options.node_addr or host
+    policy = ElasticHub(
+        options.max_restarts, log, host=addr, port=port,
+        token=resolve_token(options.token, 0, log), nnodes=options.nnodes,
+        join_timeout=options.join_timeout, min_workers=options.min_workers,
+        max_workers=options.max_workers or options.nnodes * options.workers + options.chief,
+        elastic_timeout=options.elastic_timeout)
+    return run_local(argv, dataclasses.replace(options, host=addr), policy=policy)
+
+
 def _ps_policy(link: NodeLink, options: LaunchOptions, log) -> NodePsWorkers | None:
     """A parameter-server job with no restart left carries on without a dead worker
     (`NodePsWorkers`); otherwise (None) any failure stops every node, as node 0 decides."""
@@ -136,12 +161,6 @@ def _check(options: LaunchOptions) -> None:
         raise ValueError("an evaluator task runs in single-node jobs only; run it as "
                          "a job of its own (or in the chief's process) on a multi-node "
                          f"job. Received: evaluator=True, nnodes={nnodes!r}")
-    if options.is_elastic:
-        raise ValueError("an elastic job (min_workers) runs on one host today: its "
-                         "launcher hosts every worker (docs/elastic.md, Limits). Run "
-                         "the elastic launch on one host, or a multi-node job with "
-                         "max_restarts and BackupAndRestore. Received: "
-                         f"min_workers={options.min_workers}, nnodes={nnodes!r}")
     if options.master is None:
         raise ValueError(f"a multi-node job needs master='HOST:PORT' (node 0's rendezvous). "
                          f"Received: nnodes={nnodes!r}, master=None")

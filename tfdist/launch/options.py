@@ -70,9 +70,12 @@ class LaunchOptions:
         min_workers: Makes the job elastic (docs/elastic.md): a worker that dies is
             removed and the others train on while at least this many remain; each
             ``max_restarts`` starts a replacement that joins the running job. None: a
-            failure stops the job (or restarts it whole).
-        max_workers: The most workers an elastic job may have (default: ``workers``);
-            up to it, SIGUSR1 to the launcher adds a worker to the running job.
+            failure stops the job (or restarts it whole). On several nodes it counts
+            the whole job's workers, a lost host may leave and come back, and node 0
+            hosts the membership at ``master`` (docs/elastic.md).
+        max_workers: The most workers an elastic job may have (default: ``workers``;
+            on several nodes ``nnodes`` x ``workers``); up to it, SIGUSR1 to the
+            launcher adds a worker to the running job, or a node's launcher joins.
         elastic_timeout: Seconds an elastic job may stay below ``min_workers``
             before it fails, naming the missing workers.
     """
@@ -145,9 +148,12 @@ class LaunchOptions:
                              f"Received: max_workers={self.max_workers}, min_workers=None")
         if self.min_workers is not None:
             check_int("min_workers", self.min_workers, 1)
-            if self.min_workers > self.workers:
-                raise ValueError(f"min_workers must be <= workers. Received: min_workers="
-                                 f"{self.min_workers}, workers={self.workers}")
+            # On several nodes ``workers`` counts this node's; the bounds count the job's.
+            nodes = f" x nnodes={self.nnodes}" if self.nnodes > 1 else ""
+            total = self.workers * max(self.nnodes, 1)
+            if self.min_workers > total:
+                raise ValueError(f"min_workers must be <= workers{nodes}. Received: "
+                                 f"min_workers={self.min_workers}, workers={self.workers}")
             if self.max_workers is not None and self.max_workers < self.workers:
                 raise ValueError(f"max_workers must be >= workers. Received: max_workers="
                                  f"{self.max_workers}, workers={self.workers}")

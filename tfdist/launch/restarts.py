@@ -76,6 +76,11 @@ class JobRestarts:
         go on without it (`is_lost`); False if its failure ends the attempt."""
         return False
 
+    def others_done(self, tasks: list) -> bool:
+        """Whether the job's tasks elsewhere (other nodes of an elastic job) are done too:
+        the attempt ends when they are and this node's have exited 0."""
+        return True
+
     def is_lost(self, task) -> bool:
         """Whether the attempt goes on without ``task`` (its exit no longer counts)."""
         return False

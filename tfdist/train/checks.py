@@ -99,11 +99,12 @@ def check_job(config: dict[str, Any], source: str = "<config>") -> None:
 
 def _check_elastic(config: dict[str, Any], source: str) -> None:
     """An elastic launch (``cluster.min_workers``) runs Horovod workers (synchronous or
-    model averaging) on one host (docs/elastic.md, Limits)."""
+    model averaging), started by tfdist's launcher on one host or several
+    (docs/elastic.md)."""
     strategy, cluster = config["strategy"], config["cluster"]
-    if cluster["mode"] != "local":
-        raise ConfigError(f"{source}: cluster.min_workers needs cluster.mode = 'local' (an "
-                          "elastic launcher hosts every worker on one host). Received: "
+    if cluster["mode"] not in ("local", "nodes"):
+        raise ConfigError(f"{source}: cluster.min_workers needs cluster.mode = 'local' or "
+                          "'nodes' (tfdist's launcher runs the elastic job). Received: "
                           f"cluster.mode = {cluster['mode']!r}")
     if strategy["name"] not in ("multi_worker", "model_average") or \
             strategy["options"].get("engine") != "horovod":

@@ -14,7 +14,7 @@ import os
 from tfdist.comm import liveness
 from tfdist.comm.communicator import StrategyCommunicator
 from tfdist.engines.base import Engine, summary
-from tfdist.engines.horovod import elastic, ops, rendezvous
+from tfdist.engines.horovod import elastic, membership, ops, rendezvous
 
 # Seconds a peer has to answer a liveness probe after Horovod stopped.
 PROBE_TIMEOUT = 2.0
@@ -44,7 +44,10 @@ class HorovodEngine(Engine):
         strategy = self.strategy
         if getattr(strategy, "exchanges_rarely", False) and not ops.is_initialized():
             os.environ.setdefault(CYCLE_TIME_ENV, QUIET_CYCLE_MS)
-        if strategy.cluster is not None and strategy.cluster.num_workers > 1:
+        # An elastic job forms from the launcher's membership, whatever TF_CONFIG lists
+        # (it starts with this worker alone when the others join later, or elsewhere).
+        if strategy.cluster is not None and (strategy.cluster.num_workers > 1 or
+                                             membership.elastic_address()):
             try:
                 rendezvous.init_from_cluster(strategy.cluster, strategy.startup_timeout,
                                              peer_timeout=self._gloo_timeout())

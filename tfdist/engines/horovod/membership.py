@@ -54,9 +54,10 @@ class MembershipServer:
         host: Address to listen on (every task must reach it).
         min_workers: Published with each membership (the strategy checks its batch).
         max_workers: Likewise.
+        port: Port to listen on (0: any free one).
     """
 
-    def __init__(self, host: str, min_workers: int, max_workers: int):
+    def __init__(self, host: str, min_workers: int, max_workers: int, port: int = 0):
         from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
 
         service = self
@@ -73,7 +74,7 @@ class MembershipServer:
         self._state = json.dumps({"version": 0, "members": []}).encode()
         self.version = 0
         self.members: list[tuple[str, str]] = []
-        self._server = RendezvousHTTPServer((host, 0), Handler, 0)
+        self._server = RendezvousHTTPServer((host, port), Handler, 0)
         self.address = f"{host}:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever,
                                         name="tfdist-elastic-membership", daemon=True)
@@ -106,6 +107,16 @@ class MembershipServer:
             found = dict(self._server.cache.get(LOST_SCOPE, {}))
         return {name for name, version in found.items()
                 if version.decode(errors="replace") == str(self.version)}
+
+    def read(self, scope: str) -> dict[str, bytes]:
+        """What was PUT under ``scope`` (by key): the elastic nodes' beats."""
+        with self._server.cache_lock:
+            return dict(self._server.cache.get(scope, {}))
+
+    def put(self, scope: str, key: str, value: bytes) -> None:
+        """Serves ``value`` at ``GET /scope/key`` (node 0's word to a node)."""
+        with self._server.cache_lock:
+            self._server.cache.setdefault(scope, {})[key] = value
 
     def close(self) -> None:
         self._server.shutdown()
