@@ -85,16 +85,13 @@ class ElasticMember:
             self.synced = self.training = not self.joined_running
             if self.joined_running:  # the members re-form at their next commit
                 os.environ["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(int(max(self.timeout, 1)))
-            self.formation.opening()
-            ops.init()
-            self.formation.opened()
+        self.formation.opening()
+        (ops.init if first else ops.reinit)()
+        self.formation.opened()
+        if first:
             ops.reset_op_names()
             os.environ["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(int(max(self.gloo_timeout, 1)))
             self._watch()
-        else:
-            self.formation.opening()
-            ops.reinit()
-            self.formation.opened()
 
     def reform(self) -> None:
         """Shuts Horovod down and forms it again with the next membership."""
