@@ -20,9 +20,10 @@ median step of fits committing every step against once per epoch, alternated.
 The goals (docs/benchmarks.md) read ``ratios``.
 
 Run from the repository root (about 3 minutes on a busy 2-core machine; ``--quick``
-leaves out the k=5 cell):
+leaves out the k=5 cell; ``--only commit`` runs the commit-cost job alone and, unless
+``--output`` says where, writes to the quick directory, never over the committed results):
 
-    .venv/bin/python -m benchmarks.elastic [--quick] [--output DIR]
+    .venv/bin/python -m benchmarks.elastic [--quick] [--only commit] [--output DIR]
 
 It kills only the processes of its own jobs; docs/elastic.md quotes it.
 """
@@ -38,9 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import (horovod_missing, machine_info, markdown_table,
-                               parse_section_args, section_parser, skip_section, task_env,
-                               write_section)
+from benchmarks.common import (horovod_missing, machine_info, markdown_table, output_dir,
+                               section_parser, skip_section, task_env, write_section)
 
 NAME = "elastic"
 TITLE = "Elastic training: a lost worker against restart-and-resume"
@@ -224,7 +224,11 @@ def _ms(seconds):
 
 def main(argv=None):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    args = parse_section_args(section_parser("benchmarks.elastic", __doc__), argv)
+    parser = section_parser("benchmarks.elastic", __doc__)
+    parser.add_argument("--only", choices=["commit"], default=None,
+                        help="run only this cell (commit: the commit-cost job)")
+    args = parser.parse_args(argv)
+    args.output = output_dir(args.output, args.quick or args.only is not None)
     missing = horovod_missing()
     if missing:
         skip_section(args.output, NAME, TITLE, missing)
@@ -237,7 +241,7 @@ def main(argv=None):
                                              "backup": True})]
     faults = []
     for index, (name, launch) in enumerate(cells):
-        if args.quick and name == "elastic k=5":
+        if (args.quick and name == "elastic k=5") or args.only == "commit":
             continue
         print(f"elastic: {name} ({index + 1}/{len(cells) + 1}) ...", flush=True)
         faults.append(_fault_cell(name, **launch))
@@ -245,7 +249,8 @@ def main(argv=None):
     print(f"elastic: commit cost ({len(cells) + 1}/{len(cells) + 1}) ...", flush=True)
     commit = _commit_cell(args.quick)
     print(commit, flush=True)
-    report = {"command": "python -m benchmarks.elastic" + (" --quick" if args.quick else ""),
+    report = {"command": "python -m benchmarks.elastic" + (" --quick" if args.quick else "")
+              + (f" --only {args.only}" if args.only else ""),
               "date": datetime.datetime.now(datetime.timezone.utc).strftime(
                   "%Y-%m-%d %H:%M UTC"),
               "machine": machine_info(), "load_before": load,
