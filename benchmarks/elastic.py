@@ -162,10 +162,10 @@ COMMIT_EPOCHS = 3  # epochs of each of its fits
 
 
 def _commit_cell(quick):
+    runs, epochs = (2, 1) if quick else (COMMIT_RUNS, COMMIT_EPOCHS)
     with tempfile.TemporaryDirectory(prefix="tfdist-elastic-") as out:
         seconds, error = _launch(out, min_workers=1, max_restarts=0, kill=False, workers=2,
-                                 epochs=1 if quick else COMMIT_EPOCHS,
-                                 commit_runs=2 if quick else COMMIT_RUNS)
+                                 epochs=epochs, commit_runs=runs)
         tasks = [json.loads(p.read_text()) for p in Path(out).glob("worker-*.json")]
     times = {1: [], 10**9: []}
     pairs = []  # per pair of adjacent fits: median step committing every step / once
@@ -185,6 +185,7 @@ def _commit_cell(quick):
                 commits, fused = commits + fit["commits"], fused + fit["fused_commits"]
     every, once = (statistics.median(times[k]) if times[k] else None for k in (1, 10**9))
     return {"cell": "commit cost", "seconds": seconds, "error": error,
+            "fits": runs if runs <= 2 else runs - 1, "epochs": epochs,  # the warm-up aside
             "step_commit_every_step": every, "step_commit_once_per_epoch": once,
             # fits committing every step: their commits, and those read inside a step
             "commits": commits, "fused_commits": fused,
@@ -226,8 +227,8 @@ def markdown(report) -> str:
         f"worker-2 SIGKILLed after batch {KILL_AT[1]} of epoch {KILL_AT[0]}; "
         f"heartbeat_timeout {HEARTBEAT} s (Gloo's timeout).", "",
         markdown_table(rows), "",
-        f"Commit cost (2 workers, no fault, {COMMIT_RUNS - 1} fits of {COMMIT_EPOCHS} epochs "
-        f"alternated after a warm-up): the median step committing every step over the median step "
+        f"Commit cost (2 workers, no fault, {commit['fits']} fits of {commit['epochs']} "
+        f"epoch(s) alternated{' after a warm-up' if commit['fits'] > 2 else ''}): the median step committing every step over the median step "
         f"committing once per epoch, the median over {len(commit['pair_ratios'])} pairs of "
         f"adjacent fits: ratio **{ratio}** (goal `elastic-commit`: <= 1.05); over all "
         f"fits, {_ms(commit['step_commit_every_step'])} against "
