@@ -208,7 +208,8 @@ class ElasticFit:
                 while iterator.position < start:  # replay what the rollback undid
                     self._inner(iterator)
                 if self.calls_since_commit + 1 >= self.commit_every_steps:
-                    logs, values = self._committing_function()(iterator)
+                    snapshot, committing = self._committing_function()
+                    logs, values = committing(iterator)
                 else:
                     logs, values = self._inner(iterator), None
             except (tf.errors.OpError, _MembershipChanged) as error:
@@ -224,19 +225,20 @@ class ElasticFit:
                     self.commit()
                 else:
                     self.fused_commits += 1
-                    self._keep(self._snapshot, values)
+                    self._keep(snapshot, values)
             return logs
 
-    def _committing_function(self):
-        """Keras' train function whose last step also reads `_Snapshot`'s variables;
-        made again when they changed (`_snapshot_now`) and after a re-trace."""
+    def _committing_function(self) -> tuple:
+        """``(snapshot, Keras' train function whose last step also reads the snapshot's
+        variables)``; made again when they changed (`_snapshot_now`) and after a
+        re-trace."""
         snapshot = self._snapshot_now()
         if self._committing is None or self._committing[0] is not snapshot:
             from tfdist._hooks.keras_steps import committing_train_function
 
             self._committing = (snapshot, committing_train_function(
                 self.model, self._inner, snapshot.pack))
-        return self._committing[1]
+        return self._committing
 
     # ---- commit, rollback, re-form -------------------------------------------------
     def state_variables(self) -> list:
