@@ -14,11 +14,12 @@ machine) just before. Each task notes the time of every completed step.
 Per cell: seconds from the kill to the next completed step (on any task), steps lost
 (the steps rolled back, the one in flight included; after a restart: the steps a
 task trained twice), the same summed over the tasks, and the whole run's seconds. A
-fourth job (2 workers, no fault) measures what a commit costs: the median step of fits
-committing every step over that of fits committing once per epoch, the fits alternated
-(the median over pairs of adjacent fits, so that a drift in the machine's load cancels;
-a commit after a step is read inside the step's traced function, so it has no time of
-its own to measure). The goals (docs/benchmarks.md) read ``ratios``.
+fourth job (2 workers, no fault) measures what a commit costs: one fit whose epochs
+alternate between committing every step and committing once per epoch (a callback sets
+the elastic fit's ``commit_every_steps`` at each epoch's start); the ratio is the median
+over pairs of adjacent epochs of their median steps, so that a drift in the machine's
+load cancels (a commit after a step is read inside the step's traced function, so it has
+no time of its own to measure). The goals (docs/benchmarks.md) read ``ratios``.
 
 Run from the repository root (about 3 minutes on a busy 2-core machine; ``--quick``
 leaves out the k=5 cell; ``--only commit`` runs the commit-cost job alone and, unless
@@ -64,7 +65,7 @@ def _cnn():
     return model
 
 
-def job(out, commit_every, kill, epochs, backup=False, commit_runs=0):
+def job(out, commit_every, kill, epochs, backup=False, alternate=False):
     """One task: trains, noting each completed step's time in ``OUT/<task>-<pid>.json``."""
     import signal
 
@@ -97,32 +98,37 @@ def job(out, commit_every, kill, epochs, backup=False, commit_runs=0):
                 Path(out, "killed").write_text(str(time.monotonic()))
                 os.kill(os.getpid(), signal.SIGKILL)
 
+    commit_every_of_epoch = {}
+
+    class Alternate(keras.callbacks.Callback):
+        """Even epochs commit every step, odd ones once (at the epoch's start)."""
+
+        def on_epoch_begin(self, epoch, logs=None):
+            every = 1 if epoch % 2 == 0 else 10**9
+            strategy.elastic_fit.commit_every_steps = commit_every_of_epoch[epoch] = every
+
     callbacks = [Note()]
     if backup:
         callbacks.append(keras.callbacks.BackupAndRestore(os.path.join(out, "backup")))
-    fits = []
-    for run in range(commit_runs or 1):
-        if commit_runs:  # alternate: every step, then once per epoch
-            strategy.commit_every_steps = 1 if run % 2 == 0 else 10**9
-        steps.clear()
-        model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
-                  callbacks=callbacks)
-        fitting = getattr(strategy, "elastic_fit", None)
-        fits.append({"commit_every": strategy.commit_every_steps, "steps": list(steps),
-                     "commits": fitting.commits if fitting else 0,
-                     "fused_commits": fitting.fused_commits if fitting else 0})
+    if alternate:
+        callbacks.append(Alternate())
+    model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
+              callbacks=callbacks)
+    fitting = getattr(strategy, "elastic_fit", None)
     Path(out, f"{task}-{os.getpid()}.json").write_text(json.dumps({
-        "steps": steps, "fits": fits, "restart": restart,
+        "steps": steps, "restart": restart, "commit_every": commit_every_of_epoch,
+        "commits": fitting.commits if fitting else 0,
+        "fused_commits": fitting.fused_commits if fitting else 0,
         "steps_lost": fitting.steps_lost if fitting else None}))
 
 
 def _launch(out, *, min_workers, max_restarts, commit_every=1, kill=True, backup=False,
-            workers=3, epochs=EPOCHS, commit_runs=0):
+            workers=3, epochs=EPOCHS, alternate=False):
     import tfdist
 
     started = time.monotonic()
     try:
-        tfdist.launch(job, out, commit_every, kill, epochs, backup, commit_runs,
+        tfdist.launch(job, out, commit_every, kill, epochs, backup, alternate,
                       workers=workers, min_workers=min_workers, max_restarts=max_restarts,
                       timeout=600, env=task_env(), stream=None)
         error = None
@@ -157,41 +163,40 @@ def _fault_cell(name, **launch):
             "task_steps_lost": sum(rolled_back if elastic else twice)}
 
 
-COMMIT_RUNS = 21  # fits of the commit-cost job: a warm-up, then 10 pairs, alternated
-COMMIT_EPOCHS = 3  # epochs of each of its fits
+COMMIT_PAIRS = 30  # pairs of epochs of the commit-cost job, after a warm-up pair
 
 
 def _commit_cell(quick):
-    runs, epochs = (2, 1) if quick else (COMMIT_RUNS, COMMIT_EPOCHS)
+    pairs_asked = 1 if quick else COMMIT_PAIRS
     with tempfile.TemporaryDirectory(prefix="tfdist-elastic-") as out:
         seconds, error = _launch(out, min_workers=1, max_restarts=0, kill=False, workers=2,
-                                 epochs=epochs, commit_runs=runs)
+                                 epochs=2 * (pairs_asked + 1), alternate=True)
         tasks = [json.loads(p.read_text()) for p in Path(out).glob("worker-*.json")]
     times = {1: [], 10**9: []}
-    pairs = []  # per pair of adjacent fits: median step committing every step / once
+    pairs = []  # per pair of adjacent epochs: median step committing every step / once
     commits = fused = 0
     for task in tasks:
-        fits = task["fits"][1:] if len(task["fits"]) > 2 else task["fits"]
         medians = {}
-        for index, fit in enumerate(fits):
-            # within each epoch (not across an epoch's end); the first step traces
-            steps = [b[2] - a[2] for a, b in zip(fit["steps"][1:], fit["steps"][2:])
-                     if a[0] == b[0]]
-            times[fit["commit_every"]] += steps
-            medians[fit["commit_every"]] = statistics.median(steps) if steps else None
-            if index % 2 and all(medians.values()) and len(medians) == 2:
+        for epoch, every in sorted((int(e), k) for e, k in task["commit_every"].items()):
+            if epoch < 2:
+                continue  # the warm-up pair: each epoch traces its train function
+            stamps = [t for e, _, t in task["steps"] if e == epoch]
+            steps = [b - a for a, b in zip(stamps, stamps[1:])]  # within the epoch
+            times[every] += steps
+            medians[every] = statistics.median(steps) if steps else None
+            if epoch % 2 and all(medians.values()):
                 pairs.append(medians[1] / medians[10**9])
-            if fit["commit_every"] == 1:
-                commits, fused = commits + fit["commits"], fused + fit["fused_commits"]
+        commits, fused = commits + task["commits"], fused + task["fused_commits"]
     every, once = (statistics.median(times[k]) if times[k] else None for k in (1, 10**9))
     return {"cell": "commit cost", "seconds": seconds, "error": error,
-            "fits": runs if runs <= 2 else runs - 1, "epochs": epochs,  # the warm-up aside
+            "epochs": 2 * (pairs_asked + 1),
             "step_commit_every_step": every, "step_commit_once_per_epoch": once,
-            # fits committing every step: their commits, and those read inside a step
+            # every commit of the fit (each epoch's first included), and those read
+            # inside a train step
             "commits": commits, "fused_commits": fused,
-            # the two medians over every fit (drifts with the machine's load)
+            # the two medians over every epoch (drifts with the machine's load)
             "ratio_pooled": every / once if every and once else None,
-            # the median over pairs of adjacent fits: a drift in load cancels in a pair
+            # the median over pairs of adjacent epochs: a drift in load cancels in a pair
             "pair_ratios": pairs,
             "ratio": statistics.median(pairs) if pairs else None}
 
@@ -227,15 +232,15 @@ def markdown(report) -> str:
         f"worker-2 SIGKILLed after batch {KILL_AT[1]} of epoch {KILL_AT[0]}; "
         f"heartbeat_timeout {HEARTBEAT} s (Gloo's timeout).", "",
         markdown_table(rows), "",
-        f"Commit cost (2 workers, no fault, {commit['fits']} fits of {commit['epochs']} "
-        f"epoch(s) alternated{' after a warm-up' if commit['fits'] > 2 else ''}): the median step committing every step over the median step "
-        f"committing once per epoch, the median over {len(commit['pair_ratios'])} pairs of "
-        f"adjacent fits: ratio **{ratio}** (goal `elastic-commit`: <= 1.05); over all "
-        f"fits, {_ms(commit['step_commit_every_step'])} against "
-        f"{_ms(commit['step_commit_once_per_epoch'])} ({pooled}). Of the "
-        f"{commit['commits']} commits of the fits committing every step, "
-        f"{commit['fused_commits']} were read inside the train step (the others: each "
-        f"epoch's first, by a call of their own).", ""])
+        f"Commit cost (2 workers, no fault): one fit of {commit['epochs']} epochs committing "
+        f"every step and once per epoch in turn (the first two a warm-up); the median step "
+        f"committing every step over the median step committing once per epoch, the "
+        f"median over {len(commit['pair_ratios'])} pairs of adjacent epochs (both tasks): "
+        f"ratio **{ratio}** (goal `elastic-commit`: <= 1.05); over all epochs, "
+        f"{_ms(commit['step_commit_every_step'])} against "
+        f"{_ms(commit['step_commit_once_per_epoch'])} ({pooled}). Of its "
+        f"{commit['commits']} commits, {commit['fused_commits']} were read inside the "
+        f"train step (the others: each epoch's first, by a call of their own).", ""])
 
 
 def _ms(seconds):
