@@ -14,15 +14,18 @@ machine) just before. Each task notes the time of every completed step.
 Per cell: seconds from the kill to the next completed step (on any task), steps lost
 (the steps rolled back, the one in flight included; after a restart: the steps a
 task trained twice), the same summed over the tasks, and the whole run's seconds. A
-fourth job (2 workers, no fault) measures what a commit costs: the commit's own time
-(timed in the job) over the median step of a fit that commits once per epoch, and the
-median step of fits committing every step against once per epoch, alternated.
-The goals (docs/benchmarks.md) read ``ratios``.
+fourth job (2 workers, no fault) measures what a commit costs: one fit whose epochs
+alternate between committing every step and committing once per epoch (a callback sets
+the elastic fit's ``commit_every_steps`` at each epoch's start); the ratio is the median
+over pairs of adjacent epochs of their median steps, so that a drift in the machine's
+load cancels (a commit after a step is read inside the step's traced function, so it has
+no time of its own to measure). The goals (docs/benchmarks.md) read ``ratios``.
 
 Run from the repository root (about 3 minutes on a busy 2-core machine; ``--quick``
-leaves out the k=5 cell):
+leaves out the k=5 cell; ``--only commit`` runs the commit-cost job alone and, unless
+``--output`` says where, writes to the quick directory, never over the committed results):
 
-    .venv/bin/python -m benchmarks.elastic [--quick] [--output DIR]
+    .venv/bin/python -m benchmarks.elastic [--quick] [--only commit] [--output DIR]
 
 It kills only the processes of its own jobs; docs/elastic.md quotes it.
 """
@@ -38,9 +41,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import (horovod_missing, machine_info, markdown_table,
-                               parse_section_args, section_parser, skip_section, task_env,
-                               write_section)
+from benchmarks.common import (horovod_missing, machine_info, markdown_table, output_dir,
+                               section_parser, skip_section, task_env, write_section)
 
 NAME = "elastic"
 TITLE = "Elastic training: a lost worker against restart-and-resume"
@@ -63,7 +65,7 @@ def _cnn():
     return model
 
 
-def job(out, commit_every, kill, epochs, backup=False, commit_runs=0):
+def job(out, commit_every, kill, epochs, backup=False, alternate=False):
     """One task: trains, noting each completed step's time in ``OUT/<task>-<pid>.json``."""
     import signal
 
@@ -96,32 +98,37 @@ def job(out, commit_every, kill, epochs, backup=False, commit_runs=0):
                 Path(out, "killed").write_text(str(time.monotonic()))
                 os.kill(os.getpid(), signal.SIGKILL)
 
+    commit_every_of_epoch = {}
+
+    class Alternate(keras.callbacks.Callback):
+        """Even epochs commit every step, odd ones once (at the epoch's start)."""
+
+        def on_epoch_begin(self, epoch, logs=None):
+            every = 1 if epoch % 2 == 0 else 10**9
+            strategy.elastic_fit.commit_every_steps = commit_every_of_epoch[epoch] = every
+
     callbacks = [Note()]
     if backup:
         callbacks.append(keras.callbacks.BackupAndRestore(os.path.join(out, "backup")))
-    fits = []
-    for run in range(commit_runs or 1):
-        if commit_runs:  # alternate: every step, then once per epoch
-            strategy.commit_every_steps = 1 if run % 2 == 0 else 10**9
-        steps.clear()
-        model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
-                  callbacks=callbacks)
-        fitting = getattr(strategy, "elastic_fit", None)
-        fits.append({"commit_every": strategy.commit_every_steps, "steps": list(steps),
-                     "commits": fitting.commits if fitting else 0,
-                     "commit_seconds": fitting.commit_seconds if fitting else 0.0})
+    if alternate:
+        callbacks.append(Alternate())
+    model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
+              callbacks=callbacks)
+    fitting = getattr(strategy, "elastic_fit", None)
     Path(out, f"{task}-{os.getpid()}.json").write_text(json.dumps({
-        "steps": steps, "fits": fits, "restart": restart,
+        "steps": steps, "restart": restart, "commit_every": commit_every_of_epoch,
+        "commits": fitting.commits if fitting else 0,
+        "fused_commits": fitting.fused_commits if fitting else 0,
         "steps_lost": fitting.steps_lost if fitting else None}))
 
 
 def _launch(out, *, min_workers, max_restarts, commit_every=1, kill=True, backup=False,
-            workers=3, epochs=EPOCHS, commit_runs=0):
+            workers=3, epochs=EPOCHS, alternate=False):
     import tfdist
 
     started = time.monotonic()
     try:
-        tfdist.launch(job, out, commit_every, kill, epochs, backup, commit_runs,
+        tfdist.launch(job, out, commit_every, kill, epochs, backup, alternate,
                       workers=workers, min_workers=min_workers, max_restarts=max_restarts,
                       timeout=600, env=task_env(), stream=None)
         error = None
@@ -156,26 +163,42 @@ def _fault_cell(name, **launch):
             "task_steps_lost": sum(rolled_back if elastic else twice)}
 
 
+COMMIT_PAIRS = 30  # pairs of epochs of the commit-cost job, after a warm-up pair
+
+
 def _commit_cell(quick):
+    pairs_asked = 1 if quick else COMMIT_PAIRS
     with tempfile.TemporaryDirectory(prefix="tfdist-elastic-") as out:
         seconds, error = _launch(out, min_workers=1, max_restarts=0, kill=False, workers=2,
-                                 epochs=1, commit_runs=2 if quick else 6)
+                                 epochs=2 * (pairs_asked + 1), alternate=True)
         tasks = [json.loads(p.read_text()) for p in Path(out).glob("worker-*.json")]
     times = {1: [], 10**9: []}
+    pairs = []  # per pair of adjacent epochs: median step committing every step / once
+    commits = fused = 0
     for task in tasks:
-        for fit in task["fits"][1:] if len(task["fits"]) > 2 else task["fits"]:
-            stamps = [t for _, _, t in fit["steps"]][1:]  # the first step traces
-            times[fit["commit_every"]] += [b - a for a, b in zip(stamps, stamps[1:])]
+        medians = {}
+        for epoch, every in sorted((int(e), k) for e, k in task["commit_every"].items()):
+            if epoch < 2:
+                continue  # the warm-up pair: each epoch traces its train function
+            stamps = [t for e, _, t in task["steps"] if e == epoch]
+            steps = [b - a for a, b in zip(stamps, stamps[1:])]  # within the epoch
+            times[every] += steps
+            medians[every] = statistics.median(steps) if steps else None
+            if epoch % 2 and all(medians.values()):
+                pairs.append(medians[1] / medians[10**9])
+        commits, fused = commits + task["commits"], fused + task["fused_commits"]
     every, once = (statistics.median(times[k]) if times[k] else None for k in (1, 10**9))
-    timed = [(f["commits"], f["commit_seconds"]) for task in tasks for f in task["fits"]
-             if f["commit_every"] == 1 and f["commits"]]
-    commit = sum(s for _, s in timed) / sum(n for n, _ in timed) if timed else None
     return {"cell": "commit cost", "seconds": seconds, "error": error,
+            "epochs": 2 * (pairs_asked + 1),
             "step_commit_every_step": every, "step_commit_once_per_epoch": once,
-            "ratio_alternated": every / once if every and once else None,
-            "commit_seconds": commit,
-            # the commit itself, timed in the job, over the step that commits none
-            "ratio": 1 + commit / once if commit and once else None}
+            # every commit of the fit (each epoch's first included), and those read
+            # inside a train step
+            "commits": commits, "fused_commits": fused,
+            # the two medians over every epoch (drifts with the machine's load)
+            "ratio_pooled": every / once if every and once else None,
+            # the median over pairs of adjacent epochs: a drift in load cancels in a pair
+            "pair_ratios": pairs,
+            "ratio": statistics.median(pairs) if pairs else None}
 
 
 def ratios(faults, commit) -> dict:
@@ -201,8 +224,7 @@ def markdown(report) -> str:
                      f"{c['seconds']:.1f}", c["error"] or ""])
     commit = report["commit"]
     ratio = "n/a" if commit["ratio"] is None else f"{commit['ratio']:.3f}"
-    alternated = ("n/a" if commit["ratio_alternated"] is None
-                  else f"{commit['ratio_alternated']:.3f}")
+    pooled = "n/a" if commit["ratio_pooled"] is None else f"{commit['ratio_pooled']:.3f}"
     return "\n".join([
         f"# {TITLE}", "", f"`{report['command']}`, {report['date']}, "
         f"{report['machine'].get('cpus')} CPUs, load before {report['load_before']}.", "",
@@ -210,12 +232,15 @@ def markdown(report) -> str:
         f"worker-2 SIGKILLed after batch {KILL_AT[1]} of epoch {KILL_AT[0]}; "
         f"heartbeat_timeout {HEARTBEAT} s (Gloo's timeout).", "",
         markdown_table(rows), "",
-        f"Commit cost (2 workers, no fault): a commit takes {_ms(commit['commit_seconds'])} "
-        f"(timed in the job) against a median step of "
-        f"{_ms(commit['step_commit_once_per_epoch'])} committing once per epoch: ratio "
-        f"**{ratio}** (goal `elastic-commit`: <= 1.05). The median step committing every "
-        f"step, fits alternated, is {_ms(commit['step_commit_every_step'])}: "
-        f"{alternated}, within this machine's run-to-run spread.", ""])
+        f"Commit cost (2 workers, no fault): one fit of {commit['epochs']} epochs committing "
+        f"every step and once per epoch in turn (the first two a warm-up); the median step "
+        f"committing every step over the median step committing once per epoch, the "
+        f"median over {len(commit['pair_ratios'])} pairs of adjacent epochs (both tasks): "
+        f"ratio **{ratio}** (goal `elastic-commit`: <= 1.05); over all epochs, "
+        f"{_ms(commit['step_commit_every_step'])} against "
+        f"{_ms(commit['step_commit_once_per_epoch'])} ({pooled}). Of its "
+        f"{commit['commits']} commits, {commit['fused_commits']} were read inside the "
+        f"train step (the others: each epoch's first, by a call of their own).", ""])
 
 
 def _ms(seconds):
@@ -224,7 +249,11 @@ def _ms(seconds):
 
 def main(argv=None):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    args = parse_section_args(section_parser("benchmarks.elastic", __doc__), argv)
+    parser = section_parser("benchmarks.elastic", __doc__)
+    parser.add_argument("--only", choices=["commit"], default=None,
+                        help="run only this cell (commit: the commit-cost job)")
+    args = parser.parse_args(argv)
+    args.output = output_dir(args.output, args.quick or args.only is not None)
     missing = horovod_missing()
     if missing:
         skip_section(args.output, NAME, TITLE, missing)
@@ -237,7 +266,7 @@ def main(argv=None):
                                              "backup": True})]
     faults = []
     for index, (name, launch) in enumerate(cells):
-        if args.quick and name == "elastic k=5":
+        if (args.quick and name == "elastic k=5") or args.only == "commit":
             continue
         print(f"elastic: {name} ({index + 1}/{len(cells) + 1}) ...", flush=True)
         faults.append(_fault_cell(name, **launch))
@@ -245,7 +274,8 @@ def main(argv=None):
     print(f"elastic: commit cost ({len(cells) + 1}/{len(cells) + 1}) ...", flush=True)
     commit = _commit_cell(args.quick)
     print(commit, flush=True)
-    report = {"command": "python -m benchmarks.elastic" + (" --quick" if args.quick else ""),
+    report = {"command": "python -m benchmarks.elastic" + (" --quick" if args.quick else "")
+              + (f" --only {args.only}" if args.only else ""),
               "date": datetime.datetime.now(datetime.timezone.utc).strftime(
                   "%Y-%m-%d %H:%M UTC"),
               "machine": machine_info(), "load_before": load,

@@ -129,6 +129,8 @@ def main(out, epochs, kill=""):
                    "size": strategy.size, "rank": strategy.rank,
                    "recoveries": fitting.recoveries if fitting else None,
                    "steps_lost": fitting.steps_lost if fitting else None,
+                   "commits": fitting.commits if fitting else None,
+                   "fused_commits": fitting.fused_commits if fitting else None,
                    "steps": steps}, f)
 
 

@@ -231,6 +231,9 @@ def test_a_lost_worker_with_no_restart_left_leaves_two_that_end_at_the_reference
         assert [pid for task, pid in starts if task == name] == [str(result["pid"])]
         assert result["size"] == 2 and result["recoveries"] == 1
         assert result["iterations"] == STEPS
+        # every step commits, read inside the step but for each epoch's first commit
+        assert result["fused_commits"] >= STEPS - 2 * EPOCHS, result
+        assert result["commits"] - result["fused_commits"] >= EPOCHS, result
         assert_weights_close([np.array(w) for w in result["weights"]], reference)
     _assert_members_agree_at_every_step(results)
     assert os.listdir(tmp_path).count("saved-by-worker-0") == 1
@@ -250,6 +253,8 @@ def test_commits_every_k_calls_of_several_steps_roll_back_at_most_k_calls(
     for result in results.values():
         assert result["size"] == 2 and result["iterations"] == STEPS
         assert 1 <= result["steps_lost"] <= 6, result["steps_lost"]
+        # the 3rd call of each epoch's 5 commits, at its 2nd step (one epoch re-formed)
+        assert EPOCHS - 1 <= result["fused_commits"] <= 2 * EPOCHS, result
         assert_weights_close([np.array(w) for w in result["weights"]], reference)
 
 

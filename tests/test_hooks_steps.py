@@ -6,6 +6,7 @@ at every step (or the count that shows it would not would be blind).
 """
 
 import inspect
+import re
 
 
 def _original(function):
@@ -179,3 +180,65 @@ def test_remake_train_function_traces_anew_and_fit_keeps_a_wrapper():
     model.train_function = wrapper
     model.fit(np.ones((8, 2)), np.ones((8, 1)), batch_size=4, epochs=1, verbose=0)
     assert len(calls) == 2  # fit called the wrapper, once per batch
+
+
+def test_keras_per_batch_step_that_the_committing_step_rebuilds_exists():
+    """`committing_train_function` rebuilds Keras' per-batch step (``one_step_on_data``
+    of the private ``_make_function``) with an elastic commit's reads after it; if
+    Keras changes that step, the rebuilt one would no longer be Keras' step."""
+    from keras.src.backend.tensorflow import trainer
+
+    function = inspect.getsource(trainer.TensorFlowTrainer._make_function)
+    for piece in ("self.distribute_strategy.run(step_function, args=(data,))",
+                  "reduce_per_replica(", 'reduction="auto"', "reduce_retracing=True",
+                  "jit_compile=self.jit_compile",
+                  "self._autoconvert_optionals(one_step_on_data)"):
+        assert piece in function, (
+            f"Keras' train function changed ({piece!r} is gone): "
+            "tfdist._hooks.keras_steps.committing_train_function rebuilds its per-batch "
+            "step and must follow it")
+    assert re.search(r"zip\(\s*range\(self\.steps_per_execution\),\s*iterator\s*\)",
+                     function), "Keras' train function no longer takes one batch per step"
+    assert "self._make_function(self.train_step)" in inspect.getsource(
+        _original(trainer.TensorFlowTrainer.make_train_function))
+    assert list(inspect.signature(trainer.reduce_per_replica).parameters) == [
+        "values", "strategy", "reduction"]
+    assert callable(trainer.TensorFlowTrainer._autoconvert_optionals)
+
+
+def test_committing_step_of_a_local_output_strategy_stays_local(logical_cpus):
+    """Model averaging's committing step is traced marked (no per-step collective) and
+    the hand-off hears of the call once."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import tfdist
+    from tfdist._hooks.keras_steps import (committing_train_function,
+                                           remake_train_function, traced_train_steps)
+    from tfdist.comm.collectives import train_step_collectives
+
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    strategy = tfdist.ModelAverageStrategy(period=2)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    seen = []
+    strategy.keras_after_train_step = (
+        lambda m: seen.append(int(m.optimizer.iterations.numpy())))
+    traced = len(traced_train_steps(model))
+    weights = model.trainable_variables
+    function = committing_train_function(
+        model, remake_train_function(model),
+        lambda: [tf.concat([tf.reshape(w.value, [-1]) for w in weights], 0)])
+    batches = iter(strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(8)))
+    logs, values = function(batches)
+    assert "loss" in logs and values is not None
+    assert seen == [5]
+    assert len(traced_train_steps(model)) == traced + 1
+    assert train_step_collectives(model).every_step == 0
+    np.testing.assert_allclose(
+        values[0].numpy(), np.concatenate([w.numpy().ravel() for w in weights]))

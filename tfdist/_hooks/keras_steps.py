@@ -13,6 +13,8 @@ validation are unchanged. Every worker must then have the same number of batches
 epoch (as Keras' arrays and TF's ``DATA`` auto-sharding give).
 The epoch's logs stay global: Keras' metric variables are on-read (``SUM``), so the read
 of ``get_metrics_result()`` after the epoch sums them over every worker, once.
+An elastic ``fit`` also gets Keras' per-batch step rebuilt with its commit's reads after
+the step, in the same traced function (`committing_train_function`).
 ``tests/test_hooks_steps.py`` fails loudly when a Keras upgrade removes what it touches.
 """
 
@@ -90,17 +92,25 @@ def _local_train_function(model, function, handoff):
     then ``handoff.keras_after_train_step(model)``."""
 
     def train_function(iterator):
-        previous = getattr(_training, "model", None)
-        _training.model = model
-        try:
-            result = function(iterator)
-        finally:
-            _training.model = previous
+        result = run_marked(model, function, iterator)
         handoff.keras_after_train_step(model)
         return result
 
     train_function._tfdist_local = True
+    train_function._tfdist_inner = function  # Keras' own (`committing_train_function`)
+    train_function._tfdist_handoff = handoff
     return train_function
+
+
+def run_marked(model, function, *args):
+    """``function(*args)`` with ``model`` marked as training here (its step's outputs and
+    batch count stay on this worker while it is traced)."""
+    previous = getattr(_training, "model", None)
+    _training.model = model
+    try:
+        return function(*args)
+    finally:
+        _training.model = previous
 
 
 def _local_replicas_with_values(input_workers, optional_list):
@@ -147,3 +157,68 @@ def remake_train_function(model):
     model.train_function = None
     model.make_train_function()
     return model.train_function
+
+
+def committing_train_function(model, train_function, snapshot):
+    """``train_function`` (`remake_train_function`'s) whose call's last step also returns
+    ``snapshot()``, traced after that step in the step's own ``tf.function``.
+
+    Returns ``function(iterator) -> (logs, values)``: ``values`` is what ``snapshot()``
+    returned, read after the call's last step, or None when the iterator ran out before
+    the call's last step (then nothing was read). The first
+    ``steps_per_execution - 1`` steps run ``train_function``'s Keras steps unchanged.
+
+    Why: an elastic ``fit`` (`tfdist.strategies._elastic`) copies the training state
+    after every step it commits at; a traced function of its own costs one more call
+    per step (with a Python-side output per variable), a sizeable part of a small
+    model's step. Keras' per-batch step is local to the private
+    ``TensorFlowTrainer._make_function`` (``one_step_on_data``: ``strategy.run(
+    train_step)``, then the private ``reduce_per_replica(..., reduction="auto")``, in a
+    ``tf.function(reduce_retracing=True, jit_compile=model.jit_compile)`` wrapped by
+    ``_autoconvert_optionals``), so it is rebuilt here the same way, with the snapshot's
+    reads after the step. In a ``tf.function`` automatic control dependencies run a read
+    of a variable after every earlier write of it, so the reads see the step's updates
+    (``tests/test_elastic_commit.py`` checks the values). For a local-output strategy
+    (model averaging) the step is traced with the model marked, as
+    `install_local_step_outputs`' wrapper does, and the hand-off's
+    ``keras_after_train_step`` follows the call once. ``tests/test_hooks_steps.py``
+    fails when a Keras upgrade changes what is rebuilt.
+    """
+    import itertools
+
+    import tensorflow as tf
+    from keras.src.backend.tensorflow import trainer
+
+    strategy = model.distribute_strategy
+    local = getattr(train_function, "_tfdist_local", False)
+    keras_steps = getattr(train_function, "_tfdist_inner", train_function)
+
+    @tf.autograph.experimental.do_not_convert
+    def one_step_on_data(data):
+        outputs = strategy.run(model.train_step, args=(data,))
+        outputs = trainer.reduce_per_replica(outputs, strategy, reduction="auto")
+        return outputs, snapshot()
+
+    if not model.run_eagerly:
+        one_step_on_data = tf.function(one_step_on_data, reduce_retracing=True,
+                                       jit_compile=model.jit_compile)
+    one_step_on_data = model._autoconvert_optionals(one_step_on_data)
+    missing = object()
+
+    def steps(iterator):
+        logs, values = None, None
+        if model.steps_per_execution > 1:
+            logs = keras_steps(itertools.islice(iterator, model.steps_per_execution - 1))
+        data = next(iterator, missing)
+        if data is not missing:
+            logs, values = one_step_on_data(data)
+        return logs, values
+
+    def function(iterator):
+        if not local:
+            return steps(iterator)
+        result = run_marked(model, steps, iterator)
+        train_function._tfdist_handoff.keras_after_train_step(model)
+        return result
+
+    return function

@@ -3,7 +3,10 @@
 In an elastic job (``tfdist launch --min-workers``, engine ``"horovod"``) Keras' train
 function is wrapped (`ElasticFit`). After every ``commit_every_steps`` train steps (and
 at each epoch's start) the wrapper copies the training state into host memory: the
-model's, optimizer's and metrics' variables and the data position (epoch, batch).
+model's, optimizer's and metrics' variables and the data position (epoch, batch). The
+copy of a step that commits is read inside that step's own traced function
+(`tfdist._hooks.keras_steps.committing_train_function`), as one flat buffer per dtype,
+so a commit costs no function call of its own.
 When Horovod fails because a member was lost, or the launcher publishes a newer
 membership (a joiner), every member:
 
@@ -25,7 +28,6 @@ have (checked before ``fit`` starts).
 from __future__ import annotations
 
 import collections
-import time
 
 import tensorflow as tf
 
@@ -162,17 +164,18 @@ class ElasticFit:
         self.iterator: ElasticIterator | None = None
         self.epoch = -1
         self.calls_since_commit = 0
-        self.committed: list = []  # tensors: the state variables' committed values
+        self._committed_flat = None  # (_Snapshot, its flat values), unpacked when needed
+        self._committed_lists = ([], [])  # (state values, metric values) once unpacked
         self.committed_at = (0, 0)
         self.last_logs = None
         self.recoveries = 0
-        self.commits = 0  # commits that traced nothing, and their seconds (for benchmarks)
-        self.commit_seconds = 0.0
+        self.commits = 0  # commits taken, and of them those read inside a train step
+        self.fused_commits = 0
         self.steps_lost = 0  # steps rolled back (the one in flight included)
         self.fast_forward = 0  # a joiner's calls to pass before it trains
-        self.committed_metrics: list = []
-        self._snapshot = None  # (variables, tf.function reading them all)
+        self._snapshot: _Snapshot | None = None  # the variables a commit reads
         self._inner = None
+        self._committing = None  # the train function whose last step commits
         self.rules = strategy.elastic_rules(model)
 
     # ---- the wrapped train function ------------------------------------------------
@@ -181,12 +184,14 @@ class ElasticFit:
         from tfdist._hooks.keras_steps import remake_train_function
 
         self._inner = remake_train_function(self.model)
+        self._committing = None
         self.model.train_function = self
 
     def __call__(self, iterator):
         if iterator is not self.iterator:  # a new epoch
             if self.iterator is None:
                 self.rules.prepare()
+                self._snapshot_now(renew=True)
             self.iterator, self.epoch = iterator, self.epoch + 1
             iterator.skip(self.fast_forward)  # a joiner's first epoch: the job's position
             self.commit()
@@ -202,7 +207,11 @@ class ElasticFit:
                     raise _MembershipChanged()
                 while iterator.position < start:  # replay what the rollback undid
                     self._inner(iterator)
-                logs = self._inner(iterator)
+                if self.calls_since_commit + 1 >= self.commit_every_steps:
+                    snapshot, committing = self._committing_function()
+                    logs, values = committing(iterator)
+                else:
+                    logs, values = self._inner(iterator), None
             except (tf.errors.OpError, _MembershipChanged) as error:
                 if isinstance(error, tf.errors.OpError) and not elastic.is_lost_peer(error):
                     raise
@@ -212,8 +221,24 @@ class ElasticFit:
             self.last_logs = logs
             self.calls_since_commit += 1
             if self.calls_since_commit >= self.commit_every_steps:
-                self.commit()
+                if values is None:  # the data ran out before the call's last step
+                    self.commit()
+                else:
+                    self.fused_commits += 1
+                    self._keep(snapshot, values)
             return logs
+
+    def _committing_function(self) -> tuple:
+        """``(snapshot, Keras' train function whose last step also reads the snapshot's
+        variables)``; made again when they changed (`_snapshot_now`) and after a
+        re-trace."""
+        snapshot = self._snapshot_now()
+        if self._committing is None or self._committing[0] is not snapshot:
+            from tfdist._hooks.keras_steps import committing_train_function
+
+            self._committing = (snapshot, committing_train_function(
+                self.model, self._inner, snapshot.pack))
+        return self._committing
 
     # ---- commit, rollback, re-form -------------------------------------------------
     def state_variables(self) -> list:
@@ -234,30 +259,47 @@ class ElasticFit:
         return [c for m in self.model.metrics for v in m.variables for c in local(v.value)]
 
     def commit(self) -> None:
-        """Copies the training state and the data position into host memory."""
-        started, traced = time.perf_counter(), self._snapshot
-        values = self._read_all()
-        if self._snapshot is traced:  # not counted: the calls that traced the reads
-            self.commits += 1
-            self.commit_seconds += time.perf_counter() - started
-        count = self._snapshot[2]
-        self.committed, self.committed_metrics = values[:count], values[count:]
+        """Copies the training state and the data position into host memory, by a
+        traced function of its own (a commit after a train step is read inside it)."""
+        snapshot = self._snapshot_now()
+        self._keep(snapshot, snapshot.read())
+
+    def _keep(self, snapshot, values) -> None:
+        """Keeps ``values`` (``snapshot``'s flat buffers) as the commit at this position."""
+        self._committed_flat, self._committed_lists = (snapshot, values), None
+        self.commits += 1
         self.committed_at = (self.epoch, self.iterator.position)
         self.iterator.mark()
         self.calls_since_commit = 0
 
-    def _read_all(self) -> list:
-        """Copies of the state and metric variables, read by one traced function (a
-        read is a snapshot: later assignments do not change it). The function is made
-        again when the variables change (the optimizer builds its own lazily)."""
-        key = (len(self.model.variables), len(self.model.optimizer.variables),
-               len(self.rules.extra_variables()), len(self.model.metrics))
-        if self._snapshot is None or self._snapshot[0] != key:
-            variables = [*self.state_variables(), *self.metric_variables()]
-            reads = [_tf_variable(v) for v in variables]
-            self._snapshot = (key, tf.function(lambda: [tf.identity(r) for r in reads],
-                                               autograph=False), len(self.state_variables()))
-        return list(self._snapshot[1]())
+    def _snapshot_now(self, renew: bool = False) -> "_Snapshot":
+        """The variables a commit reads, listed once: again when ``renew`` (before the
+        first commit, after a re-forming or a join) or when the optimizer's variables
+        changed (an optimizer builds its own lazily); the model's, the metrics' and the
+        rules' extra variables are made before the first commit."""
+        count = len(self.model.optimizer.variables)
+        if renew or self._snapshot is None or self._snapshot.optimizer_count != count:
+            self._snapshot = _Snapshot(self.state_variables(), self.metric_variables(),
+                                       count)
+        return self._snapshot
+
+    @property
+    def committed(self) -> list:
+        """The state variables' committed values (tensors, in `state_variables`' order)."""
+        return self._committed_values()[0]
+
+    @property
+    def committed_metrics(self) -> list:
+        """The metric variables' committed values (`metric_variables`' order)."""
+        return self._committed_values()[1]
+
+    def _committed_values(self) -> tuple[list, list]:
+        if self._committed_lists is None:  # unpacked when first needed (a restore)
+            snapshot, values = self._committed_flat
+            every = snapshot.unpack(values)
+            self._committed_lists = (every[:snapshot.state_count],
+                                     every[snapshot.state_count:])
+        return self._committed_lists
 
     def join(self) -> int:
         """On a worker that joined a running job, before fit's loop: takes the job's
@@ -267,7 +309,8 @@ class ElasticFit:
             with self.strategy.scope():
                 optimizer.build(self.model.trainable_variables)
         self.rules.prepare()
-        self.committed = [tf.identity(_tf_variable(v)) for v in self.state_variables()]
+        self._committed_lists = ([tf.identity(_tf_variable(v))
+                                  for v in self.state_variables()], [])
         self.committed_at = (-1, -1)
         epoch, position = self._sync()
         self.rules.after_join()
@@ -283,11 +326,12 @@ class ElasticFit:
         keep = self.rules.own_variables() if self.committed_at == newest else set()
         elastic._say(f"{self.member.name}: takes the state of rank {root} (epoch "
                      f"{newest[0]}, batch {newest[1]})")
+        committed = self.committed
         for i, variable in enumerate(self.state_variables()):
-            value = ops.broadcast(self.committed[i], root_rank=root)
+            value = ops.broadcast(committed[i], root_rank=root)
             if id(variable) not in keep:
-                self.committed[i] = value
-            variable.assign(self.committed[i])
+                committed[i] = value
+            variable.assign(committed[i])
         return newest
 
     def _recover(self, start: int) -> bool:
@@ -313,6 +357,8 @@ class ElasticFit:
         from tfdist._hooks.keras_steps import remake_train_function
 
         self._inner = remake_train_function(self.model)
+        self._committing = None
+        self._snapshot_now(renew=True)
         self.model.train_function = self
         if epoch > self.epoch:
             return True  # the others ended this epoch: its batches are done
@@ -330,6 +376,43 @@ class ElasticFit:
         newest = max((int(e), int(p)) for e, p, _ in every)
         root = min(int(r) for e, p, r in every if (int(e), int(p)) == newest)
         return root, newest
+
+
+class _Snapshot:
+    """The variables a commit reads, and how: one flat buffer per dtype (the reads
+    reshaped and concatenated), so that a traced read returns a few tensors however many
+    variables there are; split back into one value per variable only to restore.
+
+    Args:
+        state: The state variables (`ElasticFit.state_variables`).
+        metrics: The metric variables (`ElasticFit.metric_variables`).
+        optimizer_count: How many variables the optimizer had (when to list anew).
+    """
+
+    def __init__(self, state: list, metrics: list, optimizer_count: int):
+        self.state_count = len(state)
+        self.optimizer_count = optimizer_count
+        self._reads = [_tf_variable(v) for v in (*state, *metrics)]
+        groups: dict = {}
+        for index, read in enumerate(self._reads):
+            groups.setdefault(read.dtype, []).append(index)
+        self._groups = list(groups.values())  # indices of each flat buffer's variables
+        self._shapes = [read.shape for read in self._reads]
+        self.read = tf.function(self.pack, autograph=False)  # a commit's own call
+
+    def pack(self) -> list:
+        """The flat buffers (traced: inside a train step, after it, or alone)."""
+        return [tf.concat([tf.reshape(self._reads[i], [-1]) for i in group], axis=0)
+                for group in self._groups]
+
+    def unpack(self, flat: list) -> list:
+        """One value per variable, in order, from `pack`'s buffers."""
+        values = [None] * len(self._reads)
+        for group, buffer in zip(self._groups, flat):
+            sizes = [self._shapes[i].num_elements() for i in group]
+            for i, piece in zip(group, tf.split(buffer, sizes)):
+                values[i] = tf.reshape(piece, self._shapes[i])
+        return values
 
 
 def _tf_variable(variable):
