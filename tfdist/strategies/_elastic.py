@@ -18,7 +18,7 @@ membership (a joiner), every member:
 4. re-traces Keras' train function (the replica count is baked into it) and replays
    the rolled-back steps from the data buffer, so no batch is skipped or taken twice.
 
-The data is an `ElasticDataset`: every worker reads every global batch of the user's
+The data is an `ElasticDataset` (`tfdist.strategies._elastic_data`): every worker reads every global batch of the user's
 dataset and keeps its replicas' rows, so the global batch (and the trajectory of
 synchronous SGD) does not depend on how many workers compute it, and a position is
 just (epoch, batch). The global batch must divide by every replica count the job can
@@ -27,89 +27,11 @@ have (checked before ``fit`` starts).
 
 from __future__ import annotations
 
-import collections
-
 import tensorflow as tf
 
 from tfdist.engines.horovod import elastic, ops
 
 DEFAULT_COMMIT_EVERY_STEPS = 1
-
-
-class ElasticDataset:
-    """The training data of an elastic ``fit``: each global batch's rows of this worker.
-
-    Args:
-        dataset: The user's batched `tf.data.Dataset` (global batches).
-        strategy: The strategy (its ``extended`` gives the replica ids now).
-    """
-
-    def __init__(self, dataset, strategy):
-        self._dataset = dataset
-        self._strategy = strategy
-        self.element_spec = dataset.element_spec
-
-    def __iter__(self) -> "ElasticIterator":
-        return ElasticIterator(iter(self._dataset), self._strategy)
-
-
-class ElasticIterator:
-    """Global batches in order, sliced to this worker's replicas, with a replay buffer.
-
-    ``position`` counts the global batches taken this epoch. `rewind` gives back every
-    batch taken since `mark` (the last commit), in order.
-    """
-
-    def __init__(self, source, strategy):
-        self._source = source
-        self._strategy = strategy
-        self._taken: list = []  # global batches since the last mark
-        self._replay: collections.deque = collections.deque()
-        self.position = 0
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        batch = self._replay.popleft() if self._replay else next(self._source)
-        self._taken.append(batch)
-        self.position += 1
-        return self._share(batch)
-
-    def mark(self) -> None:
-        """Forgets the batches taken so far: the state was committed here."""
-        self._taken.clear()
-
-    def rewind(self) -> None:
-        """Goes back to the last `mark`: its batches come again, in order."""
-        self._replay.extendleft(reversed(self._taken))
-        self.position -= len(self._taken)
-        self._taken.clear()
-
-    def skip(self, count: int) -> None:
-        """Takes ``count`` batches without using them (another member trained on them)."""
-        for _ in range(count):
-            next(self)
-
-    def _share(self, batch):
-        """This worker's replicas' rows of ``batch``, as one value per local replica."""
-        strategy = self._strategy
-        rows = int(tf.shape(tf.nest.flatten(batch)[0])[0])
-
-        def rows_of(context):
-            replicas = context.num_replicas_in_sync
-            start = context.replica_id_in_sync_group * rows // replicas
-            stop = (context.replica_id_in_sync_group + 1) * rows // replicas
-            return tf.nest.map_structure(lambda t: t[start:stop], batch)
-
-        extended = strategy.extended
-        if len(extended.worker_devices) == 1:
-            # Plain tensors, not per-replica values: Keras' fit then builds the model
-            # from a batch without reducing it across workers, which a worker joining a
-            # running job could not do (the members are training).
-            return rows_of(tf.distribute.experimental.ValueContext(
-                extended._get_replica_id_in_sync_group(0), strategy.num_replicas_in_sync))
-        return strategy.experimental_distribute_values_from_function(rows_of)
 
 
 class ElasticRules:
@@ -422,23 +344,3 @@ def _tf_variable(variable):
 
 class _MembershipChanged(Exception):
     """The launcher published a newer membership (a worker joins)."""
-
-
-def check_elastic_batch(batch_size, local_replicas: int, bounds: tuple[int, int]) -> None:
-    """Raises unless ``batch_size`` divides by every replica count the job can have.
-
-    Args:
-        batch_size: The global batch (None: unknown, not checked).
-        local_replicas: Replicas per worker.
-        bounds: ``(min_workers, max_workers)``.
-    """
-    if batch_size is None:
-        return
-    counts = [w * local_replicas for w in range(bounds[0], bounds[1] + 1)]
-    bad = [c for c in counts if batch_size % c]
-    if bad:
-        raise ValueError(
-            f"in an elastic job the global batch must split evenly over every replica "
-            f"count the job can have ({', '.join(map(str, counts))}), so that every "
-            f"membership trains on the same global batch. Received: batch_size="
-            f"{batch_size}, which does not divide by {', '.join(map(str, bad))}.")

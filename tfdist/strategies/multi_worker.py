@@ -321,7 +321,8 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
         if member is None:
             yield
             return
-        from tfdist.strategies._elastic import ElasticDataset, ElasticFit, check_elastic_batch
+        from tfdist.strategies._elastic import ElasticFit
+        from tfdist.strategies._elastic_data import ElasticDataset, check_elastic_batch
         from tfdist.strategies._fit import global_batch_sizes
 
         check_elastic_batch(global_batch_sizes("fit", arguments)["batch_size"],
