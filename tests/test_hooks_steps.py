@@ -88,9 +88,8 @@ def test_hook_marks_only_local_output_strategies(logical_cpus):
     assert traced_train_steps(mirrored) == []
 
 
-def test_after_train_step_follows_every_train_function_call(logical_cpus):
-    """The wrapped train function tells the hand-off after each call, once the step's
-    optimizer update is done (model averaging's delayed syncs run there)."""
+def _averaging_model():
+    """``(strategy, model, x, y)``: a one-layer regression under model averaging."""
     import keras
     import numpy as np
 
@@ -102,6 +101,13 @@ def test_after_train_step_follows_every_train_function_call(logical_cpus):
     with strategy.scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
         model.compile("sgd", "mse")
+    return strategy, model, x, y
+
+
+def test_after_train_step_follows_every_train_function_call(logical_cpus):
+    """The wrapped train function tells the hand-off after each call, once the step's
+    optimizer update is done (model averaging's delayed syncs run there)."""
+    strategy, model, x, y = _averaging_model()
     seen = []
     strategy.keras_after_train_step = (
         lambda m: seen.append(int(m.optimizer.iterations.numpy())))
@@ -209,21 +215,14 @@ def test_keras_per_batch_step_that_the_committing_step_rebuilds_exists():
 def test_committing_step_of_a_local_output_strategy_stays_local(logical_cpus):
     """Model averaging's committing step is traced marked (no per-step collective) and
     the hand-off hears of the call once."""
-    import keras
     import numpy as np
     import tensorflow as tf
 
-    import tfdist
     from tfdist._hooks.keras_steps import (committing_train_function,
                                            remake_train_function, traced_train_steps)
     from tfdist.comm.collectives import train_step_collectives
 
-    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
-    y = x.sum(axis=1, keepdims=True)
-    strategy = tfdist.ModelAverageStrategy(period=2)
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-        model.compile("sgd", "mse")
+    strategy, model, x, y = _averaging_model()
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     seen = []
     strategy.keras_after_train_step = (
