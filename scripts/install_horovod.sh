@@ -54,6 +54,30 @@ fi
 log "building horovod==$HOROVOD_VERSION for $PY ($("$PY" -c 'import tensorflow as tf; print("tensorflow", tf.__version__)' 2>/dev/null || echo 'tensorflow missing'))"
 "$PY" -c 'import tensorflow' 2>/dev/null || { log "ERROR: TensorFlow must be installed in $PY's environment first."; exit 2; }
 
+# A wheel built here is kept, as pip keeps the wheels it builds, under a key of what it
+# was built from and for (this script's text included), and installed again when the
+# key matches: a second clone on the same machine skips the 2-minute compile.
+BUILT_FOR="$("$PY" -c 'import platform, sys, tensorflow as tf; print(f"py{sys.version_info[0]}{sys.version_info[1]}-tf{tf.__version__}-{platform.machine()}")' 2>/dev/null)"
+SCRIPT_HASH="$(sha256sum "${BASH_SOURCE[0]}" | cut -c1-12)"
+WHEEL_CACHE="${TFDIST_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/tfdist/wheels}/horovod-$HOROVOD_VERSION-$PATCH_LEVEL-$BUILT_FOR-$SCRIPT_HASH"
+install_runtime_deps() {
+    # horovod's runtime deps (horovodrun needs cloudpickle, psutil, pyyaml).
+    "$PY" -m pip install -q cloudpickle psutil pyyaml packaging
+    SITE="$("$PY" -c 'import horovod, pathlib; print(pathlib.Path(horovod.__file__).parent.parent)')"
+    echo "$PATCH_LEVEL" > "$SITE/TFDIST_PATCH_LEVEL"
+}
+CACHED="$(ls "$WHEEL_CACHE"/horovod-*.whl 2>/dev/null | head -1 || true)"
+if [ -n "$CACHED" ]; then
+    log "installing the wheel built before for this key: $CACHED"
+    if "$PY" -m pip install -q --no-deps --force-reinstall "$CACHED" && install_runtime_deps \
+            && (cd / && check_import); then
+        log "done: horovod $HOROVOD_VERSION with Gloo, from $WHEEL_CACHE"
+        exit 0
+    fi
+    log "the kept wheel did not work here; removing it and compiling"
+    rm -rf "$WHEEL_CACHE"
+fi
+
 WORK="$(mktemp -d -t tfdist-horovod-XXXXXX)"
 cleanup() { rm -rf "$WORK"; }
 trap cleanup EXIT
@@ -112,12 +136,14 @@ start=$(date +%s)
     HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
     CMAKE_POLICY_VERSION_MINIMUM=3.5 \
     MAKEFLAGS="-j$(nproc)" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
-    "$PY" -m pip install --no-build-isolation --no-deps --no-cache-dir "$SRC"
+    "$PY" -m pip wheel -q --no-build-isolation --no-deps --no-cache-dir -w "$WORK/wheel" "$SRC"
 )
-SITE="$("$PY" -c 'import horovod, pathlib; print(pathlib.Path(horovod.__file__).parent.parent)')"
-echo "$PATCH_LEVEL" > "$SITE/TFDIST_PATCH_LEVEL"
-# horovod's runtime deps (horovodrun needs cloudpickle, psutil, pyyaml).
-"$PY" -m pip install -q cloudpickle psutil pyyaml packaging
+WHEEL="$(ls "$WORK"/wheel/horovod-*.whl)"
+"$PY" -m pip install -q --no-deps --force-reinstall "$WHEEL"
+install_runtime_deps
+if mkdir -p "$WHEEL_CACHE" 2>/dev/null && cp "$WHEEL" "$WHEEL_CACHE/"; then
+    log "kept the wheel in $WHEEL_CACHE"
+fi
 log "compiled and installed in $(( $(date +%s) - start ))s"
 
 log "verifying"
