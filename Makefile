@@ -50,8 +50,11 @@ java:
 # files at once keep both cores busy. Three were no faster (54 min of CPU in 33.5 min
 # against 48 in 34.7) and starved Ray's start-up and elastic re-forming past their
 # timeouts. `pytest tests/...` alone runs serially.
+# The unit tier runs first, alone, with TensorFlow, Keras and Horovod unimportable (a unit
+# test that reaches them fails); then every other test.
 test: $(VENV)/.installed $(VENV)/.horovod slurm java
-	TFDIST_REQUIRE_HOROVOD=1 TFDIST_REQUIRE_SPARK_RAY=1 $(PY) -m pytest -n 2 --dist loadfile
+	$(PY) -m pytest -m unit
+	TFDIST_REQUIRE_HOROVOD=1 TFDIST_REQUIRE_SPARK_RAY=1 $(PY) -m pytest -n 2 --dist loadfile -m "not unit"
 
 # Re-executes every notebook and stores it with its outputs (plots visible on the web).
 notebooks: $(VENV)/.installed $(VENV)/.horovod

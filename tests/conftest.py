@@ -1,5 +1,6 @@
 """Shared fixtures. In-process TF tests run on 2 logical CPUs, set before TF starts."""
 
+import importlib.abc
 import os
 import sys
 
@@ -10,15 +11,45 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 
+UNIT_ONLY_PACKAGES = ("tensorflow", "keras", "horovod", "tf_keras")
+
+
+class _NoTensorFlow(importlib.abc.MetaPathFinder):
+    """Makes an import of TensorFlow, Keras or Horovod fail in the unit tier."""
+
+    def find_spec(self, name, path, target=None):
+        if name.partition(".")[0] in UNIT_ONLY_PACKAGES:
+            raise ImportError(f"the unit tier (pytest -m unit) imports no TensorFlow, Keras "
+                              f"or Horovod: mark this test otherwise. Received: import {name}")
+        return None
+
+
+def is_unit_tier(config) -> bool:
+    """True for ``pytest -m unit``: only tests that import no TensorFlow run."""
+    return (config.getoption("markexpr", "") or "").strip() == "unit"
+
+
 def pytest_configure(config):
     """Every process that runs tests splits its CPU in two before any test: which files
     one `pytest -n 2` worker gets, and in what order, is not fixed, and TF's devices can
-    only be set before TF's first op (the xdist controller runs no tests)."""
+    only be set before TF's first op (the xdist controller runs no tests). The unit tier
+    instead forbids TensorFlow, so that a unit test that reaches it fails."""
+    if is_unit_tier(config):
+        sys.meta_path.insert(0, _NoTensorFlow())
+        return
     if config.pluginmanager.hasplugin("dsession") and not hasattr(config, "workerinput"):
         return
     import tfdist
 
     tfdist.devices.use_logical_cpus(2)
+
+
+def pytest_ignore_collect(collection_path, config):
+    """The unit tier skips the modules that hold no unit test: many import TF at the top."""
+    if is_unit_tier(config) and collection_path.suffix == ".py" \
+            and collection_path.name.startswith("test_"):
+        return "pytest.mark.unit" not in collection_path.read_text()
+    return None
 
 
 @pytest.fixture(scope="session")

@@ -39,6 +39,7 @@ def test_launch_run_takes_a_prebuilt_cluster_and_wraps_each_task():
         "[worker-1] wrapped-worker-1 ['127.0.0.1:1111', '127.0.0.1:2222'] 1"]
 
 
+@pytest.mark.unit
 def test_launch_run_rejects_a_cluster_that_is_not_a_cluster_spec():
     with pytest.raises(ValueError, match="cluster must be a tfdist.ClusterSpec"):
         run([sys.executable, "-c", "pass"], cluster={"worker": ["127.0.0.1:1"]})
@@ -78,6 +79,7 @@ def test_runner_reports_crashing_skipping_and_missing_sections(tmp_path, monkeyp
     assert missing["status"] == "skipped" and "does not exist" in missing["why"]
 
 
+@pytest.mark.unit
 def test_goals_compare_the_measured_ratios_with_the_targets(tmp_path):
     def section(name, data):
         path = tmp_path / f"{name}.json"
@@ -133,6 +135,7 @@ def test_goals_compare_the_measured_ratios_with_the_targets(tmp_path):
     assert "550 KB per step" in text and "at most 3.5x" in text
 
 
+@pytest.mark.unit
 def test_goals_say_why_a_section_gave_no_numbers():
     rows, _ = goal_rows({"overhead": {"status": "failed", "why": "exited with code 1"},
                                "slow_link": {"status": "skipped", "why": "needs root"}})
@@ -143,6 +146,7 @@ def test_goals_say_why_a_section_gave_no_numbers():
     assert "not measured" in {row[2] for row in rows}
 
 
+@pytest.mark.unit
 def test_goals_and_their_analysis_come_from_the_docs():
     goals = read_goals()
     assert {g: goals[g].target for g in ("overhead", "allreduce", "slow_link")} == {
@@ -153,6 +157,7 @@ def test_goals_and_their_analysis_come_from_the_docs():
     assert "\n" not in analysis["slow_link"]
 
 
+@pytest.mark.unit
 def test_bench_outside_a_source_checkout_points_to_python_m_benchmarks(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_source_checkout", lambda: None)
     assert cli.main(["bench", "--quick"]) == 2
@@ -161,6 +166,7 @@ def test_bench_outside_a_source_checkout_points_to_python_m_benchmarks(monkeypat
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_quick_bench_writes_a_report_with_every_section(tmp_path):
     out = tmp_path / "bench"
@@ -190,6 +196,7 @@ def test_quick_bench_writes_a_report_with_every_section(tmp_path):
         assert heading in report
 
 
+@pytest.mark.unit
 def test_goals_read_the_straggler_ratio(tmp_path):
     path = tmp_path / "straggler.json"
     path.write_text(json.dumps({"ratio_period16": 1.32, "ratio_sync": 3.0}))
@@ -200,6 +207,7 @@ def test_goals_read_the_straggler_ratio(tmp_path):
     assert read_goals()["straggler"].target == "<= 1.1"
 
 
+@pytest.mark.unit
 def test_goals_read_the_zero_ratios(tmp_path):
     path = tmp_path / "zero.json"
     ratios = {"optimizer_bytes_times_n": 1.0, "model_state": 0.6, "step_time": 1.05,

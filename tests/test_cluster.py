@@ -56,6 +56,7 @@ BAD_TF_CONFIGS = {
 }
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("case", sorted(BAD_TF_CONFIGS))
 def test_bad_tf_config_names_field_and_value(case):
     config, fragments = BAD_TF_CONFIGS[case]
@@ -65,6 +66,7 @@ def test_bad_tf_config_names_field_and_value(case):
         assert fragment in str(info.value), (case, str(info.value))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("value", [None, ""])
 def test_tf_config_not_set(value):
     environ = {} if value is None else {"TF_CONFIG": value}
@@ -72,6 +74,7 @@ def test_tf_config_not_set(value):
         ClusterSpec.from_env(environ)
 
 
+@pytest.mark.unit
 def test_good_tf_config_round_trips():
     config = {"cluster": {"chief": ["10.0.0.1:2222"], "worker": W2}, "task": {"type": "worker",
                                                                               "index": 1}}
@@ -82,6 +85,7 @@ def test_good_tf_config_round_trips():
     assert ClusterSpec.from_json(spec.to_tf_config()) == spec
 
 
+@pytest.mark.unit
 def test_resolve_cluster_from_env_spec_and_dict(monkeypatch):
     config = {"cluster": {"worker": W2}, "task": {"type": "worker", "index": 0}}
     monkeypatch.setenv("TF_CONFIG", json.dumps(config))

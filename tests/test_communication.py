@@ -38,6 +38,7 @@ class _Null:
         return False
 
 
+@pytest.mark.unit
 def test_options_validation():
     with pytest.raises(ValueError, match="accumulate_steps must be an integer >= 1. "
                                          "Received: accumulate_steps=0"):

@@ -19,10 +19,12 @@ def _write(tmp_path, text, name="job.toml"):
     return path
 
 
+@pytest.mark.unit
 def test_defaults_are_valid():
     assert load_config(None) == validate_config({})
 
 
+@pytest.mark.unit
 def test_every_config_file_loads():
     files = sorted((ROOT / "configs").glob("*.toml"))
     assert files, "configs/ has no TOML file"
@@ -30,6 +32,7 @@ def test_every_config_file_loads():
         load_config(path)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("text,match", [
     ("[train]\nepochz = 3\n", r"job.toml: unknown key train.epochz"),
     ("[trainer]\nepochs = 3\n", r"job.toml: unknown section \[trainer\]"),
@@ -96,6 +99,7 @@ def test_strategy_options_match_the_classes():
             strategy_option_names(name), name
 
 
+@pytest.mark.unit
 def test_output_dir_that_is_a_file(tmp_path):
     (tmp_path / "f").write_text("")
     with pytest.raises(ConfigError, match="train.output_dir must be a directory, but .* is "
@@ -103,11 +107,13 @@ def test_output_dir_that_is_a_file(tmp_path):
         load_config(None, [f'train.output_dir="{tmp_path / "f" / "run"}"'])
 
 
+@pytest.mark.unit
 def test_missing_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match="missing.toml: config file does not exist"):
         load_config(tmp_path / "missing.toml")
 
 
+@pytest.mark.unit
 def test_overrides(tmp_path):
     config = load_config(None, ["train.epochs=2", 'strategy.name="model_average"',
                                 "strategy.options.period=4", "train.output_dir=out/x"])
@@ -135,6 +141,7 @@ _keys = st.sampled_from([f"{s}.{k}" for s in DEFAULTS for k in DEFAULTS[s]]
                         + ["train.bogus", "nope.x"])
 
 
+@pytest.mark.unit
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.dictionaries(_keys, _values, max_size=4))
 def test_fuzzed_configs_give_config_errors_only(entries):
@@ -150,6 +157,7 @@ def test_fuzzed_configs_give_config_errors_only(entries):
         json.dumps(config)  # a valid config is plain data
 
 
+@pytest.mark.unit
 @settings(max_examples=200, deadline=None)
 @given(st.text(max_size=200))
 def test_fuzzed_toml_text_gives_config_errors_only(tmp_path_factory, text):

@@ -49,6 +49,7 @@ def test_training_config_runs(config, tmp_path):
     assert "Epoch 2/2" in result.stdout
 
 
+@pytest.mark.unit
 def test_kubernetes_tfjob_gives_an_accepted_tf_config():
     import yaml
 
@@ -120,6 +121,7 @@ def _manifests():
     return list(yaml.safe_load_all((ROOT / "configs/kubernetes/tfjob.yaml").read_text()))
 
 
+@pytest.mark.unit
 def test_kubernetes_manifests_define_what_the_tfjob_references():
     documents = _manifests()
     for document in documents:
@@ -148,6 +150,7 @@ def test_kubernetes_manifests_define_what_the_tfjob_references():
         pod["metadata"]["labels"].items()
 
 
+@pytest.mark.unit
 def test_dockerfile_copies_what_exists_and_installs_the_package():
     text = (ROOT / "Dockerfile").read_text()
     lines = [line.strip() for line in text.splitlines() if line.strip()
@@ -163,6 +166,7 @@ def test_dockerfile_copies_what_exists_and_installs_the_package():
     assert ".venv" in ignored and ".git" in ignored
 
 
+@pytest.mark.unit
 def test_manifests_pass_the_kubernetes_schemas():
     """Offline schema validation (kubernetes-validate, strict: unknown fields fail). The
     TFJob is a custom resource: each of its pod templates is checked as a Pod."""
@@ -204,6 +208,7 @@ def _timed_collectives(path):
     return found
 
 
+@pytest.mark.unit
 def test_no_shipped_config_times_its_collectives(tmp_path):
     shipped = sorted(p for p in (ROOT / "configs").rglob("*") if p.is_file())
     assert {"multi_worker.toml", "tfjob.yaml", "multi_worker.sbatch"} <= \

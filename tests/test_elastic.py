@@ -79,6 +79,7 @@ def _launch(tmp_path, *flags, kill, workers=(3, 2), heartbeat=5, **job_env):
 
 # ---- in-process: options, plans, data positions ------------------------------------
 
+@pytest.mark.unit
 @pytest.mark.parametrize("fields, words", [
     ({"workers": 2, "min_workers": 3}, "min_workers must be <= workers"),
     ({"workers": 2, "max_workers": 3}, "max_workers is for elastic jobs"),
@@ -94,6 +95,7 @@ def test_elastic_options_are_checked_before_anything_runs(fields, words):
         LaunchOptions(**fields).check()
 
 
+@pytest.mark.unit
 def test_cli_and_launch_take_the_elastic_options():
     import inspect
 
@@ -121,6 +123,7 @@ def test_engine_tf_is_refused_in_an_elastic_job(monkeypatch):
         tfdist.MultiWorkerMirroredStrategy(cluster, engine="tf")
 
 
+@pytest.mark.unit
 def test_a_formation_shuts_down_only_the_sockets_opened_while_it_formed():
     """`Formation.close` ends the connections made between `opening` and `opened` (the
     peer reads EOF at once) and leaves older ones alone."""
@@ -158,6 +161,7 @@ def test_streaming_diloco_is_refused_in_an_elastic_job(monkeypatch, options, nam
         tfdist.ModelAverageStrategy(period=4, engine="horovod", **options)
 
 
+@pytest.mark.unit
 def test_plan_ranks_follow_hosts_in_order_of_their_oldest_member():
     from tfdist.engines.horovod.membership import plan_of
 

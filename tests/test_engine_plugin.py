@@ -28,6 +28,7 @@ def registry(monkeypatch):
     return registry
 
 
+@pytest.mark.unit
 def test_register_engine_adds_a_name(registry, monkeypatch):
     import tfdist
     from engine_plugin import RingEngine
@@ -53,6 +54,7 @@ def test_register_engine_adds_a_name(registry, monkeypatch):
         tfdist.engines.select_engine("gloo", 2, on_gpus=False)
 
 
+@pytest.mark.unit
 def test_engines_import_without_tensorflow():
     code = ("import sys, tfdist; e = tfdist.engines; e.Engine; e.register_engine; "
             "assert e.available() == ('tf', 'horovod'); "

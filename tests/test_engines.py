@@ -167,6 +167,7 @@ def test_horovod_engine_in_a_tf_config_job_not_started_by_tfdist(horovod_install
     _check(results, full=False)
 
 
+@pytest.mark.unit
 def test_engine_names_are_checked():
     from tfdist.engines import select_engine
 
@@ -176,6 +177,7 @@ def test_engine_names_are_checked():
     assert select_engine("tf", 2, on_gpus=False) == "tf"
 
 
+@pytest.mark.unit
 def test_auto_picks_the_measured_engine(monkeypatch, caplog):
     from tfdist.engines import registry as engines
 

@@ -140,6 +140,7 @@ def test_sidecar_evaluator_stops_after_max_evaluations(tmp_path):
     assert [r["epoch"] for r in rows] == [1, 2]
 
 
+@pytest.mark.unit
 def test_evaluator_is_single_node_only():
     import tfdist
 
@@ -147,6 +148,7 @@ def test_evaluator_is_single_node_only():
         tfdist.launch(print, evaluator=True, nnodes=2, master="127.0.0.1:1")
 
 
+@pytest.mark.unit
 def test_local_cluster_has_one_evaluator():
     from tfdist.launch import make_local_cluster
 

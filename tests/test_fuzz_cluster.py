@@ -1,5 +1,6 @@
 """Property-based fuzzing of TF_CONFIG parsing: only clear ValueErrors come out."""
 
+import pytest
 import json
 
 from hypothesis import given, settings
@@ -23,6 +24,7 @@ _task = st.one_of(st.none(), st.fixed_dictionaries(
     st.text(max_size=4))
 
 
+@pytest.mark.unit
 @settings(max_examples=500, deadline=None)
 @given(st.fixed_dictionaries({"cluster": _jobs}, optional={"task": _task,
                                                            "extra": st.integers()}))
@@ -36,6 +38,7 @@ def test_fuzzed_tf_config_gives_value_errors_only(config):
     assert ClusterSpec.from_json(spec.to_tf_config()) == spec
 
 
+@pytest.mark.unit
 @settings(max_examples=300, deadline=None)
 @given(st.text(max_size=80))
 def test_fuzzed_tf_config_text_gives_value_errors_only(text):

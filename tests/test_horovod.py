@@ -194,6 +194,7 @@ def mwms_train_task():
 
 # ---- tests ----------------------------------------------------------------------------
 
+@pytest.mark.unit
 def test_missing_horovod_error_says_how_to_install(monkeypatch):
     import sys
 

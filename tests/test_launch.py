@@ -138,6 +138,7 @@ def test_function_mode_failure_raises_launch_error():
     assert info.value.task == "worker-1"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("kwargs,match", [
     ({"workers": 0}, "workers must be an integer >= 1"),
     ({"workers": 1, "ps": -1}, "ps must be"),
@@ -160,6 +161,7 @@ def _can_make_namespaces():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_isolated_network_keeps_task_ports_unreachable_from_outside(tmp_path):
     """Tasks listen on 0.0.0.0 as TF's servers do; in the private namespace they reach
     each other, and the host cannot reach them."""
@@ -304,6 +306,7 @@ def test_updates_of_a_failed_task_leave_a_short_tail(tmp_path):
     assert tail == ["step 500/500", "boom: step 500 broke"]
 
 
+@pytest.mark.unit
 def test_relay_cuts_chunks_at_line_ends_and_keeps_split_characters(tmp_path):
     """Unit: `relay` with chunks cut inside "\\r\\n" and inside a UTF-8 character."""
     import io
@@ -328,6 +331,7 @@ def test_relay_cuts_chunks_at_line_ends_and_keeps_split_characters(tmp_path):
     assert list(output.tail) == ["a", "bar \u2501 2", "end"]
 
 
+@pytest.mark.unit
 def test_lines_of_other_tasks_cover_an_open_update():
     """Unit: a line of another task, shorter than a bar on screen, covers all of it."""
     import io
@@ -343,6 +347,7 @@ def test_lines_of_other_tasks_cover_an_open_update():
                                  + "\n[worker-0] 2/9 =====\r\n")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("line,level,hidden", [
     ("I0000 00:00:1795367414.655962    5257 port.cc:153] oneDNN custom operations", 2, True),
     ("W1122 17:06:12.345678   42 cpu_feature_guard.cc:1] slow", 2, True),
@@ -480,6 +485,7 @@ def test_python_api_runs_a_module(tmp_path, monkeypatch):
         tfdist.launch()
 
 
+@pytest.mark.unit
 def test_launch_options_hold_the_defaults_of_launch_and_the_cli():
     """Unit: `tfdist.launch`'s and ``tfdist launch``'s defaults are `LaunchOptions`'."""
     import dataclasses
@@ -498,6 +504,7 @@ def test_launch_options_hold_the_defaults_of_launch_and_the_cli():
             assert getattr(args, field.name) == getattr(defaults, field.name), field.name
 
 
+@pytest.mark.unit
 def test_restart_policies_share_max_restarts():
     """Unit: a ps worker's restarts and the job's come out of the same ``max_restarts``."""
     import io
@@ -593,6 +600,7 @@ def test_an_error_the_chief_received_from_a_ps_names_the_ps(tmp_path):
     assert info.value.task == "chief-0"
 
 
+@pytest.mark.unit
 def test_failure_cause_names_only_another_task():
     """Unit: no remote error (or one from the task itself) adds nothing to `exit_cause`."""
     from tfdist.launch.results import failure_cause
@@ -726,6 +734,7 @@ class _FakeTask:
         return ""
 
 
+@pytest.mark.unit
 def test_a_node_of_a_ps_job_carries_on_while_other_nodes_have_workers():
     """Unit: on a node without the chief, a dead worker is left out while any worker of
     the cluster may run (those of other nodes count as alive); the last one fails."""

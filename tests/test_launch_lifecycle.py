@@ -132,6 +132,7 @@ def _can_unshare():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_sigkilled_isolated_job_leaves_no_task_and_no_namespace(job):
     if not _can_unshare():
         pytest.fail("this test needs root to create network namespaces (CI has it)")

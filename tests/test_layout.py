@@ -1,6 +1,7 @@
 """The package's layout holds: no import circle, no oversized file, one docstring per
 module, environment variable names written once (tfdist/env.py)."""
 
+import pytest
 import ast
 import re
 from pathlib import Path
@@ -44,6 +45,7 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     return found
 
 
+@pytest.mark.unit
 def test_no_import_circle():
     modules = _modules()
     graph = {name: _imports(name, path, modules) for name, path in modules.items()}
@@ -69,6 +71,7 @@ def test_no_import_circle():
     assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
 
 
+@pytest.mark.unit
 def test_no_file_holds_two_jobs_by_size_and_each_says_its_job():
     too_long = {str(p.relative_to(ROOT.parent)): n for p in ROOT.rglob("*.py")
                 if (n := len(p.read_text().splitlines())) > MAX_LINES}
@@ -78,6 +81,7 @@ def test_no_file_holds_two_jobs_by_size_and_each_says_its_job():
     assert not silent, f"modules without a docstring saying their job: {silent}"
 
 
+@pytest.mark.unit
 def test_environment_variable_names_are_written_once():
     literal = re.compile(r"""(?:environ(?:\.get)?\s*[\[(]\s*|^\w+\s*=\s*)["'](TFDIST_\w+|TF_CONFIG)["']""",
                          re.M)
@@ -89,6 +93,7 @@ def test_environment_variable_names_are_written_once():
         f"TFDIST_* names outside tfdist/env.py: {found}"
 
 
+@pytest.mark.unit
 def test_no_module_hides_tfdist_env_behind_a_local_name():
     """A parameter or variable called ``env`` in a module that imports `tfdist.env` makes
     ``env.TASK`` an AttributeError at run time (seen: every launched task failed)."""

@@ -50,6 +50,7 @@ def _cut_off(monkeypatch, addresses, failure):
     monkeypatch.setattr(liveness.socket, "create_connection", create_connection)
 
 
+@pytest.mark.unit
 def test_probe_names_each_state(servers, monkeypatch):
     from tfdist.comm import liveness
 

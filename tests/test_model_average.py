@@ -377,6 +377,7 @@ def test_fit_refuses_steps_that_bypassed_the_local_update(logical_cpus):
         fit_linear(strategy, x, y, epochs=1)
 
 
+@pytest.mark.unit
 def test_schedule():
     from tfdist.comm.averaging import is_average_step
 

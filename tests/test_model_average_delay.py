@@ -151,6 +151,7 @@ def test_two_workers_delay_and_mix_match_numpy(engine, period, fragments, delay,
         np.testing.assert_array_equal(a, b)  # every worker holds the same weights
 
 
+@pytest.mark.unit
 def test_delay_and_mix_are_tfdist_train_config_keys():
     from tfdist.config import strategy_option_names
 

@@ -99,6 +99,7 @@ def _blocks(split):
     return [[(p.variable, p.start, p.stop) for p in fragment] for fragment in split]
 
 
+@pytest.mark.unit
 def test_split_fragments_by_bytes_in_order():
     from tfdist.comm.fragments import fragment_offset, split_fragments
 
@@ -125,6 +126,7 @@ def test_split_fragments_by_bytes_in_order():
     assert [fragment_offset(f, 8, 4) for f in range(4)] == [0, 2, 4, 6]
 
 
+@pytest.mark.unit
 def test_split_fragments_cuts_a_dominant_variable_into_equal_row_blocks():
     """The digits CNN's variables (its dense kernel is 96% of the bytes): 4 fragments of
     about a quarter each; every row in exactly one piece; one-row variables never cut."""
@@ -240,6 +242,7 @@ def test_two_workers_fragments_match_numpy(outer, engine):
         np.testing.assert_array_equal(a, b)  # every worker holds the same weights
 
 
+@pytest.mark.unit
 def test_fragments_is_a_tfdist_train_config_key():
     from tfdist.config import strategy_option_names
 

@@ -154,6 +154,7 @@ def _check(results, delay, mix, outer, name):
         assert all(r["bytes"] == total for r in results)
 
 
+@pytest.mark.unit
 def test_split_of_the_network_cuts_its_first_kernel():
     assert split_parts() == PARTS
 

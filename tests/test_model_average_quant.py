@@ -216,6 +216,7 @@ def test_non_finite_values_reach_every_replica():
         np.testing.assert_array_equal(deq, np_quantize(x, name)[2])
 
 
+@pytest.mark.unit
 def test_error_feedback_carries_the_rounding():
     """Summed over exchanges, what is sent equals what was owed minus the residual."""
     rng = np.random.default_rng(2)
@@ -244,6 +245,7 @@ def test_bad_outer_compression_is_one_value_error():
             communication_options=tfdist.CommunicationOptions(compression="bf16"))
 
 
+@pytest.mark.unit
 def test_outer_compression_is_a_tfdist_train_config_key():
     from tfdist.config import strategy_option_names
 

@@ -149,6 +149,7 @@ def _load(path):
         return [data[f"arr_{i}"] for i in range(len(data.files))]
 
 
+@pytest.mark.slow
 def test_two_node_multi_worker_job_matches_the_single_process_reference(hosts, tmp_path):
     script = _script(tmp_path, _TRAIN)
     port = _port()
@@ -185,6 +186,7 @@ def _wait_for_files(paths, processes, seconds=120):
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_tf_config_has_both_veth_addresses_and_a_killed_worker_stops_both_nodes(
         hosts, tmp_path):
     script = _script(tmp_path, _SLEEP)
@@ -221,6 +223,7 @@ def test_tf_config_has_both_veth_addresses_and_a_killed_worker_stops_both_nodes(
         assert hosts.pids(rank) == [], f"processes left on node {rank}"
 
 
+@pytest.mark.slow
 def test_a_node_that_never_joins_is_named(hosts, tmp_path):
     script = _script(tmp_path, "print('never runs')\n")
     node = _start_node(hosts, 0, script, master_port=_port() + 2,
@@ -231,6 +234,7 @@ def test_a_node_that_never_joins_is_named(hosts, tmp_path):
     assert "never runs" not in output
 
 
+@pytest.mark.slow
 def test_a_wrong_token_is_refused(hosts, tmp_path):
     script = _script(tmp_path, "print('never runs')\n")
     port = _port() + 3
@@ -345,6 +349,7 @@ _RESUME = """
 """
 
 
+@pytest.mark.slow
 def test_a_restarted_two_node_job_resumes_from_its_backup(hosts, tmp_path):
     script = _script(tmp_path, _RESUME)
     backup = tmp_path / "backup"  # one file system here; on real hosts, shared storage
@@ -381,6 +386,7 @@ def _wait_for(predicate, processes, what, seconds=150):
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_an_elastic_job_loses_a_whole_host_carries_on_and_takes_it_back(hosts, tmp_path):
     """Node 1 (its launcher and its worker) is killed in epoch 2; node 0 carries on alone,
     its worker never restarted; node 1's launcher is started again in epoch 3 and its

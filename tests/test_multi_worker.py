@@ -406,6 +406,7 @@ def test_resume_after_killed_worker_matches_uninterrupted(tmp_path):
     np.testing.assert_allclose(lines[-1]["loss"], chief["history"]["loss"][-1], rtol=1e-6)
 
 
+@pytest.mark.unit
 def test_missing_tasks_are_read_from_tf_messages():
     """The task names in start-up errors (message texts as TF 2.21 prints them)."""
     from tfdist.cluster import ClusterSpec, TaskSpec

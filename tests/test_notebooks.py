@@ -17,10 +17,12 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from run_notebooks import execute  # noqa: E402
 
 
+@pytest.mark.unit
 def test_there_are_notebooks():
     assert len(NOTEBOOKS) >= 1
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_is_stored_with_outputs(path):
     notebook = nbformat.read(path, as_version=4)
@@ -35,6 +37,7 @@ def test_notebook_is_stored_with_outputs(path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_executes(path, tmp_path):

@@ -22,6 +22,7 @@ from helpers import tcp_listener
 PACKAGE = Path(__file__).resolve().parents[1] / "tfdist"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("host,private", [
     ("127.0.0.1", True), ("localhost", True), ("10.1.2.3", True), ("192.168.0.5", True),
     ("[::1]", True), ("worker-0", True), ("w0.default.svc.cluster.local", True),
@@ -30,6 +31,7 @@ def test_is_private_host(host, private):
     assert is_private_host(host) is private
 
 
+@pytest.mark.unit
 def test_public_address_warns_and_private_does_not():
     public = ClusterSpec.from_dict({"cluster": {"worker": ["8.8.8.8:2222", "10.0.0.2:2222"]},
                                     "task": {"type": "worker", "index": 1}})
@@ -42,6 +44,7 @@ def test_public_address_warns_and_private_does_not():
         resolve_cluster(private)
 
 
+@pytest.mark.unit
 def test_nothing_is_unpickled_outside_the_launchers_private_files():
     """Only the launcher reads pickles, and only files it wrote in its own temp dir; and
     the Spark/Ray task runner, which reads what its engine delivered (Spark and Ray move
@@ -130,6 +133,7 @@ def _assert_log_is_clean(log):
         assert len(line) < 1000, line
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("fields", [
     dict(rank="1" + FORGED),
     dict(rank="1" + FORGED, proof="0" * 64),
@@ -155,6 +159,7 @@ def test_forged_and_malformed_joins_are_refused_and_escaped_in_node_0s_log(field
     assert not errors
 
 
+@pytest.mark.unit
 def test_a_join_proof_with_non_ascii_characters_is_refused_and_closed():
     with _thread_errors() as errors, _server() as (server, port, log):
         answer, closed = _send_hello(port, proof="\u00e9" * 64)
@@ -165,6 +170,7 @@ def test_a_join_proof_with_non_ascii_characters_is_refused_and_closed():
     _assert_log_is_clean(log)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("line", [b"[" * 200_000 + b"\n", b"\xff\xfe{}\n", b"42\n",
                                   b'{"type": "join"}\n', b"x" * 70_000 + b"\n"],
                          ids=["deep", "not-utf8", "not-an-object", "no-fields", "long"])
@@ -202,6 +208,7 @@ def _join_both(port):
     return links
 
 
+@pytest.mark.unit
 def test_idle_connections_are_capped_and_cannot_keep_a_node_out():
     cap = rendezvous.server.MAX_PENDING
     with _server(hello_timeout=2) as (server, port, log):
@@ -228,6 +235,7 @@ def test_idle_connections_are_capped_and_cannot_keep_a_node_out():
                 link.close()
 
 
+@pytest.mark.unit
 def test_a_hello_sent_byte_by_byte_is_cut_off_at_the_hello_timeout():
     with _server(hello_timeout=1) as (server, port, log):
         sock, reader, _ = _connect(port)
@@ -241,6 +249,7 @@ def test_a_hello_sent_byte_by_byte_is_cut_off_at_the_hello_timeout():
             assert _first_line(sock) == b""
 
 
+@pytest.mark.unit
 def test_a_node_escapes_what_a_fake_node_0_sends():
     def fake_node_0(conn):
         conn.sendall(b'{"type": "challenge", "nonce": "n"}\n' + json.dumps(

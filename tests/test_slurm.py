@@ -25,7 +25,7 @@ import pytest
 
 from tfdist.launch import find_free_ports
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[1]
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "sinfo", "scancel")

@@ -43,17 +43,20 @@ def test_public_names_are_defined_where_the_entry_says(name):
         assert getattr(tfdist, public) is getattr(module, public)
 
 
+@pytest.mark.unit
 def test_option_names_follow_kwargs_to_the_base_classes():
     assert registry.option_names("model_average") >= registry.option_names("multi_worker")
     assert "collective_timeout" in registry.option_names("model_average")
     assert registry.option_names("none") == frozenset()
 
 
+@pytest.mark.unit
 def test_unknown_name_is_refused_naming_the_choices():
     with pytest.raises(ValueError, match=r"one of \['none', 'mirrored'.*Received: 'ring'"):
         registry.get("ring")
 
 
+@pytest.mark.unit
 def test_registry_is_read_without_tensorflow():
     code = ("import sys\nfrom tfdist.strategies import registry\nregistry.option_names("
             "'model_average')\nprint('tensorflow' in sys.modules)")

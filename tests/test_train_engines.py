@@ -48,6 +48,7 @@ def _weights(out):
     return keras.saving.load_model(out / "model.keras").get_weights()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("overrides, message", [
     (['cluster.mode="spark"', 'strategy.name="mirrored"'],
      "cluster.mode = 'spark' needs strategy.name 'multi_worker' or 'model_average'. "
@@ -67,6 +68,7 @@ def test_config_errors(tmp_path, overrides, message):
         load_config(path, overrides)
 
 
+@pytest.mark.unit
 def test_master_is_the_engines_address(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text(CONFIG)

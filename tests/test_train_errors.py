@@ -74,6 +74,7 @@ def _data(kind, path, *extra):
 CSV_OK = "a,b,label\n" + "".join(f"{i},{i % 3},{i % 2}\n" for i in range(20))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("case,sets,needles", [
     ("unknown strategy option",
      ['strategy.name="model_average"', "strategy.options.periodd=8"],
@@ -116,6 +117,7 @@ def test_config_error_is_one_line_before_anything_starts(tmp_path, capsys, nothi
     assert not nothing_starts
 
 
+@pytest.mark.unit
 def test_model_module_with_syntax_error(tmp_path, capsys, monkeypatch, nothing_starts):
     (tmp_path / "broken_model_xyz.py").write_text("def build(:\n")
     monkeypatch.chdir(tmp_path)
@@ -123,6 +125,7 @@ def test_model_module_with_syntax_error(tmp_path, capsys, monkeypatch, nothing_s
     _one_line_error(capsys, "broken_model_xyz.py cannot be read or parsed")
 
 
+@pytest.mark.unit
 def test_model_from_working_directory_is_found(tmp_path, monkeypatch):
     (tmp_path / "my_model_xyz.py").write_text("import keras\n\ndef build(shape, k):\n"
                                               "    return None\n")
@@ -134,6 +137,7 @@ def test_model_from_working_directory_is_found(tmp_path, monkeypatch):
         check_model_name("my_model_xyz:other")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("case,make,needles", [
     ("directory as data path", lambda p: _data("csv", p), ["data.path", "is a directory"]),
     ("empty csv", lambda p: _data("csv", _csv(p, "")),
@@ -168,12 +172,14 @@ def test_data_error_is_one_line_before_anything_starts(tmp_path, capsys, nothing
     _one_line_error(capsys, "job.toml: ", *needles)
 
 
+@pytest.mark.unit
 def test_output_dir_that_is_a_file(tmp_path, capsys, nothing_starts):
     (tmp_path / "taken").write_text("")
     assert _train(tmp_path, sets=[f'train.output_dir="{tmp_path / "taken" / "run"}"']) == 2
     _one_line_error(capsys, "train.output_dir must be a directory", "is a file")
 
 
+@pytest.mark.unit
 def test_env_mode_without_tf_config(tmp_path, capsys, monkeypatch, nothing_starts):
     for name in ("TF_CONFIG", "SLURM_PROCID"):
         monkeypatch.delenv(name, raising=False)
@@ -181,12 +187,14 @@ def test_env_mode_without_tf_config(tmp_path, capsys, monkeypatch, nothing_start
     _one_line_error(capsys, "job.toml: cluster.mode = 'env' needs TF_CONFIG")
 
 
+@pytest.mark.unit
 def test_env_mode_with_a_broken_tf_config(tmp_path, capsys, monkeypatch, nothing_starts):
     monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": "nope"}}')
     assert _train(tmp_path, "[strategy]\nname = 'multi_worker'\n[cluster]\nmode = 'env'\n") == 2
     _one_line_error(capsys, "job.toml: cluster.mode = 'env': the environment does not")
 
 
+@pytest.mark.unit
 def test_horovod_env_mode_outside_horovodrun(tmp_path, capsys, monkeypatch, nothing_starts):
     for name in HOROVOD_RANK_VARIABLES:
         monkeypatch.delenv(name, raising=False)
@@ -194,6 +202,7 @@ def test_horovod_env_mode_outside_horovodrun(tmp_path, capsys, monkeypatch, noth
     _one_line_error(capsys, "HOROVOD_RANK is not set")
 
 
+@pytest.mark.unit
 def test_horovod_without_horovodrun(tmp_path, capsys, monkeypatch, nothing_starts):
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
@@ -225,6 +234,7 @@ def test_second_job_on_a_locked_output_dir_is_refused(tmp_path, capsys, nothing_
         holder.wait()
 
 
+@pytest.mark.unit
 def test_stale_lock_of_a_dead_job_is_taken_over(tmp_path, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()
@@ -246,6 +256,7 @@ def test_stale_lock_of_a_dead_job_is_taken_over(tmp_path, monkeypatch):
     os.close(fd)
 
 
+@pytest.mark.unit
 def test_tasks_read_their_own_snapshot(tmp_path, monkeypatch):
     seen = {}
 
@@ -265,6 +276,7 @@ def test_tasks_read_their_own_snapshot(tmp_path, monkeypatch):
     assert (tmp_path / "out" / "backup" / outdir.BACKUP_CONFIG_FILE).is_file()
 
 
+@pytest.mark.unit
 def test_backup_of_another_config_is_removed(tmp_path, capsys):
     config = load_config(None, ['train.output_dir="x"'])
     backup = tmp_path / "backup"

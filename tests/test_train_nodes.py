@@ -48,6 +48,7 @@ def _weights(out):
     return keras.saving.load_model(out / "model.keras").get_weights()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("overrides, message", [
     (["cluster.mode=\"nodes\""], "cluster.master must be 'HOST:PORT'"),
     (["cluster.mode=\"nodes\"", "cluster.master=\"h:1\"", "cluster.node_rank=2",

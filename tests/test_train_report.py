@@ -20,6 +20,7 @@ def _report(**extra):
     return report
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("extra,text", [
     ({}, "2 replicas"),
     ({"num_replicas": 1}, "1 replica"),
@@ -32,6 +33,7 @@ def test_topology_words(extra, text):
     assert describe_topology(_report(**extra)) == text
 
 
+@pytest.mark.unit
 def test_report_png_has_name_strategy_and_integer_epochs(tmp_path, monkeypatch):
     import matplotlib.figure
 
@@ -54,6 +56,7 @@ def test_report_png_has_name_strategy_and_integer_epochs(tmp_path, monkeypatch):
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.unit
 def test_identical_curves_are_found_and_noted(tmp_path, monkeypatch):
     curves = {"a": [0.5, 0.9], "b": [0.5, 0.9], "c": [0.5, 0.8], "d": [0.5, 0.8 + 1e-9]}
     assert coinciding(curves) == [["a", "b"], ["c", "d"]]
@@ -80,6 +83,7 @@ def test_identical_curves_are_found_and_noted(tmp_path, monkeypatch):
     assert len(set(seen["markers"])) == 4
 
 
+@pytest.mark.unit
 def test_write_atomic_keeps_the_old_file_when_the_write_fails(tmp_path):
     target = tmp_path / "report.json"
     write_atomic(target, lambda tmp: tmp.write_text("old"))
@@ -94,6 +98,7 @@ def test_write_atomic_keeps_the_old_file_when_the_write_fails(tmp_path):
     assert os.listdir(tmp_path) == ["report.json"]  # no temporary file left
 
 
+@pytest.mark.unit
 def test_write_atomic_keeps_the_suffix_for_keras_and_matplotlib(tmp_path):
     seen = []
     write_atomic(tmp_path / "model.keras",
