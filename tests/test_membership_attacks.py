@@ -330,3 +330,32 @@ def test_a_clean_two_host_run_ends_cleanly_and_node_1_ignores_sigusr1(attacked):
     assert "SIGUSR1 ignored" in attacked["logs"][1]
     assert "sent no heartbeat" not in attacked["logs"][0]
     _assert_job_intact(attacked)
+
+
+@pytest.mark.multiprocess
+def test_sigusr1_does_not_kill_a_non_elastic_launcher(tmp_path):
+    """A non-elastic job (no TensorFlow): SIGUSR1 to its launcher while the task waits
+    is ignored with one line, and the job ends 0."""
+    script = tmp_path / "wait.py"
+    script.write_text("import os, sys, time\n"
+                      "out = sys.argv[1]\n"
+                      "open(os.path.join(out, 'ready'), 'w').close()\n"
+                      "while not os.path.exists(os.path.join(out, 'release')):\n"
+                      "    time.sleep(0.05)\n")
+    log = tmp_path / "launcher.log"
+    with open(log, "w") as out:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "tfdist.cli", "launch", "--workers", "1", "--timeout",
+             "120", str(script), str(tmp_path)], stdout=out, stderr=subprocess.STDOUT,
+            env=_env(), cwd=REPO, start_new_session=True)
+    try:
+        _wait_for((tmp_path / "ready").exists, [launcher], "the task", seconds=100)
+        launcher.send_signal(signal.SIGUSR1)
+        _wait_for(lambda: "SIGUSR1 ignored" in log.read_text(), [launcher],
+                  "the launcher's word", seconds=100)
+        (tmp_path / "release").touch()
+        assert launcher.wait(timeout=100) == 0, log.read_text()
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert log.read_text().count("SIGUSR1 ignored") == 1
