@@ -24,7 +24,7 @@ import threading
 import time
 import urllib.request
 
-from tfdist.wire import quote, sign, verify
+from tfdist.wire import MAX_PENDING, quote, sign, verify
 
 SCOPE = "tfdist-elastic"
 # Members PUT their name here when Horovod failed under them (body: their version).
@@ -80,7 +80,10 @@ class MembershipServer:
                                   "service": self.service}).encode()
         self.version = 0
         self.members: list[tuple[str, str]] = []
-        self._server = KVServer((host, port), token, self.service, log)
+        # The rendezvous' cap, or more for big jobs: each member's Gloo polls the store
+        # with one connection at a time, and so does each launcher's thread.
+        self._server = KVServer((host, port), token, self.service, log,
+                                max_pending=max(MAX_PENDING, 4 * max_workers))
         self._server.views[SCOPE] = lambda key: self._state if key == "state" else None
         self._server.signed[LOST_SCOPE] = self._fresh_report
         self._server.signed.update(signed or {})
