@@ -172,11 +172,13 @@ def test_plan_ranks_follow_hosts_in_order_of_their_oldest_member():
     assert {s["size"] for s in plan.values()} == {3}
 
 
-def test_membership_service_publishes_versions_and_collects_lost_reports():
+def test_membership_service_publishes_versions_and_collects_lost_reports(monkeypatch):
     require_horovod()
+    from tfdist import env
     from tfdist.engines.horovod import membership
 
-    server = membership.MembershipServer("127.0.0.1", 2, 3)
+    monkeypatch.setenv(env.TOKEN, "job-token")  # the launcher gives it every task
+    server = membership.MembershipServer("127.0.0.1", 2, 3, token="job-token")
     try:
         assert membership.fetch_state(server.address)["version"] == 0
         server.publish([("worker-0", "127.0.0.1"), ("worker-1", "127.0.0.1")])

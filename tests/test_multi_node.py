@@ -437,6 +437,7 @@ def test_an_elastic_job_loses_a_whole_host_carries_on_and_takes_it_back(hosts, t
     said = logs[0].read_text()
     assert "worker-1 removed; the elastic job carries on with 1 worker(s) (worker-0)" in said
     assert "node 1 (" + hosts.addrs[1] + ") joins the running elastic job with worker-1" in said
+    assert said.count("sent no heartbeat") == 1, said  # the real loss; the end says it ended
     starts = [line.split() for line in (tmp_path / "starts").read_text().splitlines()]
     assert [name for name, _ in starts].count("worker-0") == 1  # never restarted
     for name in ("worker-0", "worker-1"):

@@ -17,6 +17,7 @@ from tfdist.launch.options import LaunchOptions
 from tfdist.launch.process import TaskProcess, command_env, stop_tasks
 from tfdist.launch.restarts import JobRestarts
 from tfdist.launch.results import exit_cause
+from tfdist.launch.usr1 import IgnoredUsr1
 
 
 def task_env(cluster: ClusterSpec, spec: TaskSpec, base: dict[str, str] | None,
@@ -70,12 +71,13 @@ def run_attempt(argv: list[str], cluster: ClusterSpec, options: LaunchOptions, a
         environ.update(policy.task_env(task_restart))
         return TaskProcess(spec, prefix + argv, environ, options.stream)
 
-    with policy.attempt():
+    with IgnoredUsr1(log) as usr1, policy.attempt():
         try:
             for spec in (cluster.tasks() if specs is None else specs):
                 tasks.append(start(spec))
             deadline = None if timeout is None else time.monotonic() + timeout
             while True:
+                usr1.say()
                 policy.check(tasks)
                 policy.grow(tasks, cluster, start)
                 _report_evaluator_exit(tasks, reported, log)

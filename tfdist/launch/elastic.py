@@ -27,6 +27,7 @@ from tfdist.cluster import TRAINING_TASK_TYPES, TaskSpec
 from tfdist.launch.network import find_free_ports
 from tfdist.launch.restarts import JobRestarts
 from tfdist.launch.results import LaunchError, announce_restart, exit_cause
+from tfdist.wire import new_token
 
 
 
@@ -46,11 +47,15 @@ class ElasticRestarts(JobRestarts):
         max_workers: The most workers the job may have.
         elastic_timeout: Seconds the job may stay below ``min_workers``.
         port: The membership service's port (0: any free one).
+        token: The job's token, which signs what changes the membership (default:
+            ``TFDIST_TOKEN``, else a new one); every task gets it in ``TFDIST_TOKEN``.
     """
 
     def __init__(self, max_restarts: int, log, *, host: str, min_workers: int,
-                 max_workers: int, elastic_timeout: float, port: int = 0):
+                 max_workers: int, elastic_timeout: float, port: int = 0,
+                 token: str | None = None):
         super().__init__(max_restarts, log)
+        self.token = token or os.environ.get(env.TOKEN) or new_token()
         self.host = host
         self.port = port
         self.min_workers = min_workers
@@ -79,7 +84,8 @@ class ElasticRestarts(JobRestarts):
         from tfdist.engines.horovod.membership import MembershipServer
 
         self.server = MembershipServer(self.host, self.min_workers, self.max_workers,
-                                       self.port)
+                                       self.port, token=self.token, log=self.log,
+                                       signed=self.signed_scopes())
         self.lost, self.below_since, self.grown = set(), None, None
         self.members: list[tuple[str, str]] = []  # oldest first; published once >= min
         previous = None
@@ -93,6 +99,10 @@ class ElasticRestarts(JobRestarts):
             if previous is not None:
                 signal.signal(signal.SIGUSR1, previous)
             self.server.close()
+
+    def signed_scopes(self) -> dict:
+        """The membership service's signed scopes besides lost reports (none here)."""
+        return {}
 
     def grow(self, tasks: list, cluster, start) -> None:
         """Starts the workers asked for (`add_worker`); each joins the running job."""
@@ -123,7 +133,7 @@ class ElasticRestarts(JobRestarts):
 
     def task_env(self, task_restart: int) -> dict[str, str]:
         return {env.ELASTIC_ADDR: self.server.address, env.ENGINE: "horovod",
-                "HOROVOD_ELASTIC_TIMEOUT": f"{self.elastic_timeout:g}",
+                env.TOKEN: self.token, "HOROVOD_ELASTIC_TIMEOUT": f"{self.elastic_timeout:g}",
                 env.TASK_RESTART: str(task_restart)}
 
     def check(self, tasks: list) -> None:

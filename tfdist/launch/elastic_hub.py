@@ -7,7 +7,8 @@ first membership waits for every node (up to ``--join-timeout``). Then:
 - a worker that exits on another node is removed like a local one, and while
   ``max_restarts`` allow node 0 orders its node to start a replacement;
 - a node silent for `NODE_TIMEOUT` seconds (its host lost, or cut off) is dropped with
-  all its workers, and the others carry on while ``min_workers`` remain;
+  all its workers, and the others carry on while ``min_workers`` remain; a node whose
+  launcher ended says so in its last beat, and is not waited for;
 - a node that comes back (its launcher started again, or a dropped one that reconnects)
   joins the running job with its workers, up to ``max_workers``, under the names its
   rank had before when they are free.
@@ -27,8 +28,9 @@ from typing import Iterator
 from tfdist.cluster import TRAINING_TASK_TYPES
 from tfdist.launch.elastic import ElasticRestarts
 from tfdist.launch.elastic_wire import (ASSIGN_SCOPE, BEAT_SECONDS, NODE_SCOPE, NODE_TIMEOUT,
-                                        sign, verify)
+                                        FreshBeats, sign, verify)
 from tfdist.launch.results import LaunchError, exit_cause
+from tfdist.wire import quote
 
 
 @dataclasses.dataclass
@@ -46,6 +48,7 @@ class RemoteNode:
     handled: set = dataclasses.field(default_factory=set)  # (name, start) exits acted on
     kill: list = dataclasses.field(default_factory=list)  # [name, start] to SIGKILL
     dropped: bool = False
+    ended: bool = False  # its launcher said it ended (its last beat)
 
     def answer(self, cluster, ended: str | None) -> dict:
         """What node 0 tells this node (`tfdist.launch.elastic_node`)."""
@@ -101,13 +104,19 @@ class ElasticHub(ElasticRestarts):
         self._kill_frozen(tasks)
         self._check_size()
 
+    def signed_scopes(self) -> dict:
+        """The nodes' heartbeats: signed, and fresh (`FreshBeats`)."""
+        return {NODE_SCOPE: FreshBeats()}
+
     def grow(self, tasks: list, cluster, start) -> None:
         self.grown = self.grown or cluster
         super().grow(tasks, cluster, start)
         self._read_beats()
         if self.server.version > 0:
             for node in self.nodes.values():
-                if not node.dropped and not self._finished(node) and \
+                if node.ended and not node.dropped and not self._finished(node):
+                    self._drop(node, f"node {node.rank}'s launcher ended")
+                elif not node.dropped and not node.ended and not self._finished(node) and \
                         time.monotonic() - node.seen > NODE_TIMEOUT:
                     self._drop(node, f"node {node.rank} ({node.addr}) sent no heartbeat "
                                      f"for {NODE_TIMEOUT:g}s: its host is lost or cut off")
@@ -160,7 +169,7 @@ class ElasticHub(ElasticRestarts):
                 if self.refused.get(key) != problem:
                     self.refused[key] = problem
                     print(f"tfdist launch: ignored a heartbeat at /{NODE_SCOPE}/"
-                          f"{key[:20]!r}: {problem}", file=self.log, flush=True)
+                          f"{quote(key, 20)}: {problem}", file=self.log, flush=True)
                 continue
             node = self.nodes.get(beat["rank"])
             if node is None or node.incarnation != beat["incarnation"]:
@@ -172,6 +181,7 @@ class ElasticHub(ElasticRestarts):
             if beat["beat"] > node.beat:
                 node.beat, node.seen, node.exited = beat["beat"], time.monotonic(), \
                     beat["exited"]
+                node.ended = beat.get("ended") is True
             if not node.dropped:
                 self._note_exits(node, beat["exited"])
 
@@ -274,9 +284,11 @@ def _beat_problem(beat: dict | None, key: str, nnodes: int) -> str | None:
     try:
         ipaddress.ip_address(beat.get("addr"))
     except ValueError:
-        return f"its address must be an IP address. Received: {str(beat.get('addr'))[:40]!r}"
+        return f"its address must be an IP address. Received: {quote(beat.get('addr'), 40)}"
     if not isinstance(beat.get("incarnation"), str) or not isinstance(beat.get("beat"), int):
         return "it needs an incarnation and a beat count"
+    if not isinstance(beat.get("ended", False), bool):
+        return "its ended must be true or false"
     exited = beat.get("exited")
     if not isinstance(exited, dict) or not all(
             isinstance(v, list) and len(v) == 2 and all(isinstance(i, int) for i in v)

@@ -12,15 +12,18 @@ for `NODE_TIMEOUT` seconds.
 
 from __future__ import annotations
 
+import json
 import secrets
 import signal
 import sys
 import threading
 import time
+import urllib.error
 
 from tfdist import env
 from tfdist.cluster import ClusterSpec, TaskSpec
 from tfdist.launch.attempt import run_attempt
+from tfdist.engines.horovod.membership import SCOPE
 from tfdist.launch.elastic_wire import (ASSIGN_SCOPE, BEAT_SECONDS, NODE_SCOPE, NODE_TIMEOUT,
                                         get, outward_address, put, sign, verify)
 from tfdist.launch.gpus import elastic_gpu_env
@@ -30,6 +33,7 @@ from tfdist.launch.process import command_env
 from tfdist.launch.rendezvous import parse_master, resolve_token
 from tfdist.launch.restarts import JobRestarts
 from tfdist.launch.results import LaunchError, LaunchResult, exit_cause, launch_result
+from tfdist.launch.usr1 import IgnoredUsr1
 
 
 class NodeBeats:
@@ -47,7 +51,8 @@ class NodeBeats:
         self.master, self.token, self.rank = master, token, rank
         self.message = {"rank": rank, "addr": addr, "workers": workers,
                         "ports": find_free_ports(workers, "0.0.0.0"),
-                        "incarnation": secrets.token_hex(8), "beat": 0, "exited": {}}
+                        "incarnation": secrets.token_hex(8), "beat": 0, "exited": {},
+                        "service": None, "ended": False}
         self.answer: dict | None = None
         self.contact = time.monotonic()  # last time node 0 answered
         self._stop = threading.Event()
@@ -59,17 +64,29 @@ class NodeBeats:
         """Reports how the ``start``-th process of worker ``name`` ended."""
         self.message["exited"] = {**self.message["exited"], name: [start, code]}
 
+    def _beat(self) -> None:
+        """PUTs the next beat, signed for node 0's current service (read first)."""
+        if self.message["service"] is None:
+            state = json.loads(get(self.master, SCOPE, "state"))
+            self.message["service"] = state["service"]
+        self.message["beat"] += 1
+        try:
+            put(self.master, NODE_SCOPE, str(self.rank), sign(self.token, self.message))
+        except urllib.error.HTTPError as error:
+            if error.code == 403:  # node 0 serves anew (a restart): read its id again
+                self.message["service"] = None
+            raise
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.message["beat"] += 1
             try:
-                put(self.master, NODE_SCOPE, str(self.rank), sign(self.token, self.message))
+                self._beat()
                 answer = verify(self.token, get(self.master, ASSIGN_SCOPE, str(self.rank)))
                 if answer is not None and \
                         answer.get("incarnation") == self.message["incarnation"]:
                     self.answer = answer
                     self.contact = time.monotonic()
-            except OSError:
+            except (OSError, ValueError, KeyError):
                 pass  # node 0 is busy, or has not answered this launcher yet
             self._stop.wait(BEAT_SECONDS)
 
@@ -91,12 +108,14 @@ class NodeBeats:
         return self.answer
 
     def close(self) -> None:
-        """Stops beating, after a last beat that carries the final exits."""
+        """Stops beating, after a last beat that carries the final exits and says this
+        launcher ended (node 0 stops expecting it at once)."""
         self._stop.set()
         self._thread.join(timeout=5)
+        self.message["ended"] = True
         try:
-            put(self.master, NODE_SCOPE, str(self.rank), sign(self.token, self.message))
-        except OSError:
+            self._beat()
+        except (OSError, ValueError, KeyError):
             pass  # node 0 ended first
 
 
@@ -124,7 +143,7 @@ class ElasticNode(JobRestarts):
 
     def task_env(self, task_restart: int) -> dict[str, str]:
         return {env.ELASTIC_ADDR: self.master, env.ENGINE: "horovod",
-                "HOROVOD_ELASTIC_TIMEOUT": f"{self.elastic_timeout:g}",
+                env.TOKEN: self.beats.token, "HOROVOD_ELASTIC_TIMEOUT": f"{self.elastic_timeout:g}",
                 env.TASK_RESTART: str(task_restart)}
 
     def check(self, tasks: list) -> None:
@@ -198,6 +217,12 @@ def run_elastic_node(argv, options: LaunchOptions) -> LaunchResult:
     host, port = parse_master(options.master)
     token = resolve_token(options.token, options.node_rank, log)
     addr = options.node_addr or outward_address(host, port)
+    with IgnoredUsr1(log):  # while it waits for node 0 too (`run_attempt` says it)
+        return _run_node(argv, options, log, token, addr)
+
+
+def _run_node(argv, options: LaunchOptions, log, token: str, addr: str) -> LaunchResult:
+    """`run_elastic_node` after its checks: joins, runs, and joins again when dropped."""
     while True:
         beats = NodeBeats(options.master, token, options.node_rank, addr, options.workers)
         try:

@@ -7,17 +7,20 @@ free ports, worker count, and how its workers exited) and reads node 0's signed 
 (``/tfdist-elastic-assign/<rank>``: the names and cluster of its workers, the
 replacements and kills node 0 orders, and whether the job is done). A signature is the
 HMAC of the shared token (``--token``/``TFDIST_TOKEN``) over the text, as in the
-multi-node rendezvous; a message without a valid one is ignored.
+multi-node rendezvous (`tfdist.wire`). Node 0's service refuses a beat that is not
+signed, that names another service id (the ``service`` of its published membership,
+new for each server) or that is not fresh (`FreshBeats`); clients cannot write the
+answers. A launcher that ends sends a last beat with ``ended`` set, so node 0 stops
+expecting it at once.
 """
 
 from __future__ import annotations
 
-import hmac
-import json
 import socket
 import urllib.request
 
-from tfdist.launch.rendezvous.wire import proof
+from tfdist.launch.rendezvous.hello import is_int
+from tfdist.wire import sign, verify  # noqa: F401 (re-exported: the nodes' messages)
 
 NODE_SCOPE = "tfdist-elastic-node"
 ASSIGN_SCOPE = "tfdist-elastic-assign"
@@ -26,24 +29,29 @@ BEAT_SECONDS = 0.5
 NODE_TIMEOUT = 5.0
 
 
-def sign(token: str, message: dict) -> bytes:
-    """``message`` as JSON with the token's HMAC over it."""
-    text = json.dumps(message, sort_keys=True)
-    return json.dumps({"body": text, "mac": proof(token, text)}).encode()
+class FreshBeats:
+    """The freshness check of node 0's heartbeat scope (`kv_server.Check`): per rank, a
+    beat is taken only when it is newer than the last one taken from its launcher
+    (its ``incarnation``), and never from a launcher that a newer one replaced. A beat
+    read off the network and sent again is refused, so it cannot re-form the job."""
 
+    def __init__(self):
+        self.newest: dict[str, tuple[str, int]] = {}  # rank -> (incarnation, beat)
+        self.retired: dict[str, set[str]] = {}  # rank -> incarnations replaced
 
-def verify(token: str, raw: bytes) -> dict | None:
-    """The message of a `sign`-ed ``raw``, or None if its signature is not the token's."""
-    try:
-        wrapped = json.loads(raw)
-        text, mac = wrapped["body"], wrapped["mac"]
-        if not (isinstance(text, str) and isinstance(mac, str)) or not hmac.compare_digest(
-                mac.encode("ascii", "replace"), proof(token, text).encode("ascii")):
-            return None
-        message = json.loads(text)
-    except (ValueError, TypeError, KeyError):
+    def __call__(self, key: str, beat: dict) -> str | None:
+        incarnation, count = beat.get("incarnation"), beat.get("beat")
+        if not isinstance(incarnation, str) or not is_int(count, 0, 1 << 62):
+            return "it needs an incarnation and a beat count"
+        if incarnation in self.retired.get(key, ()):
+            return "its launcher was replaced by a newer one (a replayed heartbeat?)"
+        last = self.newest.get(key)
+        if last is not None and last[0] == incarnation and count <= last[1]:
+            return f"beat {count} is not newer than beat {last[1]} (a replayed heartbeat?)"
+        if last is not None and last[0] != incarnation:
+            self.retired.setdefault(key, set()).add(last[0])
+        self.newest[key] = (incarnation, count)
         return None
-    return message if isinstance(message, dict) else None
 
 
 def put(master: str, scope: str, key: str, data: bytes, timeout: float = 2.0) -> None:

@@ -8,15 +8,23 @@ follow the members' order, host by host, so the oldest member is rank 0) and the
 publishes the next version. A worker re-forms Horovod against that version
 (`tfdist.engines.horovod.elastic`). The server lives in the launcher, not in a worker,
 so the rendezvous survives the loss of any worker, the chief's too.
+
+The server is `tfdist.engines.horovod.kv_server.KVServer`: the membership is read-only
+to clients, and a member's lost report is signed with the job's token (``TFDIST_TOKEN``,
+which the launcher gives every task), names this server's ``service`` id (published with
+the membership) and the current version; anything else is refused, said once, quoted.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import threading
 import time
 import urllib.request
+
+from tfdist.wire import MAX_PENDING, quote, sign, verify
 
 SCOPE = "tfdist-elastic"
 # Members PUT their name here when Horovod failed under them (body: their version).
@@ -55,30 +63,43 @@ class MembershipServer:
         min_workers: Published with each membership (the strategy checks its batch).
         max_workers: Likewise.
         port: Port to listen on (0: any free one).
+        token: The job's token: lost reports (and ``signed`` scopes) need its HMAC.
+        log: Where the server says what it refused (default: stderr).
+        signed: More signed scopes: ``{scope: check}``, a `kv_server.Check` of each
+            message's freshness (node 0's heartbeats).
     """
 
-    def __init__(self, host: str, min_workers: int, max_workers: int, port: int = 0):
-        from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
-
-        service = self
-
-        class Handler(RendezvousHandler):
-            def _get_value(self, scope, key):
-                if scope == SCOPE:
-                    with service._lock:
-                        return service._state
-                return super()._get_value(scope, key)
+    def __init__(self, host: str, min_workers: int, max_workers: int, port: int = 0, *,
+                 token: str, log=None, signed: dict | None = None):
+        from tfdist.engines.horovod.kv_server import KVServer
 
         self._lock = threading.Lock()
+        self.service = secrets.token_hex(8)
         self._bounds = {"min_workers": min_workers, "max_workers": max_workers}
-        self._state = json.dumps({"version": 0, "members": []}).encode()
+        self._state = json.dumps({"version": 0, "members": [],
+                                  "service": self.service}).encode()
         self.version = 0
         self.members: list[tuple[str, str]] = []
-        self._server = RendezvousHTTPServer((host, port), Handler, 0)
+        # The rendezvous' cap, or more for big jobs: each member's Gloo polls the store
+        # with one connection at a time, and so does each launcher's thread.
+        self._server = KVServer((host, port), token, self.service, log,
+                                max_pending=max(MAX_PENDING, 4 * max_workers))
+        self._server.views[SCOPE] = lambda key: self._state if key == "state" else None
+        self._server.signed[LOST_SCOPE] = self._fresh_report
+        self._server.signed.update(signed or {})
         self.address = f"{host}:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever,
                                         name="tfdist-elastic-membership", daemon=True)
         self._thread.start()
+
+    def _fresh_report(self, key: str, report: dict) -> str | None:
+        """Why a signed lost report at ``key`` is not taken, or None."""
+        if report.get("name") != key:
+            return f"it names {quote(report.get('name'), 40)}, not its key"
+        if report.get("version") != self.version:
+            return (f"it is for membership {quote(report.get('version'), 20)}, not the "
+                    f"current {self.version} (stale or replayed)")
+        return None
 
     def publish(self, members: list[tuple[str, str]]) -> int:
         """Makes ``members`` (``[(name, host)]``, oldest first) the job; returns its version.
@@ -97,7 +118,8 @@ class MembershipServer:
         with self._lock:
             self.version += 1
             self.members = list(members)
-            self._state = json.dumps({**self._bounds, "version": self.version, "members": [
+            self._state = json.dumps({**self._bounds, "version": self.version,
+                                      "service": self.service, "members": [
                 {"name": name, **slots[name]} for name, _ in members]}).encode()
         return self.version
 
@@ -105,8 +127,9 @@ class MembershipServer:
         """The members that reported a lost peer in the current membership."""
         with self._server.cache_lock:
             found = dict(self._server.cache.get(LOST_SCOPE, {}))
-        return {name for name, version in found.items()
-                if version.decode(errors="replace") == str(self.version)}
+        reports = [verify(self._server.token, raw) for raw in found.values()]
+        return {r["name"] for r in reports if r is not None and r.get("version") == self.version
+                and r.get("service") == self.service}
 
     def read(self, scope: str) -> dict[str, bytes]:
         """What was PUT under ``scope`` (by key): the elastic nodes' beats."""
@@ -119,8 +142,8 @@ class MembershipServer:
             self._server.cache.setdefault(scope, {})[key] = value
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        """Stops the server and closes every connection still open (waits for none)."""
+        self._server.close()
         self._thread.join(timeout=5)
 
 
@@ -132,12 +155,18 @@ def fetch_state(address: str, timeout: float = 5.0) -> dict:
 
 def report_lost(address: str, name: str, version: int) -> None:
     """Tells the launcher that Horovod failed under ``name`` in membership ``version``
-    (a member it cannot see die may be frozen: `MembershipServer.reports`)."""
-    request = urllib.request.Request(f"http://{address}/{LOST_SCOPE}/{name}",
-                                     data=str(version).encode(), method="PUT")
+    (a member it cannot see die may be frozen: `MembershipServer.reports`), signed with
+    the job's token (``TFDIST_TOKEN``) for the service at ``address``."""
+    from tfdist import env
+
     try:
+        service = fetch_state(address)["service"]
+        report = sign(os.environ.get(env.TOKEN, ""),
+                      {"name": name, "version": version, "service": service})
+        request = urllib.request.Request(f"http://{address}/{LOST_SCOPE}/{name}",
+                                         data=report, method="PUT")
         urllib.request.urlopen(request, timeout=5).close()
-    except OSError:
+    except (OSError, ValueError, KeyError):
         pass  # the launcher sees deaths itself; a report only names a frozen member
 
 

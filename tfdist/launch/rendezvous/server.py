@@ -24,9 +24,7 @@ from tfdist.launch.rendezvous.hello import (HELLO_MAX_BYTES, TASK_TYPES, describ
                                             field_problem, has_proof, port_problem)
 from tfdist.launch.rendezvous.wire import (TOKEN_ENV, Channel, RendezvousError,
                                            describe_stop, printable)
-
-MAX_PENDING = 16  # connections waiting for their hello; more are turned away
-HELLO_SECONDS = 10.0  # a connection's time to send its hello
+from tfdist.wire import HELLO_SECONDS, MAX_PENDING  # shared with the membership service
 
 
 @dataclasses.dataclass

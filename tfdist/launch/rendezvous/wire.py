@@ -6,15 +6,13 @@ the wire is shown only through `quote` or `printable`: printable ASCII, bounded.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import os
-import secrets
 import socket
 import threading
 
 from tfdist import env
+from tfdist.wire import new_token, printable, proof, quote  # noqa: F401 (re-exported)
 
 TOKEN_ENV = env.TOKEN
 MAX_LINE = 1 << 20  # a longer message is refused
@@ -22,20 +20,6 @@ MAX_LINE = 1 << 20  # a longer message is refused
 
 class RendezvousError(RuntimeError):
     """The nodes could not form a job: refused, missing, or node 0 went away."""
-
-
-def quote(value, limit: int = 80) -> str:
-    """``value`` as Python writes it (``'a\\n'``), in printable ASCII, cut at ``limit``."""
-    text = ascii(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
-
-
-def printable(text: str, limit: int = 1000) -> str:
-    """``text`` with every character but printable ASCII escaped (``\\n``, ``\\x1b``),
-    cut at ``limit``: a message from the wire that cannot forge a line in a log."""
-    text = str(text)
-    escaped = "".join(c if " " <= c <= "~" else ascii(c)[1:-1] for c in text[:limit])
-    return escaped if len(escaped) <= limit and len(text) <= limit else f"{escaped[:limit]}..."
 
 
 class Channel:
@@ -107,10 +91,6 @@ def describe_stop(stop: dict) -> str:
     return f"node {stop['node']}: {stop['reason']}"
 
 
-def proof(token: str, nonce: str) -> str:
-    return hmac.new(token.encode(), nonce.encode(), hashlib.sha256).hexdigest()
-
-
 def parse_master(master: str) -> tuple[str, int]:
     """``"10.0.0.1:29400"`` -> ``("10.0.0.1", 29400)``.
 
@@ -137,7 +117,7 @@ def resolve_token(token: str | None, node_rank: int, log) -> str:
     if node_rank != 0:
         raise ValueError(f"node {node_rank} needs the rendezvous token that node 0 printed: "
                          f"pass --token or set {TOKEN_ENV}. Received: no token")
-    token = secrets.token_urlsafe(18)
+    token = new_token()
     print(f"tfdist launch: rendezvous token: {token}  (give every other node --token "
           f"{token}, or set {TOKEN_ENV})", file=log, flush=True)
     return token
