@@ -269,6 +269,7 @@ def _assert_job_intact(attacked):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.horovod
 @pytest.mark.timeout(400)
 def test_forged_lost_reports_kill_no_worker(attacked):
@@ -279,6 +280,7 @@ def test_forged_lost_reports_kill_no_worker(attacked):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.horovod
 def test_replayed_lost_reports_and_heartbeats_are_refused(attacked):
     said = attacked["said"]
@@ -289,6 +291,7 @@ def test_replayed_lost_reports_and_heartbeats_are_refused(attacked):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.horovod
 def test_a_heartbeat_flood_drops_no_host(attacked):
     assert attacked["said"]["flood"] == ["403"] and attacked["said"]["flood_count"] > 20
@@ -297,6 +300,7 @@ def test_a_heartbeat_flood_drops_no_host(attacked):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.horovod
 def test_slow_sockets_do_not_hold_node_0s_launcher(attacked):
     assert attacked["said"]["slow_sockets"] >= 24
@@ -304,6 +308,7 @@ def test_slow_sockets_do_not_hold_node_0s_launcher(attacked):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.horovod
 def test_an_oversized_body_is_refused_unread(attacked):
     assert attacked["said"]["oversized"] == "HTTP/1.0 413 Request Entity Too Large"
@@ -312,6 +317,7 @@ def test_an_oversized_body_is_refused_unread(attacked):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.horovod
 def test_escapes_in_a_path_reach_no_log(attacked):
     # (a request line with no version gets http.server's HTTP/0.9 answer: no status line)
@@ -323,6 +329,7 @@ def test_escapes_in_a_path_reach_no_log(attacked):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.horovod
 def test_a_clean_two_host_run_ends_cleanly_and_node_1_ignores_sigusr1(attacked):
     """No false "host is lost" at the end (node 1's last beat says it ended), and
