@@ -9,7 +9,8 @@ squared loss, each replica training on its own half of every global batch.
 import numpy as np
 import pytest
 
-from helpers import assert_weights_close, classification_data, mlp, run_cluster
+from helpers import assert_weights_close, classification_data, mlp
+from shared_launch import TEST_TIMEOUT, case, results as shared_results
 
 GLOBAL_BATCH = 16
 LR = 0.05
@@ -461,12 +462,16 @@ def _worker_fit(period, mode):
             "bytes": strategy.bytes_communicated}
 
 
+case("auto", "model_average period 1 mlp", _worker_fit, 1, "mlp")
+case("auto", "model_average period 4 linear", _worker_fit, 4, "linear")
+
+
 @pytest.mark.multiprocess
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(TEST_TIMEOUT)
 def test_two_workers_period_1_equals_synchronous(logical_cpus):
     import tfdist
 
-    results = run_cluster(_worker_fit, 1, "mlp", workers=2, timeout=180)
+    results = shared_results("auto", "model_average period 1 mlp")
     x, y = classification_data(n=64)
     ref = fit_mlp(tfdist.MirroredStrategy(), x, y).get_weights()
     for result in results:
@@ -482,12 +487,15 @@ def _worker_fit_bn():
     return result
 
 
+case("auto", "model_average period 1 batchnorm", _worker_fit_bn)
+
+
 @pytest.mark.multiprocess
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(TEST_TIMEOUT)
 def test_two_workers_period_1_with_batchnorm_equals_synchronous(logical_cpus):
     import tfdist
 
-    results = run_cluster(_worker_fit_bn, workers=2, timeout=180)
+    results = shared_results("auto", "model_average period 1 batchnorm")
     ref = fit_bn(tfdist.MirroredStrategy())
     assert_weights_close(results[0]["replicas"], results[1]["replicas"], atol=0)
     for result in results:
@@ -495,9 +503,9 @@ def test_two_workers_period_1_with_batchnorm_equals_synchronous(logical_cpus):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(TEST_TIMEOUT)
 def test_two_workers_period_4_matches_numpy():
-    results = run_cluster(_worker_fit, 4, "linear", workers=2, timeout=180)
+    results = shared_results("auto", "model_average period 4 linear")
     x, y = linear_data(n=80)
     initial = results[0]["initial"]
     ref = numpy_local_sgd(x, y, initial[0], initial[1], steps=10, period=4)

@@ -10,7 +10,8 @@ more steps, and is applied after step s + τ as ``α * global + (1 - α) * local
 import numpy as np
 import pytest
 
-from helpers import assert_weights_close, require_horovod, run_cluster
+from helpers import assert_weights_close, run_cluster
+from shared_launch import TEST_TIMEOUT, case, results as shared_results
 from test_model_average import LR, fit_linear, linear_data
 from test_model_average_fragments import linear_parts, numpy_streaming_diloco
 
@@ -132,15 +133,16 @@ def _worker_delay(engine, period, fragments, delay, mix, outer):
             "count": (count.every_step, count.in_branches)}
 
 
+DELAY_CASES = [("tf", 4, 2, 1, 0.5, True), ("horovod", 8, 2, 2, 1.0, False)]
+for _args in DELAY_CASES:
+    case(_args[0], f"delay {_args}", _worker_delay, *_args)
+
+
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("engine,period,fragments,delay,mix,outer", [
-    ("tf", 4, 2, 1, 0.5, True), ("horovod", 8, 2, 2, 1.0, False)])
+@pytest.mark.timeout(TEST_TIMEOUT)
+@pytest.mark.parametrize("engine,period,fragments,delay,mix,outer", DELAY_CASES)
 def test_two_workers_delay_and_mix_match_numpy(engine, period, fragments, delay, mix, outer):
-    if engine == "horovod":
-        require_horovod()
-    results = run_cluster(_worker_delay, engine, period, fragments, delay, mix, outer,
-                          workers=2, timeout=240)
+    results = shared_results(engine, f"delay {(engine, period, fragments, delay, mix, outer)}")
     ref = _reference(results[0]["initial"], period, fragments, delay, mix, outer)
     for result in results:
         assert result["engine"] == engine

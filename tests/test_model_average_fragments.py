@@ -10,7 +10,8 @@ equal bytes, a variable cut into row blocks where a boundary falls inside it) av
 import numpy as np
 import pytest
 
-from helpers import assert_weights_close, require_horovod, run_cluster
+from helpers import assert_weights_close
+from shared_launch import TEST_TIMEOUT, case, results as shared_results
 from test_model_average import (LR, fit_linear, linear_data, mse_grads, numpy_local_sgd,
                                 replica_batches)
 
@@ -225,13 +226,16 @@ def _worker_fragments(outer, engine="tf"):
     return {"initial": initial, "weights": model.get_weights()}
 
 
+FRAGMENT_CASES = [(False, "tf"), (True, "tf"), (True, "horovod")]
+for _outer, _engine in FRAGMENT_CASES:
+    case(_engine, f"fragments outer={_outer}", _worker_fragments, _outer, _engine)
+
+
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("outer,engine", [(False, "tf"), (True, "tf"), (True, "horovod")])
+@pytest.mark.timeout(TEST_TIMEOUT)
+@pytest.mark.parametrize("outer,engine", FRAGMENT_CASES)
 def test_two_workers_fragments_match_numpy(outer, engine):
-    if engine == "horovod":
-        require_horovod()
-    results = run_cluster(_worker_fragments, outer, engine, workers=2, timeout=240)
+    results = shared_results(engine, f"fragments outer={outer}")
     x, y = linear_data(n=80)
     initial = results[0]["initial"]
     ref = numpy_streaming_diloco(x, y, initial[0], initial[1], steps=10, period=4,

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from helpers import classification_data, mlp, require_horovod, run_cluster
+from shared_launch import TEST_TIMEOUT, case, results as shared_results
 
 PERIOD = 8
 GLOBAL_BATCH = 16
@@ -119,11 +120,14 @@ def uneven_task(n):
     return {"steps": int(model.optimizer.iterations.numpy()), "history": history.history}
 
 
+case("auto", "model_average uneven last batch", uneven_task, 241)
+
+
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(TEST_TIMEOUT)
 def test_a_last_batch_for_one_worker_only_keeps_the_workers_in_step():
     """241 samples, global batch 16: the last batch is one sample, so one worker gets an
     empty batch; without the per-batch agreement both still take 16 steps an epoch."""
-    first, second = run_cluster(uneven_task, 241, workers=2, timeout=240)
+    first, second = shared_results("auto", "model_average uneven last batch")
     assert first["steps"] == second["steps"] == 32
     assert first["history"] == second["history"]

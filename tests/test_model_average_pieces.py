@@ -10,7 +10,8 @@ writes back those rows only.
 import numpy as np
 import pytest
 
-from helpers import assert_weights_close, require_horovod, run_cluster
+from helpers import assert_weights_close
+from shared_launch import TEST_TIMEOUT, case, results as shared_results
 from test_model_average import GLOBAL_BATCH, LR, linear_data, replica_batches
 from test_model_average_fragments import np_outer_step
 from test_model_average_quant import np_error_feedback
@@ -165,14 +166,16 @@ def test_row_blocks_match_numpy(logical_cpus, delay, mix, outer, name):
     _check([_fit("tf", delay, mix, outer, name)], delay, mix, outer, name)
 
 
+PIECE_CASES = [("tf", 1, 0.5, True, None), ("horovod", 1, 1.0, False, "int4")]
+for _args in PIECE_CASES:
+    case(_args[0], f"row blocks {_args}", _fit, *_args)
+
+
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("engine,delay,mix,outer,name", [
-    ("tf", 1, 0.5, True, None), ("horovod", 1, 1.0, False, "int4")])
+@pytest.mark.timeout(TEST_TIMEOUT)
+@pytest.mark.parametrize("engine,delay,mix,outer,name", PIECE_CASES)
 def test_two_workers_row_blocks_match_numpy(engine, delay, mix, outer, name):
-    if engine == "horovod":
-        require_horovod()
-    results = run_cluster(_fit, engine, delay, mix, outer, name, workers=2, timeout=240)
+    results = shared_results(engine, f"row blocks {(engine, delay, mix, outer, name)}")
     _check(results, delay, mix, outer, name)
     for a, b in zip(results[0]["weights"], results[1]["weights"]):
         np.testing.assert_array_equal(a, b)  # every worker holds the same weights

@@ -12,7 +12,8 @@ import math
 import numpy as np
 import pytest
 
-from helpers import assert_weights_close, require_horovod, run_cluster
+from helpers import assert_weights_close
+from shared_launch import TEST_TIMEOUT, case, results as shared_results
 from test_model_average import LR, fit_linear, linear_data, replica_batches
 from test_model_average_fragments import linear_parts, np_outer_step, numpy_streaming_diloco
 
@@ -376,15 +377,17 @@ def _worker(name, fragments, engine, delay):
             "bytes": strategy.bytes_communicated}
 
 
+QUANT_CASES = [("int8", 1, "tf", 0), ("int4", 2, "tf", 0), ("int8", 2, "horovod", 0),
+               ("int4", 1, "horovod", 0), ("int4", 2, "horovod", 1)]
+for _args in QUANT_CASES:
+    case(_args[2], f"quantized {_args}", _worker, *_args)
+
+
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("name,fragments,engine,delay", [
-    ("int8", 1, "tf", 0), ("int4", 2, "tf", 0), ("int8", 2, "horovod", 0),
-    ("int4", 1, "horovod", 0), ("int4", 2, "horovod", 1)])
+@pytest.mark.timeout(TEST_TIMEOUT)
+@pytest.mark.parametrize("name,fragments,engine,delay", QUANT_CASES)
 def test_two_workers_quantized_match_numpy(name, fragments, engine, delay):
-    if engine == "horovod":
-        require_horovod()
-    results = run_cluster(_worker, name, fragments, engine, delay, workers=2, timeout=240)
+    results = shared_results(engine, f"quantized {(name, fragments, engine, delay)}")
     x, y = wide_data()
     initial = results[0]["initial"]
     ref = numpy_quantized_diloco(x, y, initial[0], initial[1], steps=10, period=4,
