@@ -144,7 +144,12 @@ def main(args) -> int:
         launched = is_multi_process(config) and config["cluster"]["mode"] in (
             "local", "nodes", "spark", "ray")
         if lock is not None:  # the launcher points its tasks at OUTPUT_DIR/backup
-            prepare_backup(config, out / "backup" if launched else backup_dir(config))
+            try:
+                prepare_backup(config, out / "backup" if launched else backup_dir(config),
+                               fresh=getattr(args, "fresh", False))
+            except ConfigError as error:
+                print(f"tfdist train: error: {error}", file=sys.stderr)
+                return 2
         entry = registry.get(config["strategy"]["name"])
         if launched and entry.horovodrun and config["cluster"]["max_restarts"]:
             print(f"tfdist train: cluster.max_restarts does not apply to {entry.name} "

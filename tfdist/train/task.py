@@ -8,7 +8,6 @@ task of a launched job; Spark and Ray run `snapshot_task`.
 from __future__ import annotations
 
 import importlib
-import inspect
 import json
 import math
 import os
@@ -21,7 +20,7 @@ from typing import Any
 from tfdist import env
 from tfdist.config import ConfigError, is_multi_process
 from tfdist.strategies import registry
-from tfdist.train.checks import slurm_port
+from tfdist.train.checks import slurm_port, strategy_kwargs
 from tfdist.train.outdir import BACKUP_HISTORY_FILE, backup_dir, write_atomic
 from tfdist.train.report import format_table, plot_history
 
@@ -36,9 +35,7 @@ def build_strategy(config: dict[str, Any]):
 
     from tfdist import devices
 
-    entry, options = registry.get(config["strategy"]["name"]), dict(config["strategy"]["options"])
-    if isinstance(options.get("outer_optimizer"), dict):
-        options["outer_optimizer"] = _optimizer_from_table(options["outer_optimizer"])
+    entry, options = registry.get(config["strategy"]["name"]), strategy_kwargs(config)
     try:
         if entry.class_name is None:
             return tf.distribute.get_strategy()
@@ -48,24 +45,6 @@ def build_strategy(config: dict[str, Any]):
     except TypeError as error:
         raise ConfigError(f"strategy.options do not fit strategy {entry.name!r}: {error}") \
             from None
-
-
-def _optimizer_from_table(table: dict[str, Any]):
-    """``{name = "sgd", learning_rate = 0.7, ...}`` -> a function making that Keras
-    optimizer (multi-worker strategies must exist before the optimizer is created)."""
-    import keras
-
-    table = dict(table)
-    name = table.pop("name", "sgd")
-    cls = {"sgd": keras.optimizers.SGD, "adam": keras.optimizers.Adam}.get(name.lower())
-    if cls is None:
-        raise ConfigError(f"strategy.options.outer_optimizer.name must be 'sgd' or 'adam'. "
-                          f"Received: {name!r}")
-    try:
-        inspect.signature(cls).bind(**table)
-    except TypeError as error:
-        raise ConfigError(f"strategy.options.outer_optimizer: {error}") from None
-    return lambda: cls(**table)
 
 
 def export_slurm_cluster(config: dict[str, Any]) -> None:
