@@ -82,10 +82,15 @@ def _optimizer_from_table(table: dict[str, Any]):
     if cls is None:
         raise ConfigError(f"strategy.options.outer_optimizer.name must be 'sgd' or 'adam'. "
                           f"Received: {name!r}")
-    try:
-        inspect.signature(cls).bind(**table)
-    except TypeError as error:
-        raise ConfigError(f"strategy.options.outer_optimizer: {error}") from None
+    # Keras optimizers pass **kwargs to their bases, which refuse unknown names.
+    known = {name for klass in cls.__mro__ if "__init__" in vars(klass)
+             for name, p in inspect.signature(klass.__init__).parameters.items()
+             if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)} - {"self"}
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise ConfigError(f"strategy.options.outer_optimizer: {cls.__name__} takes no "
+                          f"argument {unknown[0]!r}; expected some of {sorted(known)}. "
+                          f"Received: {unknown[0]}={table[unknown[0]]!r}")
     return lambda: cls(**table)
 
 
