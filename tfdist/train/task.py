@@ -19,6 +19,7 @@ from typing import Any
 
 from tfdist import env
 from tfdist.config import ConfigError, is_multi_process
+from tfdist.files import describe_disk_full, is_disk_full
 from tfdist.strategies import registry
 from tfdist.train.checks import slurm_port, strategy_kwargs
 from tfdist.train.outdir import BACKUP_HISTORY_FILE, backup_dir, write_atomic
@@ -262,6 +263,12 @@ def run_snapshot(snapshot: dict[str, Any]) -> int:
     except ConfigError as error:
         print(f"tfdist train: error: {error}", file=sys.stderr, flush=True)
         return 2
+    except OSError as error:
+        if not is_disk_full(error):
+            raise
+        print(f"tfdist train: FAILED: {describe_disk_full(error)}", file=sys.stderr,
+              flush=True)
+        return 1
     return 0
 
 
