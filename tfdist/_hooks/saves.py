@@ -53,7 +53,7 @@ def save_safely(original, model, args, kwargs):
     """
     import os
 
-    from tfdist.files import atomic_path, check_free_space
+    from tfdist.files import atomic_path, check_free_space, model_save_size
 
     arguments = dict(kwargs)
     path = args[0] if args else arguments.pop("filepath", None)
@@ -65,37 +65,9 @@ def save_safely(original, model, args, kwargs):
         raise FloatingPointError(
             f"refusing to save {os.fspath(path)!r}: weights {bad[:5]} hold NaN or infinity, "
             "and a checkpoint of them could not train on. The previous file is kept.")
-    check_free_space(path, save_size(model))
+    check_free_space(path, model_save_size(model))
     with atomic_path(path) as temp:
         return original(model, temp, *args[1:], **arguments)
-
-
-# Bytes of HDF5 and zip bookkeeping per saved variable, and per file: a margin over
-# what was measured (a 14-variable model's .weights.h5 held ~19 KB besides its values).
-_SAVE_BYTES_PER_VARIABLE = 4096
-_SAVE_BYTES_PER_FILE = 64 << 10
-
-
-def save_size(model) -> int:
-    """About how many bytes ``model.save``/``save_weights`` writes: the
-    values of its weights and of its optimizer's variables (Keras 3 writes both in
-    either format) plus bookkeeping, a little more than Keras writes."""
-    import numpy as np
-
-    optimizer = getattr(model, "optimizer", None)
-    variables = [*model.weights, *(getattr(optimizer, "variables", None) or [])]
-    values = sum(int(np.prod(v.shape)) * _itemsize(v) for v in variables)
-    return values + _SAVE_BYTES_PER_VARIABLE * len(variables) + _SAVE_BYTES_PER_FILE
-
-
-def _itemsize(variable) -> int:
-    import numpy as np
-
-    name = str(getattr(variable, "dtype", "float32")).replace("tf.", "")
-    try:
-        return np.dtype("float16" if name == "bfloat16" else name).itemsize
-    except TypeError:
-        return 8
 
 
 # Keras' BackupAndRestore: its private path attributes, each relative to backup_dir.

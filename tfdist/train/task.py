@@ -19,7 +19,7 @@ from typing import Any
 
 from tfdist import env
 from tfdist.config import ConfigError, is_multi_process
-from tfdist.files import describe_disk_full, is_disk_full
+from tfdist.files import check_free_space, describe_disk_full, is_disk_full, model_save_size
 from tfdist.strategies import registry
 from tfdist.train.checks import slurm_port, strategy_kwargs
 from tfdist.train.outdir import BACKUP_HISTORY_FILE, backup_dir, write_atomic
@@ -226,6 +226,7 @@ def run_task(config: dict[str, Any], name: str | None = None) -> dict[str, Any] 
     text = json.dumps(report, indent=2, default=_jsonable)
     write_atomic(out / "report.json", lambda tmp: tmp.write_text(text))
     write_atomic(out / "report.png", lambda tmp: plot_history(report, tmp))
+    check_free_space(out / "model.keras", model_save_size(model))  # h5py: SIGSEGV when full
     write_atomic(out / "model.keras", model.save)
     print(format_table([("metric", "value")] +
                        [(k, f"{v:.4f}") for k, v in sorted(final.items())] +
