@@ -73,10 +73,10 @@ def test_list_compression_is_named(kwargs, needle):
         tfdist.ModelAverageStrategy(**kwargs)
 
 
-@pytest.mark.parametrize("environment,expected", [({}, "1"),
+@pytest.mark.parametrize("environment,expected", [({}, "2"),
                                                   ({"TF_CPP_MIN_LOG_LEVEL": "0"}, "0")])
 def test_cli_hides_tensorflows_start_up_log_unless_asked(tmp_path, environment, expected):
-    """``tfdist launch`` gives its tasks TF_CPP_MIN_LOG_LEVEL=1 unless the user set it."""
+    """``tfdist launch`` gives its tasks TF_CPP_MIN_LOG_LEVEL=2 unless the user set it."""
     script = tmp_path / "level.py"
     script.write_text("import os\nprint('LEVEL', os.environ.get('TF_CPP_MIN_LOG_LEVEL'))\n")
     env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}

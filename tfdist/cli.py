@@ -189,9 +189,9 @@ def _interrupt(signum, frame):
 
 def main(argv=None) -> int:
     """Entry point of the ``tfdist`` console script."""
-    # The user's job, not TensorFlow's C++ start-up log (INFO), in this process and in the
+    # The user's job, not TensorFlow's C++ start-up log (INFO, WARNING), here and in the
     # tasks it starts; a level the user set wins.
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     # SIGTERM and SIGHUP (the terminal went away) unwind the launcher like Ctrl-C, so
     # it stops its tasks before exiting.
     signal.signal(signal.SIGTERM, _interrupt)
