@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tfdist.cli import main
-from tfdist.config import load_config
+from tfdist.config import ConfigError, load_config
 from tfdist.train import main as train
 from tfdist.train import outdir
 from tfdist.train.checks import HOROVOD_RANK_VARIABLES
@@ -277,7 +277,7 @@ def test_tasks_read_their_own_snapshot(tmp_path, monkeypatch):
 
 
 @pytest.mark.unit
-def test_backup_of_another_config_is_removed(tmp_path, capsys):
+def test_backup_of_another_config_is_kept_and_refused_unless_fresh(tmp_path, capsys):
     config = load_config(None, ['train.output_dir="x"'])
     backup = tmp_path / "backup"
     outdir.prepare_backup(config, backup)
@@ -287,9 +287,14 @@ def test_backup_of_another_config_is_removed(tmp_path, capsys):
     assert "holds a backup of this config; the job resumes from it" in \
         capsys.readouterr().out
     other = load_config(None, ["train.learning_rate=0.1"])
-    outdir.prepare_backup(other, backup)
+    with pytest.raises(ConfigError, match=r"holds a backup of another config \(it differs "
+                       r"in train.learning_rate\); it is kept.*tfdist train --fresh"):
+        outdir.prepare_backup(other, backup)
+    assert (backup / "state.json").exists()
+    outdir.prepare_backup(other, backup, fresh=True)
     assert not (backup / "state.json").exists()
-    assert "a backup of another config" in capsys.readouterr().out
+    assert "removed" in capsys.readouterr().out
+    outdir.prepare_backup(other, backup)  # now marked as the other config's
 
 
 # ---- an engine that cannot be reached -------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import os
 import signal
 import sys
 from pathlib import Path
@@ -152,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="config file (default: the embedded defaults)")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config value, e.g. --set train.epochs=2")
+    train.add_argument("--fresh", action="store_true",
+                       help="discard the backup in OUTPUT_DIR/backup (an interrupted run's, "
+                            "of any config) and start at epoch 1; without it, a backup of "
+                            "this config is resumed and one of another config is refused")
     nodes = train.add_argument_group(
         "multi-node", "set cluster.mode = 'nodes' and these keys; run the same command on "
                       "every node with its own --node-rank")
@@ -184,6 +189,9 @@ def _interrupt(signum, frame):
 
 def main(argv=None) -> int:
     """Entry point of the ``tfdist`` console script."""
+    # The user's job, not TensorFlow's C++ start-up log (INFO, WARNING), here and in the
+    # tasks it starts; a level the user set wins.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     # SIGTERM and SIGHUP (the terminal went away) unwind the launcher like Ctrl-C, so
     # it stops its tasks before exiting.
     signal.signal(signal.SIGTERM, _interrupt)

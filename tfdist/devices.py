@@ -6,7 +6,7 @@ configured before TensorFlow initializes its runtime.
 
 from __future__ import annotations
 
-from tfdist.checks import check_int
+from tfdist.checks import check_device_list, check_int
 
 
 def use_logical_cpus(n: int) -> list[str]:
@@ -73,11 +73,8 @@ def validate_devices(devices) -> list[str]:
     """
     import tensorflow as tf
 
-    if isinstance(devices, str):
-        devices = [devices]
-    devices = list(devices)
-    if not devices:
-        raise ValueError("devices must name at least one device. Received: devices=[]")
+    devices = check_device_list(devices)
+
     def key(spec):
         return (spec.device_type or "").upper(), spec.device_index or 0
 
@@ -91,6 +88,4 @@ def validate_devices(devices) -> list[str]:
         if spec.job not in (None, "localhost") or key(spec) not in known:
             raise ValueError(f"device {device!r} does not exist on this host. Available: "
                              f"{sorted(d.name for d in tf.config.list_logical_devices())}")
-    if len(set(d.lower() for d in devices)) != len(devices):
-        raise ValueError(f"devices contains duplicates. Received: devices={devices}")
     return devices

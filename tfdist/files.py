@@ -4,6 +4,7 @@ process does not leave behind for long. No TensorFlow import here."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import shutil
@@ -60,6 +61,72 @@ def commit(temp: str | os.PathLike, path: str | os.PathLike) -> None:
             os.close(directory)
 
 
+def disk_full(path: str | os.PathLike, detail: str) -> OSError:
+    """The error of a write that found its disk full: ``OSError(ENOSPC)`` naming ``path``."""
+    return OSError(errno.ENOSPC, f"disk full: cannot write {os.fspath(path)}: {detail}; "
+                                 "the previous file is kept", os.fspath(path))
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether ``error`` says a disk (or quota) is full."""
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def describe_disk_full(error: OSError) -> str:
+    """One line for a full disk: ``disk full: ...`` naming the path."""
+    text = error.strerror or str(error)
+    return text if text.startswith("disk full") else \
+        f"disk full: {text}" + (f": {error.filename}" if error.filename else "")
+
+
+def check_free_space(path: str | os.PathLike, needed: int) -> None:
+    """Refuses a write of about ``needed`` bytes to ``path`` that its disk cannot hold.
+
+    Some writers cannot fail cleanly on a full disk: h5py (Keras' ``.h5`` and ``.keras``
+    saves) crashes the process with SIGSEGV after ``ENOSPC``. Checked before they start.
+
+    Raises:
+        OSError: ``ENOSPC`` (`disk_full`), naming ``path``, the bytes needed and free.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        stat = os.statvfs(directory)
+    except OSError:  # a missing directory: the writer's own error names it
+        return
+    free = stat.f_bavail * stat.f_frsize
+    if free < needed:
+        raise disk_full(path, f"it needs about {needed:,} bytes and {directory} has "
+                              f"{free:,} free")
+
+
+# Bytes of HDF5 and zip bookkeeping per saved variable, and per file: a margin over
+# what was measured (a 14-variable model's .weights.h5 held ~19 KB besides its values).
+_SAVE_BYTES_PER_VARIABLE = 4096
+_SAVE_BYTES_PER_FILE = 64 << 10
+
+
+def model_save_size(model) -> int:
+    """About how many bytes ``model.save``/``save_weights`` writes: the
+    values of its weights and of its optimizer's variables (Keras 3 writes both in
+    either format) plus bookkeeping, a little more than Keras writes."""
+    import numpy as np
+
+    optimizer = getattr(model, "optimizer", None)
+    variables = [*model.weights, *(getattr(optimizer, "variables", None) or [])]
+    values = sum(int(np.prod(v.shape)) * _itemsize(v) for v in variables)
+    return values + _SAVE_BYTES_PER_VARIABLE * len(variables) + _SAVE_BYTES_PER_FILE
+
+
+def _itemsize(variable) -> int:
+    import numpy as np
+
+    name = str(getattr(variable, "dtype", "float32")).replace("tf.", "")
+    try:
+        return np.dtype("float16" if name == "bfloat16" else name).itemsize
+    except TypeError:
+        return 8
+
+
 def name_user_path(error: BaseException, temp, path) -> None:
     """Rewrites ``error``'s message in place so it names ``path`` where it named ``temp``.
 
@@ -93,13 +160,15 @@ def atomic_path(path: str | os.PathLike):
 
     A crash mid-write leaves the previous ``path`` intact (and at most a hidden
     ``.tmp-PID-name`` file, removed here on errors). An error raised meanwhile names
-    ``path``, not the temporary (`name_user_path`).
+    ``path``, not the temporary (`name_user_path`); a full disk is `disk_full`.
     """
     temp = temp_path_for(path)
     try:
         yield temp
         commit(temp, path)
     except Exception as error:
+        if is_disk_full(error) and "disk full" not in str(error):
+            raise disk_full(path, os.strerror(error.errno)) from error
         name_user_path(error, temp, path)
         raise
     finally:

@@ -53,7 +53,7 @@ def save_safely(original, model, args, kwargs):
     """
     import os
 
-    from tfdist.files import atomic_path
+    from tfdist.files import atomic_path, check_free_space, model_save_size
 
     arguments = dict(kwargs)
     path = args[0] if args else arguments.pop("filepath", None)
@@ -65,6 +65,7 @@ def save_safely(original, model, args, kwargs):
         raise FloatingPointError(
             f"refusing to save {os.fspath(path)!r}: weights {bad[:5]} hold NaN or infinity, "
             "and a checkpoint of them could not train on. The previous file is kept.")
+    check_free_space(path, model_save_size(model))
     with atomic_path(path) as temp:
         return original(model, temp, *args[1:], **arguments)
 

@@ -50,7 +50,7 @@ def get_compression(compression: str | Compression | None) -> Compression:
     """Turns ``None | "fp16" | "bf16" | Compression`` into a `Compression`."""
     if isinstance(compression, Compression):
         return compression
-    if compression in _BY_NAME:
+    if compression is None or (isinstance(compression, str) and compression in _BY_NAME):
         return _BY_NAME[compression]
     raise ValueError("compression must be None, 'fp16' or 'bf16'. "
                      f"Received: compression={compression!r}")

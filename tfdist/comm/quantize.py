@@ -162,7 +162,7 @@ def get_quantizer(outer_compression) -> Quantizer | None:
     """
     if outer_compression is None or isinstance(outer_compression, Quantizer):
         return outer_compression
-    if outer_compression not in _QUANTIZERS:
+    if not isinstance(outer_compression, str) or outer_compression not in _QUANTIZERS:
         raise ValueError(f"outer_compression must be one of {list(CHOICES)}. "
                          f"Received: outer_compression={outer_compression!r}")
     return _QUANTIZERS[outer_compression]

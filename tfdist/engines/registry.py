@@ -71,13 +71,21 @@ def available() -> tuple[str, ...]:
     return tuple(_engines)
 
 
+def check_engine(engine) -> str:
+    """``engine`` if it is a registered name or ``"auto"``, else `ValueError`."""
+    if not isinstance(engine, str) or (engine != AUTO and engine not in _engines):
+        raise ValueError(f"engine must be one of {[*available(), AUTO]}. Received: "
+                         f"engine={engine!r}")
+    return engine
+
+
 def engine_class(name: str):
     """The `Engine` subclass registered as ``name`` (importing a built-in one).
 
     Raises:
         ValueError: ``name`` is not registered.
     """
-    if name not in _engines:
+    if check_engine(name) == AUTO:
         raise ValueError(f"engine must be one of {[*available(), AUTO]}. Received: "
                          f"engine={name!r}")
     found = _engines[name]
@@ -111,10 +119,7 @@ def select_engine(engine: str, num_workers: int, on_gpus: bool, is_chief: bool =
     Raises:
         ValueError: ``engine`` or ``TFDIST_ENGINE`` is not an engine.
     """
-    if engine != AUTO and engine not in _engines:
-        raise ValueError(f"engine must be one of {[*available(), AUTO]}. Received: "
-                         f"engine={engine!r}")
-    if engine != AUTO:
+    if check_engine(engine) != AUTO:
         return engine
     override = os.environ.get(ENV_VAR)
     if override:

@@ -1,26 +1,27 @@
 """Glue Keras needs for distributed training: chief-aware callbacks, side-car evaluation.
 
 ``tfdist.keras.callbacks`` holds `ModelCheckpoint`, `BackupAndRestore` and
-`MetricsLogger`; `SidecarEvaluator` evaluates the chief's checkpoints in an evaluator
+`MetricsLogger`; ``tfdist.keras.guards`` holds `StopOnNaN`; `SidecarEvaluator` evaluates the chief's checkpoints in an evaluator
 task; ``tfdist.keras.handoff`` is the contract between strategies and Keras
-(`KerasHandoff`). Importing this package imports nothing: ``callbacks`` and
+(`KerasHandoff`). Importing this package imports nothing: ``callbacks``, ``guards`` and
 `SidecarEvaluator` (which import Keras and TensorFlow) load on first attribute access,
 so strategies can import the hand-off without an import circle.
 """
 
 import importlib
 
-# Public name -> module that defines it (the module itself for "callbacks").
-_LAZY = {"callbacks": "tfdist.keras.callbacks", "SidecarEvaluator": "tfdist.keras.evaluator"}
+# Public name -> module that defines it (the module itself for a submodule's name).
+_LAZY = {"callbacks": "tfdist.keras.callbacks", "guards": "tfdist.keras.guards",
+         "SidecarEvaluator": "tfdist.keras.evaluator"}
 
-__all__ = ["SidecarEvaluator", "callbacks"]
+__all__ = ["SidecarEvaluator", "callbacks", "guards"]
 
 
 def __getattr__(name):
     if name not in _LAZY:
         raise AttributeError(f"module 'tfdist.keras' has no attribute {name!r}")
     module = importlib.import_module(_LAZY[name])
-    value = module if name == "callbacks" else getattr(module, name)
+    value = module if _LAZY[name].endswith("." + name) else getattr(module, name)
     globals()[name] = value
     return value
 

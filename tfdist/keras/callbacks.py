@@ -26,7 +26,8 @@ import keras
 from tfdist import env
 from tfdist._hooks.keras_trainer import set_initial_epoch
 from tfdist.cluster import ClusterSpec
-from tfdist.files import commit, private_temp_dir, temp_path_for, write_text_atomic
+from tfdist.files import (check_free_space, commit, model_save_size, private_temp_dir,
+                          temp_path_for, write_text_atomic)
 from tfdist.keras.guards import StopOnNaN  # noqa: F401  (re-exported)
 from tfdist.keras.warmup import LinearScalingWarmup  # noqa: F401  (re-exported)
 
@@ -240,6 +241,8 @@ class BackupAndRestore(_ChiefAware, keras.callbacks.BackupAndRestore):
         os.makedirs(directory, exist_ok=True)
         weights = f"backup-{self._saves}.weights.h5"
         try:
+            # Under any strategy (tfdist's save hooks check only under tfdist's own).
+            check_free_space(os.path.join(directory, weights), model_save_size(self.model))
             self.model.save_weights(os.path.join(directory, weights), overwrite=True)
             state = {"epoch": self._current_epoch, "batch": self._last_batch_seen,
                      "weights": weights, "saves": self._saves}

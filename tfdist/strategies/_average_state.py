@@ -1,8 +1,8 @@
-"""Model averaging's per-optimizer state, its argument checks and variable helpers.
+"""Model averaging's per-optimizer state and variable helpers.
 
 Used by `tfdist.ModelAverageStrategy` (tfdist/strategies/model_average.py): the state it
 keeps for each trained optimizer (anchors, slots, outer optimizers, fragments and their
-pieces), the check of ``fragments``, and how it reads, scales and recognises
+pieces), and how it reads, scales and recognises
 per-replica variables and reads or writes a piece (rows of a variable) of them.
 """
 
@@ -12,7 +12,6 @@ import os
 
 import tensorflow as tf
 
-from tfdist.checks import check_int
 
 
 class State:
@@ -55,19 +54,6 @@ def wants_multi_worker(cluster_resolver) -> bool:
     from tfdist.cluster import resolve_cluster
 
     return resolve_cluster(None).num_workers > 1
-
-
-def check_fragments(period: int, fragments, average_optimizer_state) -> int:
-    """``fragments`` checked against ``period`` (see `ModelAverageStrategy`)."""
-    fragments = check_int("fragments", fragments, 1)
-    if period % fragments:
-        raise ValueError("period must be a multiple of fragments: fragment f averages "
-                         "f * period / fragments steps into each period. Received: "
-                         f"period={period}, fragments={fragments}")
-    if fragments > 1 and average_optimizer_state:
-        raise ValueError("average_optimizer_state needs fragments=1 (the slots are not "
-                         f"split into fragments). Received: fragments={fragments}")
-    return fragments
 
 
 def tf_variable(variable):

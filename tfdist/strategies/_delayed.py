@@ -27,35 +27,9 @@ import threading
 
 import tensorflow as tf
 
-from tfdist.checks import check_int
 from tfdist.strategies import _average_steps
 from tfdist.strategies._average_state import (agreed_variables, assign_piece, piece_of,
                                               tf_variable)
-
-
-def check_delay(period, fragments, warmup_steps, average_optimizer_state, sync_delay, mix):
-    """``(sync_delay, mix)`` checked (see `tfdist.ModelAverageStrategy`).
-
-    Raises:
-        ValueError: naming the argument and its value.
-    """
-    sync_delay = check_int("sync_delay", sync_delay, 0)
-    if sync_delay >= period // fragments:
-        raise ValueError("sync_delay must be below period / fragments (a fragment's "
-                         "exchange is applied before the next fragment's starts). "
-                         f"Received: sync_delay={sync_delay}, period={period}, "
-                         f"fragments={fragments}")
-    if isinstance(mix, bool) or not isinstance(mix, (int, float)) or not 0 <= mix <= 1:
-        raise ValueError(f"mix must be a number in [0, 1]. Received: mix={mix!r}")
-    delayed = sync_delay > 0 or mix != 1
-    if delayed and warmup_steps:
-        raise ValueError("warmup_steps needs sync_delay=0 and mix=1 (the warm-up averages "
-                         f"every fragment every step). Received: warmup_steps={warmup_steps}, "
-                         f"sync_delay={sync_delay}, mix={mix}")
-    if delayed and average_optimizer_state:
-        raise ValueError("average_optimizer_state needs sync_delay=0 and mix=1. Received: "
-                         f"average_optimizer_state=True, sync_delay={sync_delay}, mix={mix}")
-    return sync_delay, float(mix)
 
 
 def check_steps_per_execution(model, sync_delay, mix) -> None:

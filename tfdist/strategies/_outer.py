@@ -1,5 +1,7 @@
 """Model averaging's outer optimizer (SlowMo / DiLoCo): checked, copied, stepped, saved.
 
+`tfdist.strategies.arguments.check_template` checks the argument itself.
+
 At each scheduled average, ``anchor - mean(w_i)`` (the averaged change since the last
 average, negated) is applied to the anchor as the outer optimizer's gradient, with
 Keras' own ``update_step``. `tfdist.ModelAverageStrategy` holds one copy per trained
@@ -13,23 +15,6 @@ from tfdist._hooks import keras_optimizer
 
 # The model attribute that holds the outer optimizer, so Keras saves its state too.
 OUTER_OPTIMIZER_ATTR = "_tfdist_outer_optimizer"
-
-
-def check_template(outer_optimizer) -> None:
-    """Refuses an ``outer_optimizer`` argument that cannot give a usable optimizer.
-
-    Raises:
-        ValueError: it is not an optimizer, a function, a config or None, or the
-            optimizer uses what the outer step would skip (`check_outer`).
-    """
-    if outer_optimizer is not None and not (
-            hasattr(outer_optimizer, "get_config") or callable(outer_optimizer)
-            or isinstance(outer_optimizer, (str, dict))):
-        raise ValueError("outer_optimizer must be a Keras optimizer, a function that "
-                         "returns one, its config (dict or name), or None. "
-                         f"Received: outer_optimizer={outer_optimizer!r}")
-    if hasattr(outer_optimizer, "get_config"):
-        check_outer(outer_optimizer)
 
 
 def check_outer(optimizer) -> None:

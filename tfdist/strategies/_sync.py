@@ -28,6 +28,7 @@ import tensorflow as tf
 
 from tfdist._hooks import keras_optimizer
 from tfdist._hooks import zero as zero_hooks
+from tfdist.checks import check_bool
 from tfdist.comm.accounting import ByteCounter
 from tfdist.comm.communicator import Accounted, StrategyCommunicator
 from tfdist.comm.options import CommunicationOptions
@@ -81,9 +82,7 @@ class SyncGradientsMixin(KerasFitMixin):
             shard_optimizer_state: Each replica keeps 1/N of the optimizer state
                 (`tfdist.strategies._zero`).
         """
-        if not isinstance(shard_optimizer_state, bool):
-            raise ValueError("shard_optimizer_state must be True or False. Received: "
-                             f"shard_optimizer_state={shard_optimizer_state!r}")
+        self.shard_optimizer_state = check_bool("shard_optimizer_state", shard_optimizer_state)
         self.shard_optimizer_state = shard_optimizer_state
         self._sharded_states = {}
         self._sharded_savings = {}

@@ -15,10 +15,10 @@ import tensorflow as tf
 
 from tfdist._hooks import tf as tf_hooks
 from tfdist.cluster import ClusterSpec
-from tfdist.comm.options import merge_options
 from tfdist.engines.horovod import ops as comm
 from tfdist.engines.horovod.extended import HorovodCrossDeviceOps, HorovodExtended, rank_devices
 from tfdist.strategies._sync import SyncGradientsMixin
+from tfdist.strategies.arguments import check_horovod
 
 logger = logging.getLogger("tfdist")
 
@@ -76,8 +76,8 @@ class HorovodStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerMirroredStrat
 
     def __init__(self, devices=None, compression=None, communication_options=None,
                  accumulate_steps=None):
-        options = merge_options(communication_options, compression=compression,
-                                accumulate_steps=accumulate_steps)
+        options = check_horovod(devices, compression, communication_options,
+                                accumulate_steps)
         if "HOROVOD_RANK" not in os.environ:
             _refuse_a_tf_config_job(os.environ)
             logger.info("HorovodStrategy: not started by horovodrun (HOROVOD_RANK is not "

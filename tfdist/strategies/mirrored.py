@@ -5,9 +5,9 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfdist._hooks import tf as tf_hooks
-from tfdist.comm.options import merge_options
 from tfdist.devices import default_devices, validate_devices
 from tfdist.strategies._sync import SyncGradientsMixin
+from tfdist.strategies.arguments import check_mirrored
 
 
 def default_cross_device_ops(devices: list[str]) -> tf.distribute.CrossDeviceOps | None:
@@ -73,8 +73,8 @@ class MirroredStrategy(SyncGradientsMixin, tf.distribute.MirroredStrategy):
 
     def __init__(self, devices=None, cross_device_ops=None, communication_options=None,
                  compression=None, accumulate_steps=None, shard_optimizer_state=False):
-        options = merge_options(communication_options, compression=compression,
-                                accumulate_steps=accumulate_steps)
+        options = check_mirrored(devices, communication_options, compression,
+                                 accumulate_steps, shard_optimizer_state)
         devices = validate_devices(devices) if devices is not None else default_devices()
         if cross_device_ops is None:
             cross_device_ops = default_cross_device_ops(devices)

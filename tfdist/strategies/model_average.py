@@ -39,16 +39,13 @@ from __future__ import annotations
 import os
 
 from tfdist import env
-from tfdist.checks import check_int
 from tfdist.comm.averaging import PeriodicAverager
-from tfdist.comm.options import merge_options
-from tfdist.comm.quantize import check_outer_compression
 from tfdist.keras import handoff
 from tfdist.keras.optimizer import inner_optimizer
-from tfdist.strategies import _average_elastic, _average_steps, _delayed, _outer
+from tfdist.strategies import _average_elastic, _average_steps, _delayed
 from tfdist.strategies._average_keras import AverageHandoffMixin
-from tfdist.strategies._average_state import (check_fragments, is_replicated_float,
-                                              wants_multi_worker)
+from tfdist.strategies._average_state import is_replicated_float, wants_multi_worker
+from tfdist.strategies.arguments import check_model_average
 from tfdist.strategies.mirrored import make_local_extended
 from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 
@@ -130,31 +127,22 @@ class ModelAverageStrategy(AverageHandoffMixin, MultiWorkerMirroredStrategy):
                  compression=None, engine="auto", fragments=1, sync_delay=0, mix=1.0,
                  outer_compression=None,
                  **base_kwargs):
-        self.period = check_int("period", period, 1)
-        self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
-        self.fragments = check_fragments(self.period, fragments, average_optimizer_state)
-        self.sync_delay, self.mix = _delayed.check_delay(
-            self.period, self.fragments, self.warmup_steps, average_optimizer_state,
-            sync_delay, mix)
+        checked = check_model_average(
+            period, warmup_steps, outer_optimizer, average_optimizer_state, devices,
+            compression=compression, engine=engine, fragments=fragments,
+            sync_delay=sync_delay, mix=mix, outer_compression=outer_compression,
+            **base_kwargs)
+        self.period, self.warmup_steps = checked["period"], checked["warmup_steps"]
+        self.fragments = checked["fragments"]
+        self.sync_delay, self.mix = checked["sync_delay"], checked["mix"]
+        base_kwargs, options = checked["base_kwargs"], checked["options"]
         # Exchanges after the train step (None: averaged inside it, sync_delay=0, mix=1).
         self._delayed = (_delayed.DelayedSyncs(self, self.sync_delay, self.mix)
                          if self.sync_delay or self.mix != 1 else None)
-        _outer.check_template(outer_optimizer)
         self._outer_template = outer_optimizer
-        self.average_optimizer_state = bool(average_optimizer_state)
-        if base_kwargs.pop("shard_optimizer_state", False):
-            raise ValueError("ModelAverageStrategy keeps a whole optimizer per worker; "
-                             "shard_optimizer_state is for the synchronous strategies. "
-                             "Received: shard_optimizer_state=True")
-        options = merge_options(base_kwargs.pop("communication_options", None),
-                                compression=compression)
-        if options.accumulate_steps > 1:
-            raise ValueError("ModelAverageStrategy applies every micro-batch locally; "
-                             "accumulate_steps is for the synchronous strategies. Received: "
-                             f"accumulate_steps={options.accumulate_steps}")
+        self.average_optimizer_state = checked["average_optimizer_state"]
         self._options = options
-        self.outer_compression = check_outer_compression(outer_compression,
-                                                         options.compression)
+        self.outer_compression = checked["outer_compression"]
         if os.environ.get(env.ELASTIC_ADDR):
             _average_elastic.check_elastic(self, base_kwargs.get("commit_every_steps", 1))
         if options.timeout_seconds is not None:

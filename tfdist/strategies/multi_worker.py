@@ -39,23 +39,15 @@ import tensorflow as tf
 
 from tfdist._hooks import tf as tf_hooks
 from tfdist import env
-from tfdist.checks import check_int, check_seconds
 from tfdist.cluster import TRAINING_TASK_TYPES, ClusterSpec, resolve_cluster
 from tfdist.comm.accounting import ByteCounter
-from tfdist.comm.options import merge_options
 from tfdist.engines.base import models_differ
 from tfdist.engines.registry import engine_class, select_engine
 from tfdist.strategies._elastic import DEFAULT_COMMIT_EVERY_STEPS
 from tfdist.strategies._sync import SyncGradientsMixin
+from tfdist.strategies.arguments import (DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT,
+                                         DEFAULT_STARTUP_TIMEOUT, check_multi_worker)
 
-DEFAULT_STARTUP_TIMEOUT = 60.0
-# Seconds a collective may wait for its peers before failing; None: no limit. None by
-# default because TF implements the timeout with one OS thread per collective that
-# sleeps for the whole timeout (benchmarks/overhead.md: ~4 threads per step, each
-# living that long). A frozen or dead peer is still caught by the heartbeat.
-DEFAULT_COLLECTIVE_TIMEOUT = None
-# Seconds without a heartbeat before the coordination service declares a task dead.
-DEFAULT_HEARTBEAT_TIMEOUT = 10.0
 
 # What tf.compat.v1.random.get_seed(op_seed) reports as the global seed when none was set.
 _DEFAULT_GRAPH_SEED = 87654321
@@ -150,14 +142,15 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
                  heartbeat_timeout=DEFAULT_HEARTBEAT_TIMEOUT, compression=None,
                  accumulate_steps=None, engine="auto", shard_optimizer_state=False,
                  commit_every_steps=DEFAULT_COMMIT_EVERY_STEPS):
-        self.commit_every_steps = check_int("commit_every_steps", commit_every_steps, 1)
-        self.startup_timeout = check_seconds("startup_timeout", startup_timeout)
-        self.collective_timeout = check_seconds("collective_timeout", collective_timeout,
-                                                allow_none=True)
-        self.heartbeat_timeout = check_seconds("heartbeat_timeout", heartbeat_timeout)
+        checked = check_multi_worker(
+            communication_options, startup_timeout, collective_timeout, heartbeat_timeout,
+            compression, accumulate_steps, engine, shard_optimizer_state, commit_every_steps)
+        options = checked.pop("options")
+        self.commit_every_steps = checked["commit_every_steps"]
+        self.startup_timeout = checked["startup_timeout"]
+        self.collective_timeout = checked["collective_timeout"]
+        self.heartbeat_timeout = checked["heartbeat_timeout"]
         self.cluster = self._resolve(cluster_resolver)
-        options = merge_options(communication_options, compression=compression,
-                                accumulate_steps=accumulate_steps)
         cluster = self.cluster
         self.engine = select_engine(engine, cluster.num_workers if cluster else 1,
                                     on_gpus=bool(tf.config.list_physical_devices("GPU")),

@@ -30,14 +30,13 @@ from tfdist import env
 from tfdist._hooks import coordinator as coordinator_hooks
 from tfdist._hooks.sharded import (embedding, gradients, initialization, optimizer_state,
                                    row_blocks, saving)
-from tfdist.checks import check_int
 from tfdist.cluster import ClusterSpec, resolve_cluster
 from tfdist.comm.accounting import ByteCounter
 from tfdist.comm.liveness import is_responsive
 from tfdist.keras import handoff
+from tfdist.strategies.arguments import DEFAULT_STEP_TIMEOUT, PS_MODES, check_parameter_server
 
-MODES = ("async", "sync")
-DEFAULT_STEP_TIMEOUT = 600.0
+MODES = PS_MODES
 # Dotted path of the module with fit/evaluate/predict for models of this strategy: a name,
 # so that the PS driver (and Keras' training code it imports) loads only when a model fits.
 FIT_DRIVER = "tfdist.keras.ps_fit"  # its fit/evaluate/predict replace Keras' own
@@ -375,34 +374,15 @@ class ParameterServerStrategy(handoff.KerasHandoff, tf.distribute.ParameterServe
                  steps_per_dispatch=None, chief_poll_seconds=1.0, startup_timeout=60.0,
                  step_timeout=DEFAULT_STEP_TIMEOUT, exactly_once=True,
                  update_block_bytes=row_blocks.UPDATE_BLOCK_BYTES):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {list(MODES)}. Received: mode={mode!r}")
-        if steps_per_dispatch is not None and (
-                isinstance(steps_per_dispatch, bool) or not isinstance(steps_per_dispatch, int)
-                or steps_per_dispatch < 1):
-            raise ValueError("steps_per_dispatch must be None or an integer >= 1. "
-                             f"Received: steps_per_dispatch={steps_per_dispatch!r}")
-        if isinstance(chief_poll_seconds, bool) or not isinstance(
-                chief_poll_seconds, (int, float)) or not chief_poll_seconds > 0:
-            raise ValueError("chief_poll_seconds must be a number > 0. "
-                             f"Received: chief_poll_seconds={chief_poll_seconds!r}")
+        check_parameter_server(mode, steps_per_dispatch=steps_per_dispatch,
+                               chief_poll_seconds=chief_poll_seconds,
+                               startup_timeout=startup_timeout, step_timeout=step_timeout,
+                               exactly_once=exactly_once,
+                               update_block_bytes=update_block_bytes)
         spec = resolve_cluster(cluster_resolver)
         validate_ps_cluster(spec)
         # Fail fast on a dead peer instead of retrying forever; the coordinator reschedules.
         os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
-        if isinstance(startup_timeout, bool) or not isinstance(
-                startup_timeout, (int, float)) or not startup_timeout > 0:
-            raise ValueError("startup_timeout must be a number > 0. "
-                             f"Received: startup_timeout={startup_timeout!r}")
-        if not isinstance(exactly_once, bool):
-            raise ValueError("exactly_once must be True or False. "
-                             f"Received: exactly_once={exactly_once!r}")
-        if update_block_bytes is not None:
-            check_int("update_block_bytes", update_block_bytes, 1)
-        if step_timeout is not None and (isinstance(step_timeout, bool) or not isinstance(
-                step_timeout, (int, float)) or not step_timeout > 0):
-            raise ValueError("step_timeout must be None or a number > 0. "
-                             f"Received: step_timeout={step_timeout!r}")
         if spec.task.type in ("worker", "ps"):
             serve_until_chief_done(spec, chief_poll_seconds, startup_timeout)  # no return
         _wait_for_servers(spec, startup_timeout)

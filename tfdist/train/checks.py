@@ -1,9 +1,11 @@
 """The main job's checks of what a valid config can still get wrong, before anything
-starts: the environment of a task, horovodrun, Spark or Ray, the model, the data."""
+starts: the strategy's option values, the environment of a task, horovodrun, Spark or
+Ray, the model, the data."""
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import math
 import os
 import shutil
@@ -45,10 +47,74 @@ def find_horovodrun() -> str | None:
     return str(sibling) if os.access(sibling, os.X_OK) else None
 
 
+def strategy_kwargs(config: dict[str, Any]) -> dict[str, Any]:
+    """``strategy.options`` as keyword arguments of the strategy's class.
+
+    A table in ``outer_optimizer`` (``{name = "sgd", learning_rate = 0.7, ...}``) becomes
+    a function making that Keras optimizer (multi-worker strategies must exist before
+    an optimizer is created; the check imports Keras, not TensorFlow's runtime), and
+    one in ``communication_options`` a `tfdist.CommunicationOptions`.
+
+    Raises:
+        ConfigError: a table that makes no optimizer or options; names the key.
+    """
+    options = dict(config["strategy"]["options"])
+    table = options.get("communication_options")
+    if isinstance(table, dict):
+        from tfdist.comm.options import CommunicationOptions
+
+        try:
+            options["communication_options"] = CommunicationOptions(**table)
+        except (TypeError, ValueError) as error:
+            raise ConfigError(f"strategy.options.communication_options: {error}") from None
+    if isinstance(options.get("outer_optimizer"), dict):
+        options["outer_optimizer"] = _optimizer_from_table(options["outer_optimizer"])
+    return options
+
+
+def _optimizer_from_table(table: dict[str, Any]):
+    import keras
+
+    table = dict(table)
+    name = table.pop("name", "sgd")
+    cls = {"sgd": keras.optimizers.SGD, "adam": keras.optimizers.Adam}.get(
+        name.lower() if isinstance(name, str) else name)
+    if cls is None:
+        raise ConfigError(f"strategy.options.outer_optimizer.name must be 'sgd' or 'adam'. "
+                          f"Received: {name!r}")
+    # Keras optimizers pass **kwargs to their bases, which refuse unknown names.
+    known = {name for klass in cls.__mro__ if "__init__" in vars(klass)
+             for name, p in inspect.signature(klass.__init__).parameters.items()
+             if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)} - {"self"}
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise ConfigError(f"strategy.options.outer_optimizer: {cls.__name__} takes no "
+                          f"argument {unknown[0]!r}; expected some of {sorted(known)}. "
+                          f"Received: {unknown[0]}={table[unknown[0]]!r}")
+    return lambda: cls(**table)
+
+
+def check_strategy_options(config: dict[str, Any], source: str = "<config>") -> None:
+    """Checks ``strategy.options`` with the strategy class's own argument checks
+    (`tfdist.strategies.arguments`), without TensorFlow's runtime: before any process.
+
+    Raises:
+        ConfigError: naming ``source``, the option and what was received.
+    """
+    from tfdist.strategies import arguments
+
+    try:
+        arguments.check_options(config["strategy"]["name"], strategy_kwargs(config))
+    except ConfigError as error:
+        raise ConfigError(f"{source}: {error}") from None
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"{source}: strategy.options: {error}") from None
+
+
 def check_job(config: dict[str, Any], source: str = "<config>") -> None:
     """Checks what a valid config can still get wrong, before any process or TF op.
 
-    The environment of ``cluster.mode = "env"``, ``horovodrun`` for a local Horovod
+    The strategy's option values (`check_strategy_options`), the environment of ``cluster.mode = "env"``, ``horovodrun`` for a local Horovod
     job, that ``model.name`` can be loaded, and the whole data set (see
     `tfdist.data.split_data`). Runs no TensorFlow op, so it is safe before a strategy.
 
@@ -59,6 +125,7 @@ def check_job(config: dict[str, Any], source: str = "<config>") -> None:
     from tfdist.models import check_model_name
 
     entry, cluster = registry.get(config["strategy"]["name"]), config["cluster"]
+    check_strategy_options(config, source)
     if is_multi_process(config) and cluster["mode"] == "env":
         _check_environment(config, source)
     if cluster["mode"] == "nodes" and cluster["node_rank"] != 0:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tfdist.config import ConfigError, is_multi_process, load_config
+from tfdist.files import describe_disk_full, is_disk_full
 from tfdist.strategies import registry
 from tfdist.train.checks import check_job
 from tfdist.train.outdir import (backup_dir, create_output_dir, holds_lock, lock_output_dir,
@@ -144,7 +145,12 @@ def main(args) -> int:
         launched = is_multi_process(config) and config["cluster"]["mode"] in (
             "local", "nodes", "spark", "ray")
         if lock is not None:  # the launcher points its tasks at OUTPUT_DIR/backup
-            prepare_backup(config, out / "backup" if launched else backup_dir(config))
+            try:
+                prepare_backup(config, out / "backup" if launched else backup_dir(config),
+                               fresh=getattr(args, "fresh", False))
+            except ConfigError as error:
+                print(f"tfdist train: error: {error}", file=sys.stderr)
+                return 2
         entry = registry.get(config["strategy"]["name"])
         if launched and entry.horovodrun and config["cluster"]["max_restarts"]:
             print(f"tfdist train: cluster.max_restarts does not apply to {entry.name} "
@@ -165,6 +171,12 @@ def main(args) -> int:
             except ConfigError as error:
                 print(f"tfdist train: error: {source}: {error}", file=sys.stderr)
                 return 2
+            except OSError as error:
+                if not is_disk_full(error):
+                    raise
+                print(f"tfdist train: FAILED: {describe_disk_full(error)}", file=sys.stderr,
+                      flush=True)
+                return 1
             code = 0
     finally:
         if lock is not None:

@@ -95,11 +95,17 @@ def _backup_key(config: dict[str, Any]) -> dict[str, Any]:
     return key
 
 
-def prepare_backup(config: dict[str, Any], directory: Path, log=None) -> None:
-    """Keeps a backup in ``directory`` only if it belongs to this config, then marks it.
+def prepare_backup(config: dict[str, Any], directory: Path, log=None, *,
+                   fresh: bool = False) -> None:
+    """Marks ``directory`` as this config's backup, resuming one of the same config.
 
-    A backup left by an interrupted job of the same config is resumed; one of another
-    config (or of no ``tfdist train`` job) cannot be, and is removed, saying so.
+    A backup left by an interrupted job of the same config is resumed. One of another
+    config (or of no ``tfdist train`` job) is never removed unless ``fresh``
+    (``tfdist train --fresh``), which discards any backup, saying so.
+
+    Raises:
+        ConfigError: ``directory`` holds a backup of another config; names it, what
+            differs, and ``--fresh``.
     """
     log = log or sys.stdout
     marker = directory / BACKUP_CONFIG_FILE
@@ -108,16 +114,41 @@ def prepare_backup(config: dict[str, Any], directory: Path, log=None) -> None:
             saved = json.loads(marker.read_text())
         except (OSError, ValueError):
             saved = None
-        if saved == _backup_key(config):
-            if any(p.name != BACKUP_CONFIG_FILE for p in directory.iterdir()):
+        held = directory.is_dir() and any(
+            p.name != BACKUP_CONFIG_FILE for p in directory.iterdir())
+        if fresh and directory.is_dir() and (held or saved is not None):
+            shutil.rmtree(directory)
+            print(f"tfdist train: removed {directory} (--fresh): the job starts at epoch 1",
+                  file=log, flush=True)
+        elif saved == _backup_key(config):
+            if held:
                 print(f"tfdist train: {directory} holds a backup of this config; the job "
                       "resumes from it", file=log, flush=True)
             return
-        shutil.rmtree(directory)
-        print(f"tfdist train: removed {directory}: a backup of another config", file=log,
-              flush=True)
+        elif held or not directory.is_dir():
+            raise ConfigError(
+                f"{directory} holds a backup of another config ({_differences(saved, config)})"
+                "; it is kept. Run the config it belongs to, to resume it, or discard it on "
+                "purpose with `tfdist train --fresh` (or delete the directory yourself)")
     directory.mkdir(parents=True, exist_ok=True)
     write_atomic(marker, lambda tmp: tmp.write_text(json.dumps(_backup_key(config))))
+
+
+def _differences(saved, config: dict[str, Any]) -> str:
+    """What tells a saved backup key from this config's: a few dotted keys."""
+    if not isinstance(saved, dict):
+        return "it names no tfdist train config"
+    key = _backup_key(config)
+
+    def table(keys, section):
+        found = keys.get(section)
+        return found if isinstance(found, dict) else {}
+
+    names = sorted(f"{section}.{name}" for section in set(saved) | set(key)
+                   for name in set(table(saved, section)) | set(table(key, section))
+                   if table(saved, section).get(name) != table(key, section).get(name))
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return f"it differs in {shown}" if names else "it differs"
 
 
 def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:

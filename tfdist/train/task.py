@@ -8,7 +8,6 @@ task of a launched job; Spark and Ray run `snapshot_task`.
 from __future__ import annotations
 
 import importlib
-import inspect
 import json
 import math
 import os
@@ -20,8 +19,9 @@ from typing import Any
 
 from tfdist import env
 from tfdist.config import ConfigError, is_multi_process
+from tfdist.files import check_free_space, describe_disk_full, is_disk_full, model_save_size
 from tfdist.strategies import registry
-from tfdist.train.checks import slurm_port
+from tfdist.train.checks import slurm_port, strategy_kwargs
 from tfdist.train.outdir import BACKUP_HISTORY_FILE, backup_dir, write_atomic
 from tfdist.train.report import format_table, plot_history
 
@@ -36,9 +36,7 @@ def build_strategy(config: dict[str, Any]):
 
     from tfdist import devices
 
-    entry, options = registry.get(config["strategy"]["name"]), dict(config["strategy"]["options"])
-    if isinstance(options.get("outer_optimizer"), dict):
-        options["outer_optimizer"] = _optimizer_from_table(options["outer_optimizer"])
+    entry, options = registry.get(config["strategy"]["name"]), strategy_kwargs(config)
     try:
         if entry.class_name is None:
             return tf.distribute.get_strategy()
@@ -48,24 +46,6 @@ def build_strategy(config: dict[str, Any]):
     except TypeError as error:
         raise ConfigError(f"strategy.options do not fit strategy {entry.name!r}: {error}") \
             from None
-
-
-def _optimizer_from_table(table: dict[str, Any]):
-    """``{name = "sgd", learning_rate = 0.7, ...}`` -> a function making that Keras
-    optimizer (multi-worker strategies must exist before the optimizer is created)."""
-    import keras
-
-    table = dict(table)
-    name = table.pop("name", "sgd")
-    cls = {"sgd": keras.optimizers.SGD, "adam": keras.optimizers.Adam}.get(name.lower())
-    if cls is None:
-        raise ConfigError(f"strategy.options.outer_optimizer.name must be 'sgd' or 'adam'. "
-                          f"Received: {name!r}")
-    try:
-        inspect.signature(cls).bind(**table)
-    except TypeError as error:
-        raise ConfigError(f"strategy.options.outer_optimizer: {error}") from None
-    return lambda: cls(**table)
 
 
 def export_slurm_cluster(config: dict[str, Any]) -> None:
@@ -246,6 +226,7 @@ def run_task(config: dict[str, Any], name: str | None = None) -> dict[str, Any] 
     text = json.dumps(report, indent=2, default=_jsonable)
     write_atomic(out / "report.json", lambda tmp: tmp.write_text(text))
     write_atomic(out / "report.png", lambda tmp: plot_history(report, tmp))
+    check_free_space(out / "model.keras", model_save_size(model))  # h5py: SIGSEGV when full
     write_atomic(out / "model.keras", model.save)
     print(format_table([("metric", "value")] +
                        [(k, f"{v:.4f}") for k, v in sorted(final.items())] +
@@ -283,6 +264,12 @@ def run_snapshot(snapshot: dict[str, Any]) -> int:
     except ConfigError as error:
         print(f"tfdist train: error: {error}", file=sys.stderr, flush=True)
         return 2
+    except OSError as error:
+        if not is_disk_full(error):
+            raise
+        print(f"tfdist train: FAILED: {describe_disk_full(error)}", file=sys.stderr,
+              flush=True)
+        return 1
     return 0
 
 

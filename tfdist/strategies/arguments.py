@@ -1,0 +1,199 @@
+"""Every strategy's argument checks, without TensorFlow.
+
+A strategy's ``__init__`` calls its ``check_<strategy.name>`` here before it starts
+anything, and ``tfdist train`` calls the same function on ``strategy.options`` before any
+process starts (`check_options`), so a bad value is one line there, not a traceback per
+task. Each function takes its class's keyword arguments with the same defaults (but
+none of `registry.NOT_FROM_CONFIG`; tests/test_strategy_registry.py holds them equal),
+returns the checked values, and raises `ValueError` naming the argument and what it
+received. What only the running cluster can tell (whether a device exists, the engine
+``"auto"`` picks, an elastic job's needs) stays in the constructors.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from tfdist._hooks.sharded.row_blocks import UPDATE_BLOCK_BYTES
+from tfdist.checks import (check_bool, check_device_list, check_int, check_number,
+                           check_seconds)
+from tfdist.comm.options import CommunicationOptions, merge_options
+from tfdist.comm.quantize import check_outer_compression
+from tfdist.engines.registry import check_engine
+from tfdist.strategies import registry
+
+DEFAULT_STARTUP_TIMEOUT = 60.0
+# Seconds a collective may wait for its peers before failing; None: no limit. None by
+# default because TF implements the timeout with one OS thread per collective that
+# sleeps for the whole timeout (benchmarks/overhead.md: ~4 threads per step, each
+# living that long). A frozen or dead peer is still caught by the heartbeat.
+DEFAULT_COLLECTIVE_TIMEOUT = None
+# Seconds without a heartbeat before the coordination service declares a task dead.
+DEFAULT_HEARTBEAT_TIMEOUT = 10.0
+# Elastic jobs: steps between commits of the state a re-formed job rolls back to.
+DEFAULT_COMMIT_EVERY_STEPS = 1
+DEFAULT_STEP_TIMEOUT = 600.0
+PS_MODES = ("async", "sync")
+
+
+def check_options(name: str, options: dict[str, Any]) -> None:
+    """Checks ``strategy.options`` of a ``strategy.name`` with its class's own checks.
+
+    Raises:
+        ValueError: a value is wrong (the message names it and what was received).
+        TypeError: an option the class does not take.
+    """
+    entry = registry.get(name)
+    if entry.class_name is not None:
+        getattr(sys.modules[__name__], f"check_{entry.name}")(**options)
+
+
+def _sync_options(communication_options, compression, accumulate_steps,
+                  shard_optimizer_state) -> CommunicationOptions:
+    check_bool("shard_optimizer_state", shard_optimizer_state)
+    return merge_options(communication_options, compression=compression,
+                         accumulate_steps=accumulate_steps)
+
+
+def check_mirrored(devices=None, communication_options=None, compression=None,
+                   accumulate_steps=None, shard_optimizer_state=False) -> CommunicationOptions:
+    """`tfdist.MirroredStrategy`'s arguments; returns its `CommunicationOptions`."""
+    if devices is not None:
+        check_device_list(devices)
+    return _sync_options(communication_options, compression, accumulate_steps,
+                         shard_optimizer_state)
+
+
+def check_horovod(devices=None, compression=None, communication_options=None,
+                  accumulate_steps=None) -> CommunicationOptions:
+    """`tfdist.HorovodStrategy`'s arguments; returns its `CommunicationOptions`."""
+    if devices is not None:
+        check_device_list(devices)
+    return _sync_options(communication_options, compression, accumulate_steps, False)
+
+
+def check_multi_worker(communication_options=None, startup_timeout=DEFAULT_STARTUP_TIMEOUT,
+                       collective_timeout=DEFAULT_COLLECTIVE_TIMEOUT,
+                       heartbeat_timeout=DEFAULT_HEARTBEAT_TIMEOUT, compression=None,
+                       accumulate_steps=None, engine="auto", shard_optimizer_state=False,
+                       commit_every_steps=DEFAULT_COMMIT_EVERY_STEPS) -> dict[str, Any]:
+    """`tfdist.MultiWorkerMirroredStrategy`'s arguments, checked: a dict of
+    ``commit_every_steps``, the three timeouts and ``options``."""
+    checked = dict(
+        commit_every_steps=check_int("commit_every_steps", commit_every_steps, 1),
+        startup_timeout=check_seconds("startup_timeout", startup_timeout),
+        collective_timeout=check_seconds("collective_timeout", collective_timeout,
+                                         allow_none=True),
+        heartbeat_timeout=check_seconds("heartbeat_timeout", heartbeat_timeout))
+    check_engine(engine)
+    checked["options"] = _sync_options(communication_options, compression, accumulate_steps,
+                                       shard_optimizer_state)
+    return checked
+
+
+def check_parameter_server(mode="async", *, steps_per_dispatch=None, chief_poll_seconds=1.0,
+                           startup_timeout=60.0, step_timeout=DEFAULT_STEP_TIMEOUT,
+                           exactly_once=True, update_block_bytes=UPDATE_BLOCK_BYTES) -> None:
+    """`tfdist.ParameterServerStrategy`'s arguments."""
+    if not isinstance(mode, str) or mode not in PS_MODES:
+        raise ValueError(f"mode must be one of {list(PS_MODES)}. Received: mode={mode!r}")
+    if steps_per_dispatch is not None:
+        check_int("steps_per_dispatch", steps_per_dispatch, 1)
+    check_number("chief_poll_seconds", chief_poll_seconds)
+    check_number("startup_timeout", startup_timeout)
+    check_bool("exactly_once", exactly_once)
+    if update_block_bytes is not None:
+        check_int("update_block_bytes", update_block_bytes, 1)
+    check_number("step_timeout", step_timeout, allow_none=True)
+
+
+def check_model_average(period=1, warmup_steps=0, outer_optimizer=None,
+                        average_optimizer_state=False, devices=None, *, compression=None,
+                        engine="auto", fragments=1, sync_delay=0, mix=1.0,
+                        outer_compression=None, **base_kwargs) -> dict[str, Any]:
+    """`tfdist.ModelAverageStrategy`'s arguments, and those it passes on to
+    `tfdist.MultiWorkerMirroredStrategy` (``base_kwargs``).
+
+    Returns:
+        A dict of the checked ``period``, ``warmup_steps``, ``fragments``,
+        ``sync_delay``, ``mix``, ``average_optimizer_state``, ``options`` (its
+        `CommunicationOptions`), ``outer_compression`` and the ``base_kwargs`` for the
+        base class (without ``communication_options`` and ``shard_optimizer_state``).
+    """
+    base_kwargs = dict(base_kwargs)
+    period = check_int("period", period, 1)
+    warmup_steps = check_int("warmup_steps", warmup_steps, 0)
+    check_bool("average_optimizer_state", average_optimizer_state)
+    fragments = check_fragments(period, fragments, average_optimizer_state)
+    sync_delay, mix = check_delay(period, fragments, warmup_steps, average_optimizer_state,
+                                  sync_delay, mix)
+    check_template(outer_optimizer)
+    if devices is not None:
+        check_device_list(devices)
+    if base_kwargs.pop("shard_optimizer_state", False):
+        raise ValueError("ModelAverageStrategy keeps a whole optimizer per worker; "
+                         "shard_optimizer_state is for the synchronous strategies. "
+                         "Received: shard_optimizer_state=True")
+    options = merge_options(base_kwargs.pop("communication_options", None),
+                            compression=compression)
+    if options.accumulate_steps > 1:
+        raise ValueError("ModelAverageStrategy applies every micro-batch locally; "
+                         "accumulate_steps is for the synchronous strategies. Received: "
+                         f"accumulate_steps={options.accumulate_steps}")
+    outer_compression = check_outer_compression(outer_compression, options.compression)
+    check_multi_worker(engine=engine, **base_kwargs)
+    return dict(period=period, warmup_steps=warmup_steps, fragments=fragments,
+                sync_delay=sync_delay, mix=mix,
+                average_optimizer_state=average_optimizer_state, options=options,
+                outer_compression=outer_compression, base_kwargs=base_kwargs)
+
+
+def check_fragments(period: int, fragments, average_optimizer_state) -> int:
+    """``fragments`` checked against ``period`` (see `tfdist.ModelAverageStrategy`)."""
+    fragments = check_int("fragments", fragments, 1)
+    if period % fragments:
+        raise ValueError("period must be a multiple of fragments: fragment f averages "
+                         "f * period / fragments steps into each period. Received: "
+                         f"period={period}, fragments={fragments}")
+    if fragments > 1 and average_optimizer_state:
+        raise ValueError("average_optimizer_state needs fragments=1 (the slots are not "
+                         f"split into fragments). Received: fragments={fragments}")
+    return fragments
+
+
+def check_delay(period, fragments, warmup_steps, average_optimizer_state, sync_delay, mix):
+    """``(sync_delay, mix)`` checked (see `tfdist.ModelAverageStrategy`)."""
+    sync_delay = check_int("sync_delay", sync_delay, 0)
+    if sync_delay >= period // fragments:
+        raise ValueError("sync_delay must be below period / fragments (a fragment's "
+                         "exchange is applied before the next fragment's starts). "
+                         f"Received: sync_delay={sync_delay}, period={period}, "
+                         f"fragments={fragments}")
+    if isinstance(mix, bool) or not isinstance(mix, (int, float)) or not 0 <= mix <= 1:
+        raise ValueError(f"mix must be a number in [0, 1]. Received: mix={mix!r}")
+    delayed = sync_delay > 0 or mix != 1
+    if delayed and warmup_steps:
+        raise ValueError("warmup_steps needs sync_delay=0 and mix=1 (the warm-up averages "
+                         f"every fragment every step). Received: warmup_steps={warmup_steps}, "
+                         f"sync_delay={sync_delay}, mix={mix}")
+    if delayed and average_optimizer_state:
+        raise ValueError("average_optimizer_state needs sync_delay=0 and mix=1. Received: "
+                         f"average_optimizer_state=True, sync_delay={sync_delay}, mix={mix}")
+    return sync_delay, float(mix)
+
+
+def check_template(outer_optimizer) -> None:
+    """Refuses an ``outer_optimizer`` argument that cannot give a usable optimizer: not
+    an optimizer, a function, a config or None, or an optimizer that uses what the
+    outer step would skip (`tfdist.strategies._outer.check_outer`)."""
+    if outer_optimizer is not None and not (
+            hasattr(outer_optimizer, "get_config") or callable(outer_optimizer)
+            or isinstance(outer_optimizer, (str, dict))):
+        raise ValueError("outer_optimizer must be a Keras optimizer, a function that "
+                         "returns one, its config (dict or name), or None. "
+                         f"Received: outer_optimizer={outer_optimizer!r}")
+    if hasattr(outer_optimizer, "get_config"):  # an optimizer: Keras is loaded already
+        from tfdist.strategies._outer import check_outer
+
+        check_outer(outer_optimizer)
