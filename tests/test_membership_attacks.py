@@ -182,6 +182,7 @@ def test_slow_sockets_are_capped_cut_at_their_deadline_and_never_hold_the_close(
     _assert_quiet(said)
 
 
+@pytest.mark.unit
 def test_sigusr1_is_ignored_and_said_outside_an_elastic_node_0():
     from tfdist.launch.usr1 import IgnoredUsr1
 

@@ -78,10 +78,12 @@ def nothing_starts(monkeypatch):
     return started
 
 
+@pytest.mark.unit
 def test_every_option_of_the_registry_has_a_bad_value():
     assert {option for _, option in CASES} == set(BAD)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name,option", CASES)
 def test_bad_option_is_one_line_and_exit_2_before_anything(tmp_path, capsys, nothing_starts,
                                                            name, option):

@@ -51,6 +51,7 @@ def test_full_disk_during_a_backup_is_one_line_and_keeps_the_earlier_backup(tiny
         assert len(f.keys()) > 0
 
 
+@pytest.mark.multiprocess
 def test_keras_guards_as_the_docs_write_it():
     code = ("import tfdist\nprint(tfdist.keras.guards.StopOnNaN.__name__, "
             "'guards' in dir(tfdist.keras))")
@@ -73,6 +74,7 @@ def test_list_compression_is_named(kwargs, needle):
         tfdist.ModelAverageStrategy(**kwargs)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("environment,expected", [({}, "2"),
                                                   ({"TF_CPP_MIN_LOG_LEVEL": "0"}, "0")])
 def test_cli_hides_tensorflows_start_up_log_unless_asked(tmp_path, environment, expected):
@@ -87,6 +89,7 @@ def test_cli_hides_tensorflows_start_up_log_unless_asked(tmp_path, environment, 
     assert f"LEVEL {expected}" in result.stdout, result.stdout
 
 
+@pytest.mark.unit
 def test_readme_lists_every_notebook():
     readme = (ROOT / "README.md").read_text()
     for notebook in sorted((ROOT / "notebooks").glob("*.ipynb")):
