@@ -140,3 +140,34 @@ def test_watchdog_blames_a_hung_worker_only_after_every_ps_answered(servers, tmp
                                        "0.5s: it is hung or too slow")
     finally:
         fakes[0].release.set()
+
+
+def test_launcher_kills_a_worker_to_restart_and_a_ps_to_stop_and_names_the_ps(tmp_path):
+    """`PsWorkerRestarts.check` reads the chief's requests: ``restart-worker-1`` and
+    ``stop-ps-0`` SIGKILL them; the ps's end is then worded with the chief's reason."""
+    import io
+    import types
+
+    from tfdist.launch import PsWorkerRestarts
+
+    def task(name):
+        fake = types.SimpleNamespace(name=name, signals=[], poll=lambda: None)
+        fake.signal_group = fake.signals.append
+        return fake
+
+    tasks = [task("chief-0"), task("worker-0"), task("worker-1"), task("ps-0")]
+    log = io.StringIO()
+    policy = PsWorkerRestarts(0, log)
+    with policy.attempt():
+        for request, why in (("restart-worker-1", "hung"), ("stop-ps-0", "silent 30s")):
+            (tmp_path / "x").write_text(why)
+            os.replace(tmp_path / "x", os.path.join(policy.control_dir, request))
+        policy.check(tasks)
+        assert os.listdir(policy.control_dir) == []
+    assert [t.signals for t in tasks] == [[], [], [signal.SIGKILL], [signal.SIGKILL]]
+    assert "the chief asked to restart worker-1 (hung); killing it" in log.getvalue()
+    assert ("the chief found ps-0 not responding (silent 30s); killing it, which ends the "
+            "job") in log.getvalue()
+    assert policy.failure_note(tasks[3]).startswith(
+        ": ps-0 was not responding (silent 30s), so the chief had it killed")
+    assert policy.failure_note(tasks[1]) == ""
