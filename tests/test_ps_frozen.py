@@ -72,7 +72,7 @@ def test_a_frozen_ps_is_named_and_the_workers_are_not_blamed(tmp_path, step_time
     assert len(failed) == 1 and failed[0].startswith(
         "tfdist launch: FAILED: ps-0 exited with code -9 (signal SIGKILL): ps-0 was not "
         f"responding (its server has not answered for {silent}s: it is frozen (e.g. "
-        "SIGSTOP) or cut off), so the chief had it killed"), err[-3000:]
+        "SIGSTOP) or cut off), so the chief had it killed"), (failed, err[-3000:])
     assert (f"[chief-0] tfdist: ps-0 is not responding: its server has not answered for "
             f"{silent}s") in out + err, (out + err)[-3000:]
     for worker in ("worker-0", "worker-1"):  # healthy: neither blamed nor restarted
@@ -85,11 +85,14 @@ def test_a_frozen_ps_is_named_and_the_workers_are_not_blamed(tmp_path, step_time
 
 
 def test_watchdog_names_a_silent_ps_and_not_the_workers_whose_steps_wait_for_it(
-        servers, tmp_path):  # noqa: F811
+        servers, tmp_path, monkeypatch):  # noqa: F811
+    """It asks the launcher to stop ps-1 and fails once the launcher has (removed the
+    request), so that the launcher sees the ps end before the chief."""
     import types
 
     from tfdist.strategies.parameter_server import StepTimeoutError, _StepWatchdog
 
+    monkeypatch.setattr(_StepWatchdog, "STOP_WAIT_SECONDS", 3600)
     fakes = [_FakeWorker(i) for i in range(2)]
     coordinator = types.SimpleNamespace(_cluster=types.SimpleNamespace(workers=fakes))
     watchdog = _StepWatchdog(coordinator, [servers["answering"]] * 2, 0.5, 60, str(tmp_path),
@@ -98,6 +101,12 @@ def test_watchdog_names_a_silent_ps_and_not_the_workers_whose_steps_wait_for_it(
     try:
         for fake in fakes:  # both workers' steps hang, waiting for ps-1
             threading.Thread(target=fake._process_closure, args=(None,), daemon=True).start()
+        request = tmp_path / "stop-ps-1"
+        assert _eventually(request.exists)
+        assert request.read_text().startswith("its server has not answered for 0.25s")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["stop-ps-1"]
+        assert watchdog.error is None  # until the launcher has stopped it
+        request.unlink()  # as the launcher does once ps-1 has exited
         assert _eventually(lambda: watchdog.error is not None)
         with pytest.raises(StepTimeoutError) as info:
             watchdog.raise_if_failed()
@@ -105,15 +114,15 @@ def test_watchdog_names_a_silent_ps_and_not_the_workers_whose_steps_wait_for_it(
         assert str(info.value).startswith(
             "ps-1 is not responding: its server has not answered for 0.25s: it is frozen "
             "(e.g. SIGSTOP) or cut off. A ps holds the model's variables"), info.value
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["stop-ps-1"]
-        assert (tmp_path / "stop-ps-1").read_text().startswith("its server has not answered")
+        assert not list(tmp_path.iterdir())  # no worker was asked to restart
     finally:
         for fake in fakes:
             fake.release.set()
         watchdog.stop()
 
 
-def test_watchdog_blames_a_hung_worker_only_after_every_ps_answered(servers, tmp_path):  # noqa: F811
+def test_watchdog_blames_a_hung_worker_only_after_every_ps_answered(
+        servers, tmp_path):  # noqa: F811
     """A step overdue while a ps has not yet answered a probe begun after it went overdue
     is not blamed (a ps slower to be found frozen than step_timeout); once it has, it is."""
     import time
@@ -151,8 +160,9 @@ def test_launcher_kills_a_worker_to_restart_and_a_ps_to_stop_and_names_the_ps(tm
     from tfdist.launch import PsWorkerRestarts
 
     def task(name):
-        fake = types.SimpleNamespace(name=name, signals=[], poll=lambda: None)
+        fake = types.SimpleNamespace(name=name, signals=[])
         fake.signal_group = fake.signals.append
+        fake.poll = lambda: -9 if fake.signals else None  # SIGKILL ends it
         return fake
 
     tasks = [task("chief-0"), task("worker-0"), task("worker-1"), task("ps-0")]

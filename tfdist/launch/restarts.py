@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -25,6 +26,16 @@ from tfdist.launch.results import announce_restart, exit_cause, is_port_clash
 # text: why). See `PsWorkerRestarts`.
 CONTROL_DIR_ENV = env.CONTROL_DIR
 TASK_RESTART_ENV = env.TASK_RESTART
+
+
+STOP_WAIT_SECONDS = 5.0  # for a ps killed at the chief's request to exit
+
+
+def _wait_for_exit(task, seconds: float) -> None:
+    """Waits up to ``seconds`` for ``task`` to exit (its exit time noted)."""
+    deadline = time.monotonic() + seconds
+    while task.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 class JobRestarts:
@@ -142,7 +153,6 @@ class PsWorkerRestarts(JobRestarts):
             if task is None or task.poll() is not None:
                 continue
             reason = Path(path).read_text(errors="replace").strip()
-            os.unlink(path)
             if request == env.STOP_REQUEST:
                 self.stopped[task.name] = reason
                 print(f"tfdist launch: the chief found {task.name} not responding ({reason}); "
@@ -151,6 +161,9 @@ class PsWorkerRestarts(JobRestarts):
                 print(f"tfdist launch: the chief asked to restart {task.name} ({reason}); "
                       "killing it", file=self.log, flush=True)
             task.signal_group(signal.SIGKILL)
+            if request == env.STOP_REQUEST:  # it exits first: the chief waits for this
+                _wait_for_exit(task, STOP_WAIT_SECONDS)
+            os.unlink(path)
 
     def replace(self, tasks: list, failed, start: Callable[[TaskSpec, int], object]) -> bool:
         if failed.spec.type != "worker" or not self._chief_runs(tasks) or \

@@ -57,6 +57,7 @@ class _StepWatchdog:
     """
 
     EXIT_GRACE_SECONDS = 10.0
+    STOP_WAIT_SECONDS = 10.0  # for `tfdist launch` to kill a frozen ps before failing
 
     def __init__(self, coordinator, addresses, step_timeout, startup_timeout,
                  control_dir=None, ps_addresses=()):
@@ -157,13 +158,17 @@ class _StepWatchdog:
             "are not at fault). Restart the job (e.g. `tfdist launch --max-restarts 1 "
             "...`) and resume from the chief's checkpoint (keras.callbacks.BackupAndRestore). "
             f"Received: step_timeout={self._step_timeout:g}", names)
-        self._fail(error)
         if self._control_dir is not None:
             print(f"tfdist: {which} is not responding: {why}; asking tfdist launch to stop "
                   "it, which ends the job (a ps cannot be restarted alone)",
                   file=sys.stderr, flush=True)
-            for name in names:
-                self._request(env.STOP_REQUEST, name, why)
+            paths = [self._request(env.STOP_REQUEST, name, why) for name in names]
+            # The launcher removes a request once its ps has exited: the ps, not this
+            # chief (which exits on `error`), is then the task it names.
+            deadline = time.monotonic() + self.STOP_WAIT_SECONDS
+            while any(map(os.path.exists, paths)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        self._fail(error)
 
     def _on_overdue(self, name, why):
         if self._control_dir is None:
@@ -179,15 +184,18 @@ class _StepWatchdog:
         self._request(env.RESTART_REQUEST, name, why)
 
     def _request(self, request, name, why):
-        """Asks `tfdist launch` to SIGKILL task ``name`` (see `tfdist.env.CONTROL_DIR`)."""
+        """Asks `tfdist launch` to SIGKILL task ``name`` (see `tfdist.env.CONTROL_DIR`);
+        returns the request's path."""
         path = os.path.join(self._control_dir, f"{request}-{name}")
         try:
             with open(path + ".tmp", "w") as f:
                 f.write(why)
             os.replace(path + ".tmp", path)
+            return path
         except OSError as error:
             self._fail(StepTimeoutError(f"{name} is overdue: {why}; asking tfdist launch "
                                         f"to {request} it failed: {error}", [name]))
+            return path
 
     def _fail(self, error):
         if self.error is not None:
