@@ -20,6 +20,9 @@ TOKEN = "TFDIST_TOKEN"  # the rendezvous' shared secret (read by tfdist launch)
 
 # Set by the parameter-server restart policy (one worker restarted alone).
 CONTROL_DIR = "TFDIST_CONTROL_DIR"  # the chief asks for a worker's restart with a file here
+# ... named ``<request>-<task>`` (its text: why); the launcher SIGKILLs the task, then:
+RESTART_REQUEST = "restart"  # a frozen or hung worker: restarted alone
+STOP_REQUEST = "stop"  # a frozen ps: the job fails, naming it
 TASK_RESTART = "TFDIST_TASK_RESTART"  # how many times this one task restarted
 
 # Set by the launcher of an elastic job (--min-workers): its membership service.

@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -21,9 +22,20 @@ from tfdist.cluster import TaskSpec
 from tfdist.launch.results import announce_restart, exit_cause, is_port_clash
 
 # A parameter-server chief asks the launcher to restart a worker by creating the file
-# ``<TFDIST_CONTROL_DIR>/restart-<task>`` (its text: why). See `PsWorkerRestarts`.
+# ``<TFDIST_CONTROL_DIR>/restart-<task>``, to stop a frozen ps with ``stop-<task>`` (its
+# text: why). See `PsWorkerRestarts`.
 CONTROL_DIR_ENV = env.CONTROL_DIR
 TASK_RESTART_ENV = env.TASK_RESTART
+
+
+STOP_WAIT_SECONDS = 5.0  # for a ps killed at the chief's request to exit
+
+
+def _wait_for_exit(task, seconds: float) -> None:
+    """Waits up to ``seconds`` for ``task`` to exit (its exit time noted)."""
+    deadline = time.monotonic() + seconds
+    while task.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 class JobRestarts:
@@ -100,7 +112,9 @@ class PsWorkerRestarts(JobRestarts):
     the workers that remain, as TF's coordinator does; once every worker is gone the
     attempt fails, naming them all (the coordinator would wait for a worker forever).
     Either way the launcher says so. A worker the chief names in a restart request (a
-    frozen one) is SIGKILLed first. The chief and ps tasks stay fatal.
+    frozen one) is SIGKILLed first. The chief and ps tasks stay fatal: a ps the chief
+    names in a stop request (a frozen one) is SIGKILLed, and its end fails the attempt,
+    with the chief's reason.
     """
 
     _other_workers = 0  # workers of other nodes, counted as alive (`NodePsWorkers`)
@@ -111,6 +125,7 @@ class PsWorkerRestarts(JobRestarts):
         self.control_dir: str | None = None  # one per attempt
         self.lost: dict[str, str] = {}  # worker left out in this attempt -> how it ended
         self.last: str | None = None  # the worker whose death left none
+        self.stopped: dict[str, str] = {}  # ps killed at the chief's request -> why
 
     @property
     def spent(self) -> int:
@@ -119,7 +134,7 @@ class PsWorkerRestarts(JobRestarts):
     @contextlib.contextmanager
     def attempt(self) -> Iterator[None]:
         self.control_dir = tempfile.mkdtemp(prefix="tfdist-control-")
-        self.lost, self.last = {}, None
+        self.lost, self.last, self.stopped = {}, None, {}
         try:
             yield
         finally:
@@ -129,17 +144,26 @@ class PsWorkerRestarts(JobRestarts):
         return {CONTROL_DIR_ENV: self.control_dir, TASK_RESTART_ENV: str(task_restart)}
 
     def check(self, tasks: list) -> None:
-        """SIGKILLs the running workers the chief asked to restart."""
+        """SIGKILLs the running workers the chief asked to restart, and the ps tasks it
+        asked to stop."""
         for name in os.listdir(self.control_dir):
-            task = next((t for t in tasks if f"restart-{t.name}" == name), None)
+            request, task = next(((r, t) for r in (env.RESTART_REQUEST, env.STOP_REQUEST)
+                                  for t in tasks if f"{r}-{t.name}" == name), (None, None))
             path = os.path.join(self.control_dir, name)
             if task is None or task.poll() is not None:
                 continue
             reason = Path(path).read_text(errors="replace").strip()
-            os.unlink(path)
-            print(f"tfdist launch: the chief asked to restart {task.name} ({reason}); "
-                  "killing it", file=self.log, flush=True)
+            if request == env.STOP_REQUEST:
+                self.stopped[task.name] = reason
+                print(f"tfdist launch: the chief found {task.name} not responding ({reason}); "
+                      "killing it, which ends the job", file=self.log, flush=True)
+            else:
+                print(f"tfdist launch: the chief asked to restart {task.name} ({reason}); "
+                      "killing it", file=self.log, flush=True)
             task.signal_group(signal.SIGKILL)
+            if request == env.STOP_REQUEST:  # it exits first: the chief waits for this
+                _wait_for_exit(task, STOP_WAIT_SECONDS)
+            os.unlink(path)
 
     def replace(self, tasks: list, failed, start: Callable[[TaskSpec, int], object]) -> bool:
         if failed.spec.type != "worker" or not self._chief_runs(tasks) or \
@@ -174,6 +198,10 @@ class PsWorkerRestarts(JobRestarts):
         return task.name in self.lost
 
     def failure_note(self, failed) -> str:
+        if failed.name in self.stopped:
+            return (f": {failed.name} was not responding ({self.stopped[failed.name]}), so "
+                    "the chief had it killed; a ps holds the model's variables and the job "
+                    "cannot go on without it (the workers were not at fault)")
         if failed.name != self.last:
             return ""
         earlier = f" ({', '.join(self.lost.values())} earlier)" if self.lost else ""

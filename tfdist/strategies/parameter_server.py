@@ -21,171 +21,23 @@ import dataclasses
 import os
 import socket
 import sys
-import threading
 import time
 
 import tensorflow as tf
 
 from tfdist import env
-from tfdist._hooks import coordinator as coordinator_hooks
 from tfdist._hooks.sharded import (embedding, gradients, initialization, optimizer_state,
                                    row_blocks, saving)
 from tfdist.cluster import ClusterSpec, resolve_cluster
 from tfdist.comm.accounting import ByteCounter
-from tfdist.comm.liveness import is_responsive
 from tfdist.keras import handoff
+from tfdist.strategies._ps_watchdog import StepTimeoutError, _StepWatchdog  # noqa: F401
 from tfdist.strategies.arguments import DEFAULT_STEP_TIMEOUT, PS_MODES, check_parameter_server
 
 MODES = PS_MODES
 # Dotted path of the module with fit/evaluate/predict for models of this strategy: a name,
 # so that the PS driver (and Keras' training code it imports) loads only when a model fits.
 FIT_DRIVER = "tfdist.keras.ps_fit"  # its fit/evaluate/predict replace Keras' own
-
-
-class StepTimeoutError(TimeoutError):
-    """Steps did not finish within ``step_timeout`` and no worker can take them over.
-
-    Attributes:
-        tasks: The names of the workers whose step timed out, e.g. ``["worker-1"]``.
-    """
-
-    def __init__(self, message, tasks):
-        super().__init__(message)
-        self.tasks = list(tasks)
-
-
-class _StepWatchdog:
-    """Finds frozen or hung workers, names them, and has them restarted.
-
-    A step sent to a frozen worker never returns, and TF cannot take it back while the
-    worker lives; worse, while any worker is frozen every TF call of the chief that
-    touches the cluster blocks (measured on TF 2.21: even reading a ps variable). So
-    each worker's server is probed (`is_responsive`), and each running step is timed.
-    A worker is overdue when its server stays silent for ``step_timeout / 2`` (at most
-    30 s), or, while every server answers, when its step runs longer than
-    ``step_timeout``. Under `tfdist launch` (``TFDIST_CONTROL_DIR`` set) the launcher is
-    asked to SIGKILL and restart it: its death lets TF's coordinator run the step on
-    another worker and take the restarted one back. Otherwise nothing can, and `error`
-    names it; it also does when every worker has been overdue for longer than
-    ``step_timeout + startup_timeout``, or when no worker's server has been running
-    (nothing listens: killed, and not restarted) for ``startup_timeout``. If ``fit`` does not raise `error` within
-    `EXIT_GRACE_SECONDS` (the chief is blocked inside TF), the process exits with 1.
-    """
-
-    EXIT_GRACE_SECONDS = 10.0
-
-    def __init__(self, coordinator, addresses, step_timeout, startup_timeout,
-                 control_dir=None):
-        self.error = None
-        self._raised = self._stopped = False
-        self._running = coordinator_hooks.track_running_closures(coordinator)
-        self._step_timeout = step_timeout
-        self._probe_timeout = min(step_timeout / 2, 30.0)
-        self._interval = min(step_timeout / 4, 2.0)
-        self._grace = step_timeout + startup_timeout
-        self._control_dir = control_dir
-        self._workers = len(addresses)
-        self._silent = {}  # worker index -> when its server stopped answering
-        self._dead = {}  # worker index -> since when nothing listens at its address
-        self._startup_timeout = startup_timeout
-        self._flagged = {}  # overdue key (a step's token, or a silence) -> (index, when)
-        for index, address in enumerate(addresses):
-            threading.Thread(target=self._probe, args=(index, address), daemon=True,
-                             name=f"tfdist-probe-worker-{index}").start()
-        threading.Thread(target=self._watch, name="tfdist-step-watchdog", daemon=True).start()
-
-    def _probe(self, index, address):
-        while self.error is None and not self._stopped:
-            answer = is_responsive(address, self._probe_timeout)
-            for state, since in ((False, self._silent), (None, self._dead)):
-                if answer is state:
-                    since.setdefault(index, time.monotonic())
-                else:
-                    since.pop(index, None)
-            time.sleep(self._interval)
-
-    def _watch(self):
-        while self.error is None and not self._stopped:
-            time.sleep(self._interval)
-            self.check()
-
-    def check(self):
-        """Flags the overdue workers (see the class); sets `error` if nothing can help."""
-        now = time.monotonic()
-        running, silent = dict(self._running), dict(self._silent)
-        overdue = {("silent", i, since): (i, "its server has not answered for "
-                                          f"{self._probe_timeout:g}s: it is frozen")
-                   for i, since in silent.items()}
-        if not silent:  # a frozen worker blocks every step: blame only it
-            overdue.update({token: (i, f"it has not finished a step within step_timeout="
-                                       f"{self._step_timeout:g}s: it is hung or too slow")
-                            for i, (token, started) in running.items()
-                            if now - started > self._step_timeout})
-        alive = {token for token, _ in running.values()} | set(overdue)
-        self._flagged = {k: v for k, v in self._flagged.items() if k in alive}
-        for key, (index, why) in overdue.items():
-            if key not in self._flagged:
-                self._flagged[key] = (index, now)
-                self._on_overdue(f"worker-{index}", why)
-        stuck = sorted({index for index, _ in self._flagged.values()})
-        if self.error is None and len(stuck) == self._workers and \
-                now - max(when for _, when in self._flagged.values()) > self._grace:
-            names = [f"worker-{i}" for i in stuck]
-            self._fail(StepTimeoutError(
-                f"no worker is left: {', '.join(names)} froze or hung, and none was "
-                f"restarted within {self._grace - self._step_timeout:g}s "
-                f"(step_timeout + startup_timeout). Received: "
-                f"step_timeout={self._step_timeout:g}", names))
-        dead = dict(self._dead)
-        if self.error is None and len(dead) == self._workers and \
-                now - max(dead.values()) > self._startup_timeout:
-            names = [f"worker-{i}" for i in sorted(dead)]
-            self._fail(StepTimeoutError(
-                f"no worker is left: nothing has listened at the address of "
-                f"{', '.join(names)} for startup_timeout={self._startup_timeout:g}s "
-                "(killed, and not restarted); nothing can run the chief's steps", names))
-
-    def _on_overdue(self, name, why):
-        if self._control_dir is None:
-            self._fail(StepTimeoutError(
-                f"{name} is overdue: {why}. Its step cannot be taken back from it while "
-                "its process lives, and nothing here can restart it (the job was not "
-                f"started by `tfdist launch`). Restart {name} or the job (and resume from "
-                "the chief's checkpoint), or raise step_timeout. Received: "
-                f"step_timeout={self._step_timeout:g}", [name]))
-            return
-        print(f"tfdist: {name} is overdue: {why}; asking tfdist launch to kill and restart "
-              "it (its step runs again on another worker)", file=sys.stderr, flush=True)
-        path = os.path.join(self._control_dir, f"restart-{name}")
-        try:
-            with open(path + ".tmp", "w") as f:
-                f.write(why)
-            os.replace(path + ".tmp", path)
-        except OSError as error:
-            self._fail(StepTimeoutError(f"{name} is overdue: {why}; asking tfdist launch "
-                                        f"to restart it failed: {error}", [name]))
-
-    def _fail(self, error):
-        self.error = error
-        threading.Thread(target=self._exit_unless_raised, daemon=True).start()
-
-    def _exit_unless_raised(self):
-        time.sleep(self.EXIT_GRACE_SECONDS)
-        if not self._raised:
-            print(f"tfdist: {type(self.error).__name__}: {self.error}\ntfdist: the chief is "
-                  "blocked in TensorFlow by the frozen worker; exiting with code 1",
-                  file=sys.stderr, flush=True)
-            sys.stdout.flush()
-            os._exit(1)
-
-    def stop(self):
-        """Ends the probes and checks (within one interval)."""
-        self._stopped = True
-
-    def raise_if_failed(self):
-        if self.error is not None:
-            self._raised = True
-            raise self.error
 
 
 def validate_ps_cluster(spec: ClusterSpec) -> None:
@@ -351,12 +203,15 @@ class ParameterServerStrategy(handoff.KerasHandoff, tf.distribute.ParameterServe
             1M x 64 shard with Adam: 144 ms and +784 MiB against 295 ms and +118 MiB).
         step_timeout: Seconds a step (one closure: a training step, a sync apply, an
             evaluate or predict batch) may run on a worker, or None for no limit. TF's
-            coordinator has none: a frozen worker hangs ``fit``. Past it, the chief names
-            the worker and, under `tfdist launch`, has it killed and restarted: its step
-            runs again on another worker. Without `tfdist launch`, or when no worker is
-            back in time, ``fit`` raises `StepTimeoutError` naming the workers. Default
-            600 s: far above a healthy step, including the first (which builds the
-            worker's function).
+            coordinator has none: a frozen worker or ps hangs ``fit``. Past it, the chief
+            names the worker and, under `tfdist launch`, has it killed and restarted: its
+            step runs again on another worker. Without `tfdist launch`, or when no worker
+            is back in time, ``fit`` raises `StepTimeoutError` naming the workers. A
+            worker or ps whose server does not answer a probe for ``step_timeout / 2``
+            (at most 30 s) is frozen; a frozen ps ends the job at once, named in a
+            `StepTimeoutError` (under `tfdist launch` the launcher kills it and names it).
+            Default 600 s: far above a healthy step, including the first (which builds the
+            worker's function); a frozen task is found after 30 s. None: no watchdog.
 
     Raises:
         ValueError: bad ``mode``, or a cluster without chief, ps or worker.
@@ -403,7 +258,7 @@ class ParameterServerStrategy(handoff.KerasHandoff, tf.distribute.ParameterServe
         self.update_block_bytes = update_block_bytes
         self._watchdog = None if step_timeout is None else _StepWatchdog(
             self._coordinator, spec.worker, step_timeout, startup_timeout,
-            os.environ.get(env.CONTROL_DIR) or None)
+            os.environ.get(env.CONTROL_DIR) or None, ps_addresses=spec.ps)
         self.push_counter = ByteCounter("tfdist_ps_bytes_pushed")  # the step driver adds
         handoff.install_keras_hooks()
         saving.install_sharded_saving()  # save/restore models with sharded variables
