@@ -65,6 +65,12 @@ def default_devices() -> list[str]:
     return gpu_device_names() or cpu_device_names()
 
 
+def multi_worker_devices() -> list[str]:
+    """One worker's replicas as TF's ``MultiWorkerMirroredStrategy`` makes them: every
+    local GPU, else one CPU (logical CPUs split one physical CPU: not replicas)."""
+    return gpu_device_names() or cpu_device_names()[:1]
+
+
 def validate_devices(devices) -> list[str]:
     """Checks that every requested device exists on this host.
 
