@@ -5,7 +5,7 @@ started by tfdist itself (no horovodrun), against the same references as ``engin
   reference; with fp16 compression it stays within 2e-3 at half the bytes; with
   ``accumulate_steps=2`` it equals one step on the doubled batch; `ModelAverageStrategy`
   at period 1 (plain SGD) equals the reference and at period 4 the numpy local SGD.
-- The same with 2 processes x 2 logical CPUs.
+- The same with 2 processes x 2 logical CPUs (one replica per process, as stock).
 - A TF_CONFIG job not started by tfdist (plain subprocesses, hand-written TF_CONFIG).
 """
 
@@ -127,7 +127,9 @@ def test_horovod_engine_under_tfdist_launch(horovod_installed):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_horovod_engine_two_processes_of_two_logical_cpus(horovod_installed):
-    _check(run_cluster(engine_task, 2, False, timeout=280), full=False, replicas=4)
+    """Logical CPUs are not replicas (as stock MultiWorkerMirroredStrategy and
+    engine="tf"): one CPU per worker, 2 replicas in sync."""
+    _check(run_cluster(engine_task, 2, False, timeout=280), full=False, replicas=2)
 
 
 _PLAIN_TASK = textwrap.dedent("""

@@ -1,5 +1,7 @@
 """tfdist.MirroredStrategy on 2 logical CPUs against one device, same global batch."""
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -82,8 +84,37 @@ def test_two_strategies_in_one_process(logical_cpus, cross_device_ops):
 def test_bad_device_is_named(logical_cpus):
     import tfdist
 
-    with pytest.raises(ValueError, match="/gpu:7"):
-        tfdist.MirroredStrategy(devices=["/gpu:7"])
+    with pytest.raises(ValueError, match="/cpu:7"):
+        tfdist.MirroredStrategy(devices=["/cpu:7"])
+
+
+def test_gpus_on_a_host_without_gpus_run_on_the_cpu_as_in_stock(logical_cpus):
+    """TF's distributed-training guide builds MirroredStrategy(devices=["/gpu:0",
+    "/gpu:1"]) anywhere: TF soft-places the replicas on the CPU. tfdist does too, says
+    so, and trains as one device (stock's collective all-reduce hangs in fit there)."""
+    import keras
+    import tensorflow as tf
+
+    import tfdist
+
+    assert not tf.config.list_logical_devices("GPU")  # this suite's hosts
+    stock = tf.distribute.MirroredStrategy(devices=["/gpu:0", "/gpu:1"])
+    with pytest.warns(UserWarning, match=r"this host has no GPU: the replicas on "
+                      r"\['/gpu:0', '/gpu:1'\] run on the CPU") as caught:
+        strategy = tfdist.MirroredStrategy(devices=["/gpu:0", "/gpu:1"])
+    assert caught[0].filename == __file__
+    assert strategy.num_replicas_in_sync == stock.num_replicas_in_sync == 2
+    assert strategy.extended.worker_devices == stock.extended.worker_devices
+    x, y = classification_data(n=64)
+    weights = []
+    for scope in (strategy, None):
+        keras.utils.set_random_seed(1)
+        with scope.scope() if scope is not None else contextlib.nullcontext():
+            model = mlp()
+            model.compile(keras.optimizers.SGD(0.1), "mse")
+        model.fit(x, np.eye(3)[y], batch_size=16, epochs=2, shuffle=False, verbose=0)
+        weights.append(model.get_weights())
+    assert_weights_close(weights[0], weights[1])
 
 
 def test_logical_cpus_cannot_change_after_start(logical_cpus):

@@ -109,11 +109,28 @@ def test_one_host_strategies_read_like_stock_mirrored(logical_cpus, name):
 # ---- 2 launched workers: both engines against engine="tf" ------------------------------
 
 
+# Each launched worker splits its CPU in two: logical CPUs are not replicas of a
+# multi-worker strategy (stock: one CPU per worker), under every engine.
+LOGICAL_CPUS = 2
+
+
+def _split_cpu():
+    """As a user does before a multi-worker strategy (TF's API: it starts no runtime,
+    which the multi-worker strategy must configure first)."""
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(LOGICAL_CPUS)])
+
+
 def _two_worker_snapshots(engine):
-    """On each of 2 workers: MultiWorkerMirroredStrategy's snapshot, then (Horovod
-    only: TF's collectives are configured once per process) model averaging's."""
+    """On each of 2 workers of 2 logical CPUs: MultiWorkerMirroredStrategy's snapshot,
+    then (Horovod only: TF's collectives are configured once per process) model
+    averaging's."""
     import tfdist
 
+    _split_cpu()
     out = {"multi_worker": stock_snapshot(tfdist.MultiWorkerMirroredStrategy(engine=engine))}
     if engine == "horovod":
         out["model_average"] = stock_snapshot(tfdist.ModelAverageStrategy(period=1,
@@ -124,6 +141,7 @@ def _two_worker_snapshots(engine):
 def _stock_two_worker_snapshot():
     import tensorflow as tf
 
+    _split_cpu()
     return stock_snapshot(tf.distribute.MultiWorkerMirroredStrategy())
 
 
@@ -142,3 +160,7 @@ def test_ctl_tutorial_pattern_is_the_same_under_both_engines():
     assert resolver["write_filepath"] == "/ckpt/workertemp_1/model"
     assert resolver["cluster_spec"] == {"worker": 2} and resolver["cluster_spec_is_tf_config"]
     assert stock[0]["should_checkpoint"] and not stock[1]["should_checkpoint"]
+    # Stock's replicas: one CPU per worker (TF's distributed-input tutorial: a global
+    # batch of 16 is 8 per replica, 2 replicas in sync).
+    assert stock[0]["num_replicas_in_sync"] == 2 and stock[0]["num_worker_devices"] == 1
+    assert stock[0]["input_contexts"] == [(2, 0, GLOBAL_BATCH // 2)]

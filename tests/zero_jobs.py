@@ -57,6 +57,47 @@ def train(strategy, optimizer, epochs=2, n=64, policy=None, batch_size=GLOBAL_BA
             keras.mixed_precision.set_global_policy("float32")
 
 
+# A small Transformer text classifier: Embedding (sparse gradients), MultiHeadAttention,
+# Dense on 3-D inputs (kernel gradients of unknown static shape in the traced step) and
+# LayerNormalization. 16 steps of batch 32 in 2 epochs.
+VOCAB, SEQ, TEXTS = 50, 12, 256
+
+
+def text_data(n=TEXTS):
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, VOCAB, (n, SEQ)).astype("int32")
+    return x, (x[:, 0] % 2).astype("int32")
+
+
+def transformer(seed=1):
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    tokens = keras.Input((SEQ,), dtype="int32")
+    h = keras.layers.Embedding(VOCAB, 8)(tokens)
+    attended = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)(h, h)
+    h = keras.layers.LayerNormalization()(h + attended)
+    h = keras.layers.LayerNormalization()(
+        h + keras.layers.Dense(8)(keras.layers.Dense(16, activation="relu")(h)))
+    out = keras.layers.Dense(2)(keras.layers.GlobalAveragePooling1D()(h))
+    return keras.Model(tokens, out)
+
+
+def train_transformer(strategy, epochs=2, batch_size=32):
+    """Trains `transformer` with Adam on `text_data`; its weights."""
+    import contextlib
+
+    import keras
+
+    x, y = text_data()
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        model = transformer()
+        model.compile(keras.optimizers.Adam(0.01),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
+    return [np.asarray(w) for w in model.get_weights()]
+
+
 def slot_elements(strategy, model):
     """Per local replica, the slot elements its sharded optimizer holds."""
     return strategy.sharded_optimizer_state(model.optimizer).slot_elements()
@@ -70,8 +111,9 @@ def full_slot_elements(model):
 
 
 def launched_task(engine):
-    """One worker of a 2-worker job: each optimizer sharded and unsharded, and (on the
-    chief) the single-process reference; returns arrays only."""
+    """One worker of a 2-worker job: each optimizer sharded and unsharded, the
+    Transformer block with Adam sharded and unsharded, and (on the chief) the
+    single-process references; returns arrays only."""
     import tfdist
 
     strategy = tfdist.MultiWorkerMirroredStrategy(engine=engine, shard_optimizer_state=True)
@@ -91,8 +133,14 @@ def launched_task(engine):
         strategy.shard_optimizer_state = sharded
         runs.append(train(strategy, "adamw", policy="mixed_float16")[0])
     out["mixed_float16"] = {"sharded": runs[0], "plain": runs[1]}
+    runs = []
+    for sharded in (True, False):
+        strategy.shard_optimizer_state = sharded
+        runs.append(train_transformer(strategy))
+    out["transformer"] = {"sharded": runs[0], "plain": runs[1]}
     if strategy.is_chief:
         out["reference"] = {name: train(None, name)[0] for name in OPTIMIZERS}
+        out["reference"]["transformer"] = train_transformer(None)
     return out
 
 

@@ -6,6 +6,8 @@ configured before TensorFlow initializes its runtime.
 
 from __future__ import annotations
 
+import warnings
+
 from tfdist.checks import check_device_list, check_int
 
 
@@ -65,8 +67,17 @@ def default_devices() -> list[str]:
     return gpu_device_names() or cpu_device_names()
 
 
+def multi_worker_devices() -> list[str]:
+    """One worker's replicas as TF's ``MultiWorkerMirroredStrategy`` makes them: every
+    local GPU, else one CPU (logical CPUs split one physical CPU: not replicas)."""
+    return gpu_device_names() or cpu_device_names()[:1]
+
+
 def validate_devices(devices) -> list[str]:
     """Checks that every requested device exists on this host.
+
+    GPUs named on a host without GPUs are kept, with a warning: as in TF, their ops
+    run on the CPU (soft placement).
 
     Raises:
         ValueError: a device is unknown, duplicated, or the list is empty.
@@ -79,13 +90,36 @@ def validate_devices(devices) -> list[str]:
         return (spec.device_type or "").upper(), spec.device_index or 0
 
     known = {key(tf.DeviceSpec.from_string(d.name)) for d in tf.config.list_logical_devices()}
+    soft_placed = []
     for device in devices:
         try:
             spec = tf.DeviceSpec.from_string(device)
         except (ValueError, TypeError):
             raise ValueError(f"not a device name: {device!r}. Expected e.g. '/gpu:0' or "
                              "'/cpu:0'.") from None
-        if spec.job not in (None, "localhost") or key(spec) not in known:
+        if spec.job in (None, "localhost") and is_gpu_on_a_cpu_host(spec, known):
+            soft_placed.append(device)
+        elif spec.job not in (None, "localhost") or key(spec) not in known:
             raise ValueError(f"device {device!r} does not exist on this host. Available: "
                              f"{sorted(d.name for d in tf.config.list_logical_devices())}")
+    if soft_placed:
+        warnings.warn(
+            f"this host has no GPU: the replicas on {soft_placed} run on the CPU (TF's soft "
+            "device placement, as tf.distribute.MirroredStrategy does)", stacklevel=3)
     return devices
+
+
+def is_gpu_on_a_cpu_host(spec, known) -> bool:
+    """Whether ``spec`` (a `tf.DeviceSpec`) names a GPU and the host has none: TF places
+    its ops on the CPU (soft placement)."""
+    return (spec.device_type or "").upper() == "GPU" and not any(
+        kind == "GPU" for kind, _ in known)
+
+
+def are_soft_placed_on_the_cpu(devices) -> bool:
+    """Whether every one of ``devices`` is a CPU, or a GPU of a host without GPUs."""
+    import tensorflow as tf
+
+    has_gpus = bool(gpu_device_names())
+    return all((tf.DeviceSpec.from_string(d).device_type or "").upper() == "CPU"
+               or not has_gpus for d in devices)

@@ -101,10 +101,21 @@ def local_slices(distribution, fulls) -> object:
     parts = []
     for i, replica in enumerate(replica_ids(distribution)):
         full = fulls[min(i, len(fulls) - 1)]
-        size = full.shape[0] // n
+        size = flat_length(full) // n
         with tf.device(devices[i]):
             parts.append(tf.identity(full[replica * size:(replica + 1) * size]))
     return per_replica(parts)
+
+
+def flat_length(tensor):
+    """The length of 1-D ``tensor``: static when known (an int), else a scalar tensor.
+
+    A bucket flattened from gradients of unknown static shape (a Dense kernel's on a
+    3-D input is ``(None, units)`` in a traced step) has no static length."""
+    import tensorflow as tf
+
+    length = tensor.shape[0]
+    return length if length is not None else tf.shape(tensor)[0]
 
 
 def per_replica(parts, always_wrap: bool = False):
@@ -167,7 +178,7 @@ class StrategyCommunicator(Communicator):
             with tf.device(devices[0]):
                 total = tf.add_n(list(parts)) if len(parts) > 1 else tf.identity(parts[0])
                 if workers > 1:
-                    length = total.shape[0]
+                    length = flat_length(total)
                     total = self.reduce_scatter_workers(distribution, total)
                     if total is None:  # no reduce-scatter across workers
                         return super().reduce_scatter(distribution, values, op)
@@ -189,7 +200,7 @@ def _split_local(distribution, worker_part):
     import tensorflow as tf
 
     devices = distribution.extended.worker_devices
-    size = worker_part.shape[0] // len(devices)
+    size = flat_length(worker_part) // len(devices)
     pieces = []
     for i, device in enumerate(devices):
         with tf.device(device):

@@ -25,6 +25,7 @@ import numpy as np
 
 from tfdist._hooks import zero as zero_hooks
 from tfdist.comm.communicator import per_replica, replica_ids
+from tfdist.strategies import _zero_sparse as _sparse
 
 # Keras optimizers whose update_step works element by element.
 SHARDABLE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Lion",
@@ -186,22 +187,28 @@ class ShardedOptimizerState:
         """
         import tensorflow as tf
 
-        flat = []
+        flat, sparse = [], []
         local_grads = [distribution.experimental_local_results(g) for g in grads]
         for b in self.buckets:
-            parts = []
+            parts, pairs = [], []
             for i, device in enumerate(self.devices):
                 with tf.device(device):
-                    pieces = [tf.reshape(tf.cast(tf.convert_to_tensor(local_grads[m][i]),
-                                                 b.dtype), [-1]) for m in b.members]
-                    padding = b.slice_size * self.replicas - sum(b.sizes)
-                    if padding:
-                        pieces.append(tf.zeros([padding], b.dtype))
-                    part = tf.concat(pieces, 0) if len(pieces) > 1 else pieces[0]
-                    parts.append(part if scale is None else part * tf.cast(scale, b.dtype))
+                    part, found = self._flatten(b, [local_grads[m][i] for m in b.members])
+                    if scale is not None:
+                        part = part * tf.cast(scale, b.dtype)
+                        if found is not None:
+                            found = (found[0], found[1] * tf.cast(scale, b.dtype))
+                    parts.append(part)
+                    pairs.append(found)
             flat.append(per_replica(parts))
+            sparse.append(None if pairs[0] is None else _sparse.gather_occurrences(
+                distribution, communicator, pairs))
         scattered = [distribution.experimental_local_results(s)
                      for s in communicator.reduce_scatter(distribution, flat, op="sum")]
+        for k, (b, found) in enumerate(zip(self.buckets, sparse)):
+            if found is not None:
+                scattered[k] = [self._with_occurrences(b, i, part, found)
+                                for i, part in enumerate(scattered[k])]
         shard_grads = self._clip(distribution, communicator, optimizer, scattered,
                                  len(variables))
         updated = []
@@ -215,6 +222,41 @@ class ShardedOptimizerState:
                 offset, size = b.offsets[position], b.sizes[position]
                 target = getattr(variables[m], "value", variables[m])
                 target.assign(tf.reshape(full[offset:offset + size], b.shapes[position]))
+
+    def _flatten(self, b, grads):
+        """One replica's gradients of bucket ``b`` as one flat dense tensor of static
+        length (a sparse member's part is zeros), and the sparse members' occurrences
+        (`tfdist.strategies._zero_sparse.occurrences`, concatenated) or None."""
+        import tensorflow as tf
+
+        pieces, indices, values = [], [], []
+        for position, grad in enumerate(grads):
+            size = b.sizes[position]
+            if _sparse.is_sparse(grad):
+                pieces.append(tf.zeros([size], b.dtype))
+                found = _sparse.occurrences(grad, b.offsets[position], b.shapes[position],
+                                            b.dtype)
+                indices.append(found[0])
+                values.append(found[1])
+                continue
+            # The variable's static size: the gradient's shape may be unknown in a traced
+            # step (a Dense kernel's on a 3-D input is (None, units)).
+            pieces.append(tf.reshape(tf.cast(tf.convert_to_tensor(grad), b.dtype), [size]))
+        padding = b.slice_size * self.replicas - sum(b.sizes)
+        if padding:
+            pieces.append(tf.zeros([padding], b.dtype))
+        flat = tf.concat(pieces, 0) if len(pieces) > 1 else pieces[0]
+        if not indices:
+            return flat, None
+        return flat, (tf.concat(indices, 0), tf.concat(values, 0))
+
+    def _with_occurrences(self, b, i, dense, found):
+        """Local replica ``i``'s slice gradient of ``b`` with the occurrences in it."""
+        import tensorflow as tf
+
+        with tf.device(self.devices[i]):
+            return _sparse.slice_gradient(dense, found[0], found[1],
+                                          self.replica_ids[i] * b.slice_size, b.slice_size)
 
     def _update_replica(self, i, optimizer, grads, variables):
         """Local replica ``i``: its slices set from the weights, decayed, updated."""
@@ -245,7 +287,7 @@ class ShardedOptimizerState:
 
         grads = [[scattered[k][i] for k in range(len(self.buckets))]
                  for i in range(len(self.devices))]
-        if optimizer.clipvalue:
+        if optimizer.clipvalue:  # a sparse gradient: each occurrence, as ops.clip
             v = optimizer.clipvalue
             return [[tf.clip_by_value(g, -v, v) for g in row] for row in grads]
         if not (optimizer.clipnorm or optimizer.global_clipnorm):
@@ -254,8 +296,7 @@ class ShardedOptimizerState:
         for i, device in enumerate(self.devices):
             with tf.device(device):
                 sums.append(tf.add_n([
-                    tf.math.unsorted_segment_sum(tf.cast(g, tf.float32) ** 2,
-                                                 self._masks[i][k][1], num_vars + 1)
+                    _sparse.squares_by_segment(g, self._masks[i][k][1], num_vars + 1)
                     for k, g in enumerate(grads[i])])[:num_vars])
         (total,) = communicator.all_reduce(distribution, [per_replica(sums, always_wrap=True)],
                                            [None], op="sum")
@@ -267,13 +308,15 @@ class ShardedOptimizerState:
                     norm = tf.sqrt(tf.reduce_sum(squares))
                     clip = optimizer.global_clipnorm
                     scales = [clip * tf.minimum(1.0 / norm, 1.0 / clip)] * len(grads[i])
+                    # As Keras' `IndexedSlices * scale`: a sparse gradient becomes dense.
+                    grads[i] = [tf.convert_to_tensor(g) for g in grads[i]]
                 else:
                     clip = optimizer.clipnorm
                     norms = tf.sqrt(squares)
                     per_var = tf.concat([clip / tf.maximum(norms, clip), [1.0]], 0)
                     scales = [tf.gather(per_var, self._masks[i][k][1])
                               for k in range(len(self.buckets))]
-                out.append([g * tf.cast(s, g.dtype) for g, s in zip(grads[i], scales)])
+                out.append([_sparse.scale(g, s) for g, s in zip(grads[i], scales)])
         return out
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfdist._hooks import tf as tf_hooks
-from tfdist.devices import default_devices, validate_devices
+from tfdist.devices import (are_soft_placed_on_the_cpu, cpu_device_names, default_devices,
+                            validate_devices)
 from tfdist.strategies._sync import SyncGradientsMixin
 from tfdist.strategies.arguments import check_mirrored
 
@@ -15,10 +16,14 @@ def default_cross_device_ops(devices: list[str]) -> tf.distribute.CrossDeviceOps
 
     On CPU-only replicas (logical CPUs) `ReductionToOneDevice` was 2-5x faster than
     TF's default ring collective (benchmarks/mirrored.md), and it needs no collective
-    group keys. GPUs keep TF's choice (NCCL).
+    group keys. GPUs keep TF's choice (NCCL). GPUs named on a host without GPUs run on
+    the CPU (soft placement): `ReductionToOneDevice` there too (TF's choice, its
+    collective all-reduce, hung in ``fit`` there).
     """
     if len(devices) > 1 and all("CPU" in d.upper() for d in devices):
         return tf.distribute.ReductionToOneDevice(reduce_to_device=devices[0])
+    if len(devices) > 1 and are_soft_placed_on_the_cpu(devices):  # GPUs named, none here
+        return tf.distribute.ReductionToOneDevice(reduce_to_device=cpu_device_names()[0])
     return None
 
 
@@ -41,8 +46,9 @@ class MirroredStrategy(SyncGradientsMixin, tf.distribute.MirroredStrategy):
     """`tf.distribute.MirroredStrategy` that works on CPU hosts and in notebooks.
 
     Differences from TF's class: devices are checked (a missing device is a clear
-    error), CPU replicas use the measured fastest all-reduce, several instances can
-    live in one process, and `tfdist.CommunicationOptions` (compression, gradient
+    error; GPUs named on a host without GPUs run on the CPU, with a warning, as in
+    TF), CPU replicas use the measured fastest all-reduce, several instances can live
+    in one process, and `tfdist.CommunicationOptions` (compression, gradient
     accumulation) apply.
 
     Args:

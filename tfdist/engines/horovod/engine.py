@@ -30,7 +30,9 @@ _HOROVOD_FAILURES = ("Horovod has been shut down", "Gloo", "gloo")
 class HorovodEngine(Engine):
     """Horovod's collectives (Gloo on CPU, NCCL on GPU builds) under a strategy.
 
-    Replicas span every process (`tfdist.engines.horovod.extended.HorovodExtended`);
+    Replicas span every process (`tfdist.engines.horovod.extended.HorovodExtended`),
+    as many per process as stock ``MultiWorkerMirroredStrategy`` makes: its GPUs, else
+    one CPU (`tfdist.devices.multi_worker_devices`);
     reductions go through Horovod's ops. Gloo's timeout is the strategy's
     ``heartbeat_timeout`` (or ``collective_timeout`` when smaller).
     """
@@ -38,7 +40,8 @@ class HorovodEngine(Engine):
     def create_extended(self, cluster_resolver, options):
         import tensorflow as tf
 
-        from tfdist.engines.horovod.extended import HorovodExtended, rank_devices
+        from tfdist.devices import multi_worker_devices
+        from tfdist.engines.horovod.extended import HorovodExtended
 
         del options  # timeouts are Gloo's
         strategy = self.strategy
@@ -55,7 +58,9 @@ class HorovodEngine(Engine):
                 raise tf.errors.DeadlineExceededError(None, None, str(error)) from None
         else:
             ops.init()
-        extended = HorovodExtended(strategy, rank_devices())
+        # The replicas of stock MultiWorkerMirroredStrategy (and of engine="tf"): every
+        # local GPU, else one CPU per worker, logical CPUs or not.
+        extended = HorovodExtended(strategy, multi_worker_devices())
         # The resolver TF's engine would hand to TF: stock code reads it.
         extended.set_cluster_resolver(strategy._make_cluster_resolver(cluster_resolver))
         return extended

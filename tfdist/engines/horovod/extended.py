@@ -26,6 +26,13 @@ from tfdist.engines.horovod import ops as comm
 _tf = tf_hooks.tf_distribute_internals()
 
 
+def _local_parts(value):
+    """``value``'s local parts as they are (tensors or ``IndexedSlices``)."""
+    if isinstance(value, tf.distribute.DistributedValues):
+        return list(value.values)
+    return [value]
+
+
 def _local_values(value):
     if isinstance(value, tf.distribute.DistributedValues):
         return [tf.convert_to_tensor(v) for v in value.values]
@@ -53,7 +60,32 @@ class HorovodCrossDeviceOps(tf.distribute.CrossDeviceOps):
         return comm.size()
 
     def _all_reduce(self, reduce_op, per_replica_values):
-        """Returns one reduced tensor (on the reduce device) per input value."""
+        """Returns one reduced tensor (on the reduce device) per input value.
+
+        ``IndexedSlices`` (an Embedding's gradient) stay sparse, as with TF's own
+        cross-device ops: every replica's rows, gathered (`_gather_slices`)."""
+        sparse = {k: self._gather_slices(reduce_op, _local_parts(v))
+                  for k, v in enumerate(per_replica_values)
+                  if isinstance(_local_parts(v)[0], tf.IndexedSlices)}
+        dense = [v for k, v in enumerate(per_replica_values) if k not in sparse]
+        reduced = iter(self._all_reduce_dense(reduce_op, dense))
+        return [sparse[k] if k in sparse else next(reduced)
+                for k in range(len(per_replica_values))]
+
+    def _gather_slices(self, reduce_op, parts):
+        """Sparse ``parts`` (one per local replica) of every process, concatenated
+        (divided by the number of replicas for MEAN), as ``tf.IndexedSlices``."""
+        with tf.device(self._reduce_to_device):
+            values = comm.allgather(tf.concat([p.values for p in parts], 0))
+            indices = comm.allgather(tf.concat([tf.cast(p.indices, tf.int64)
+                                                for p in parts], 0))
+            if reduce_op == tf.distribute.ReduceOp.MEAN:
+                values = values / tf.cast(len(parts) * comm.size(), values.dtype)
+            return tf.IndexedSlices(values, indices, parts[0].dense_shape)
+
+    def _all_reduce_dense(self, reduce_op, per_replica_values):
+        if not per_replica_values:
+            return []
         local_values = [_local_values(v) for v in per_replica_values]
         with tf.device(self._reduce_to_device):
             local_sums = [vals[0] if len(vals) == 1 else tf.add_n(vals) for vals in local_values]
