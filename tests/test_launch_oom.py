@@ -110,6 +110,7 @@ def test_only_a_sigkill_with_a_new_oom_kill_is_named(tmp_path, monkeypatch):
     (group / "memory.limit_in_bytes").write_text("104857600\n")
     cgroup = oom.MemoryCgroup("/g", group, tmp_path, 1)
     monkeypatch.setattr(oom, "find_cgroup", lambda pid: cgroup)
+    monkeypatch.setattr(oom, "_watched", {})  # this test's tasks only
     from tfdist.launch.results import exit_cause
 
     oom.watch("worker-9", 1234)
