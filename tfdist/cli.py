@@ -190,8 +190,13 @@ def _interrupt(signum, frame):
 def main(argv=None) -> int:
     """Entry point of the ``tfdist`` console script."""
     # The user's job, not TensorFlow's C++ start-up log (INFO, WARNING), here and in the
-    # tasks it starts; a level the user set wins.
+    # tasks it starts; a level the user set wins. TF 2.21 logs its banner before it
+    # reads the level: this process drops it as the launcher does for its tasks.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from tfdist.launch.banner import hide_tf_banner
+    from tfdist.launch.output import cpp_log_level
+
+    hide_tf_banner(cpp_log_level(os.environ))
     # SIGTERM and SIGHUP (the terminal went away) unwind the launcher like Ctrl-C, so
     # it stops its tasks before exiting.
     signal.signal(signal.SIGTERM, _interrupt)

@@ -5,8 +5,10 @@ modules, each one job, from the bottom up:
 
 - `options`: `LaunchOptions`, every option and its default, once.
 - `results`: `LaunchResult` and `LaunchError`.
+- `oom`: whether the kernel's OOM killer ended a task (its memory cgroup's counters).
 - `output`, `process` (and the `task_guard` script): a task process, its relayed
   output, and the mechanisms that make it die with the launcher.
+- `banner`: TF's C++ start-up banner, dropped in the ``tfdist`` process as in its tasks.
 - `command`: one command run like a task (for ``horovodrun``).
 - `gpus`, `network`: GPU pinning; free ports and a private network namespace.
 - `restarts`: restart policies, given by the caller (`JobRestarts`, `PsWorkerRestarts`).

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Sequence
 
 from tfdist.cluster import TaskSpec
+from tfdist.launch import oom
 from tfdist.launch.options import DEFAULT_GRACE_SECONDS
 from tfdist.launch.output import TAIL_LINES, TaskOutput, cpp_log_level, relay
 
@@ -124,6 +125,7 @@ class TaskProcess:
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.exited_at: float | None = None
         self.process = start_process(argv, env)
+        oom.watch(self.name, self.process.pid)  # to tell an OOM kill from other SIGKILLs
         self._output = TaskOutput(self.name, stream, cpp_log_level(env), self.tail)
         self._reader = threading.Thread(target=self._pump, daemon=True)
         self._reader.start()

@@ -8,6 +8,7 @@ import signal
 from typing import Sequence
 
 from tfdist.cluster import ClusterSpec
+from tfdist.launch.oom import oom_cause
 
 
 class LaunchError(RuntimeError):
@@ -54,7 +55,12 @@ def launch_result(tasks: Sequence, attempts: int, cluster: ClusterSpec) -> Launc
 
 
 def exit_cause(name: str, code: int) -> str:
-    """``worker-1 exited with code -9 (signal SIGKILL)``."""
+    """``worker-1 exited with code -9 (signal SIGKILL)``, or, when the kernel's counters
+    say its OOM killer did it, ``out of memory: worker-1 was killed by the kernel's OOM
+    killer (memory limit 200 MiB of cgroup /jobs/a)`` (`tfdist.launch.oom`)."""
+    out_of_memory = oom_cause(name, code)
+    if out_of_memory is not None:
+        return out_of_memory
     return f"{name} exited with code {code}" + (
         f" (signal {signal.Signals(-code).name})" if code < 0 and -code in
         signal.valid_signals() else "")
