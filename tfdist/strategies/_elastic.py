@@ -99,15 +99,18 @@ class ElasticFit:
         self._inner = None
         self._committing = None  # the train function whose last step commits
         self.rules = strategy.elastic_rules(model)
+        self._read_elsewhere = False  # the others read this epoch's metrics already
 
     # ---- the wrapped train function ------------------------------------------------
     def install(self) -> None:
-        """Makes Keras' train function (as ``fit`` would) and puts this one in its place."""
-        from tfdist._hooks.keras_steps import remake_train_function
+        """Makes Keras' train function (as ``fit`` would) and puts this one in its place;
+        the epoch's read of the metrics goes through `epoch_results` until `uninstall`."""
+        from tfdist._hooks.keras_steps import remake_train_function, wrap_epoch_metrics
 
         self._inner = remake_train_function(self.model)
         self._committing = None
         self.model.train_function = self
+        self.uninstall = wrap_epoch_metrics(self.model, self.epoch_results)
 
     def __call__(self, iterator):
         if iterator is not self.iterator:  # a new epoch
@@ -267,11 +270,24 @@ class ElasticFit:
         self.iterator.rewind()
         for variable, value in zip(self.metric_variables(), self.committed_metrics):
             variable.assign(value)
+        epoch, position = self._reform_and_sync()
+        if epoch > self.epoch:
+            self._read_elsewhere = True  # and read its metrics: not again (`epoch_results`)
+            return True  # the others ended this epoch: its batches are done
+        self.iterator.skip(position - self.iterator.position)  # the others' newer steps
+        self.committed_at = (epoch, position)
+        self.iterator.mark()
+        self.calls_since_commit = 0
+        return position > start
+
+    def _reform_and_sync(self) -> tuple[int, int]:
+        """Re-forms Horovod (again while members are lost meanwhile), takes the newest
+        commit, re-traces the train function; returns the commit's position."""
         while True:
             self.member.reform()
             self.strategy.extended.refresh_membership()
             try:
-                epoch, position = self._sync()
+                newest = self._sync()
                 break
             except tf.errors.OpError as error:  # another member was lost meanwhile
                 if not elastic.is_lost_peer(error):
@@ -282,13 +298,34 @@ class ElasticFit:
         self._committing = None
         self._snapshot_now(renew=True)
         self.model.train_function = self
-        if epoch > self.epoch:
-            return True  # the others ended this epoch: its batches are done
-        self.iterator.skip(position - self.iterator.position)  # the others' newer steps
-        self.committed_at = (epoch, position)
-        self.iterator.mark()
-        self.calls_since_commit = 0
-        return position > start
+        return newest
+
+    # ---- the epoch's end -----------------------------------------------------------
+    def epoch_results(self, read):
+        """Keras' read of the epoch's metrics (``read``: ``model.get_metrics_result``),
+        which sums them over the members: a collective outside the train function.
+
+        A member lost there (or in the epoch's last step, which the others finished) is
+        recovered as in a step: each survivor commits the state after the epoch's last
+        step, re-forms, takes the newest commit, and reads again over the survivors.
+        When the others had read already and moved on (their newest commit is in the
+        next epoch), this member returns its last step's logs instead: the epoch's logs
+        may then miss the lost member's sums (docs/elastic.md, Limits).
+        """
+        while True:
+            if self._read_elsewhere:
+                self._read_elsewhere = False
+                return dict(self.last_logs or {})
+            try:
+                return read()
+            except tf.errors.OpError as error:
+                if not elastic.is_lost_peer(error):
+                    raise
+            self.recoveries += 1
+            if self.calls_since_commit:
+                self.commit()  # every step of the epoch is done: a newer commit
+            epoch, _ = self._reform_and_sync()
+            self._read_elsewhere = epoch > self.epoch
 
     def _newest_commit(self) -> tuple[int, tuple[int, int]]:
         """``(rank holding it, (epoch, batch))`` of the newest commit among the members."""

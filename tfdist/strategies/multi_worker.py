@@ -344,6 +344,7 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
             self.__dict__.pop("_elastic_dataset", None)
             self.__dict__.pop("_elastic_initial_epoch", None)
             model.train_function = None
+            fitting.uninstall()
 
     def elastic_rules(self, model):
         """What elastic ``fit`` asks this strategy (`tfdist.strategies._elastic`)."""
