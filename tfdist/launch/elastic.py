@@ -70,6 +70,7 @@ class ElasticRestarts(JobRestarts):
         self.grown = None  # the cluster with the added workers' addresses
         self._deferred = None  # while `replace` removes several: the memberships made
         self._dying: set[str] = set()  # workers found dead and not removed yet
+        self.stateless: str | None = None  # "backup" / "none": no member held the state
 
     def add_worker(self) -> None:
         """Asks for one more worker; the launcher adds it at its next poll (up to
@@ -87,6 +88,7 @@ class ElasticRestarts(JobRestarts):
         self.server = MembershipServer(self.host, self.min_workers, self.max_workers,
                                        self.port)
         self.lost, self.below_since, self.grown = set(), None, None
+        self.stateless = None
         self.members: list[tuple[str, str]] = []  # oldest first; published once >= min
         previous = None
         if threading.current_thread() is threading.main_thread():
@@ -195,10 +197,13 @@ class ElasticRestarts(JobRestarts):
         if failed.spec.type not in TRAINING_TASK_TYPES:
             return False
         dead = self._settle(tasks)
+        for task in dead:
+            task.finish_output()
+        if self._no_state_left(dead):
+            return False  # the attempt ends: `failure_note` and `restart_job` say how
         self._deferred, self._dying = [], {t.name for t in dead}
         try:
             for task in dead:
-                task.finish_output()
                 self._dying.discard(task.name)  # its replacement takes its name
                 outcome = self.lose(task.name, self.host, exit_cause(task.name, task.poll()))
                 if outcome is None:
@@ -212,6 +217,35 @@ class ElasticRestarts(JobRestarts):
             if deferred:
                 self._publish(deferred[-1])
         return True
+
+    def _no_state_left(self, dead: list) -> bool:
+        """Whether a worker of ``dead`` failed because every member holding the
+        training state was lost (its replacements have nothing to take: `stateless`)."""
+        from tfdist.engines.horovod.membership import HAS_BACKUP_WORDS, NO_STATE_WORDS
+
+        for task in dead:
+            tail = task.tail_text()
+            if NO_STATE_WORDS in tail:
+                self.stateless = "backup" if HAS_BACKUP_WORDS in tail else "none"
+                return True
+        return False
+
+    def restart_job(self) -> int | None:
+        """A whole-job restart, only from a backup once every member holding the
+        training state was lost: without one it would train from scratch."""
+        if self.stateless == "none":
+            return None
+        return super().restart_job()
+
+    def failure_note(self, failed) -> str:
+        if self.stateless is None:
+            return ""
+        then = ("; the job starts again from fit's backup" if self.stateless == "backup"
+                else "; there is no backup to resume from, so the job fails rather than "
+                     "train from scratch")
+        return (f": every member holding the elastic job's training state was lost "
+                f"({'; '.join(self.removed)}), and its replacements had no member to take "
+                f"it from{then}")
 
     def _dead(self, tasks: list) -> list:
         """The workers that exited non-zero and are not removed yet, first failed first."""

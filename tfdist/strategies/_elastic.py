@@ -27,9 +27,11 @@ have (checked before ``fit`` starts).
 
 from __future__ import annotations
 
+import os
+
 import tensorflow as tf
 
-from tfdist.engines.horovod import elastic, ops
+from tfdist.engines.horovod import elastic, membership, ops
 
 DEFAULT_COMMIT_EVERY_STEPS = 1
 
@@ -99,6 +101,7 @@ class ElasticFit:
         self._inner = None
         self._committing = None  # the train function whose last step commits
         self.rules = strategy.elastic_rules(model)
+        self.backups: list[str] = []  # fit's BackupAndRestore directories
         self._read_elsewhere = False  # the others read this epoch's metrics already
 
     # ---- the wrapped train function ------------------------------------------------
@@ -237,17 +240,31 @@ class ElasticFit:
         self._committed_lists = ([tf.identity(_tf_variable(v))
                                   for v in self.state_variables()], [])
         self.committed_at = (-1, -1)
-        epoch, position = self._sync()
+        found = self._newest_commit()
+        if found[1] == (-1, -1):
+            raise NoStateLeftError(self._no_state_left())
+        epoch, position = self._sync(found)
         self.rules.after_join()
         self.member.synced = True
         self.epoch, self.fast_forward = epoch - 1, position
         return epoch
 
-    def _sync(self) -> tuple[int, int]:
+    def _no_state_left(self) -> str:
+        """Why a joiner whose members all joined too cannot go on (`NoStateLeftError`)."""
+        backups = [b for b in self.backups if os.path.isdir(b) and os.listdir(b)]
+        then = (f"{membership.HAS_BACKUP_WORDS} {backups[0]}: the launcher starts the whole "
+                "job again, which resumes from it" if backups else
+                "fit has no backup to resume from (keras.callbacks.BackupAndRestore, "
+                "tfdist launch --backup-dir): the job fails rather than train from scratch")
+        return (f"{self.member.name}: {membership.NO_STATE_WORDS} (membership "
+                f"{self.member.version}: {', '.join(self.member.members)}, each started "
+                f"after every member that trained was lost); {then}")
+
+    def _sync(self, found: tuple | None = None) -> tuple[int, int]:
         """Every member takes the newest commit's values (a member holding the newest
         commit keeps its own values of the rules' ``own_variables``); returns its
-        position."""
-        root, newest = self._newest_commit()
+        position. ``found``: `_newest_commit`'s answer, when asked already."""
+        root, newest = found or self._newest_commit()
         keep = self.rules.own_variables() if self.committed_at == newest else set()
         elastic._say(f"{self.member.name}: takes the state of rank {root} (epoch "
                      f"{newest[0]}, batch {newest[1]})")
@@ -377,6 +394,11 @@ class _Snapshot:
 def _tf_variable(variable):
     """The TF variable behind a Keras variable (its public ``value``), or ``variable``."""
     return variable if isinstance(variable, tf.Variable) else variable.value
+
+
+class NoStateLeftError(RuntimeError):
+    """Every member of the membership joined after the last member holding the
+    training state was lost: there is no commit to take."""
 
 
 class _MembershipChanged(Exception):
