@@ -168,7 +168,8 @@ def wrap_epoch_metrics(model, wrapper):
     epoch's read of the metrics, which sums them over the workers outside the train
     function. Keras' fit reads them with the private ``_get_metrics_result_or_logs``,
     which calls the public ``get_metrics_result``; an attribute of the instance takes
-    its place for this model only.
+    its place for this model only. Keras' train step calls it too, while traced
+    (``wrapper`` tells by ``tf.inside_function()``).
     """
     original = model.get_metrics_result
     model.get_metrics_result = lambda: wrapper(original)

@@ -329,6 +329,8 @@ class ElasticFit:
         next epoch), this member returns its last step's logs instead: the epoch's logs
         may then miss the lost member's sums (docs/elastic.md, Limits).
         """
+        if tf.inside_function():  # a train step's own read (Keras' compute_metrics)
+            return read()
         while True:
             if self._read_elsewhere:
                 self._read_elsewhere = False
