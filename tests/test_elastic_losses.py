@@ -51,6 +51,26 @@ def test_a_worker_lost_at_an_epochs_end_leaves_survivors_at_the_reference(
 
 @pytest.mark.multiprocess
 @pytest.mark.horovod
+def test_a_worker_lost_at_an_epochs_end_is_replaced_and_all_end_at_the_reference(
+        tmp_path, reference):
+    """With a restart left the replacement joins at the epoch's end: until it trains
+    a step, every member reads and resets the metrics on its own (the joiner's rule),
+    so the next epoch starts together."""
+    done, results, starts = _launch(tmp_path, "--max-restarts", "3", kill="worker-1:0:9",
+                                    heartbeat=JOINER_HEARTBEAT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "worker-1: takes the state of rank 0 (epoch 0, batch 10)" in \
+        done.stdout + done.stderr
+    assert [task for task, _ in starts].count("worker-1") == 2
+    assert sorted(results) == ALL
+    for result in results.values():
+        assert result["size"] == 3 and result["iterations"] == STEPS
+        assert_weights_close([np.array(w) for w in result["weights"]], reference)
+    _assert_members_agree_at_every_step(results)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.horovod
 def test_a_worker_lost_at_an_epochs_end_between_averages_is_dropped(
         tmp_path, initial_weights):
     """Averages every 4 steps: worker-1 is killed after step 10, the epoch's last;

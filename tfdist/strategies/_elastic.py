@@ -126,9 +126,9 @@ class ElasticFit:
         if self.fast_forward > 0:  # Keras' steps the job trained before this worker joined
             self.fast_forward -= self.model.steps_per_execution
             return {}
-        self.member.training = True
         start = iterator.position
         while True:
+            self.member.training = True  # again after a re-forming with a joiner
             try:
                 if self.calls_since_commit == 0 and self.member.changed() and \
                         self.rules.may_reform():
@@ -326,8 +326,9 @@ class ElasticFit:
         recovered as in a step: each survivor commits the state after the epoch's last
         step, re-forms, takes the newest commit, and reads again over the survivors.
         When the others had read already and moved on (their newest commit is in the
-        next epoch), this member returns its last step's logs instead: the epoch's logs
-        may then miss the lost member's sums (docs/elastic.md, Limits).
+        next epoch), this member returns its last step's logs instead; with a joiner
+        that has not trained yet, every member reads its own sums (`_newest_commit`).
+        The epoch's logs may then miss the lost member's sums (docs/elastic.md, Limits).
         """
         if tf.inside_function():  # a train step's own read (Keras' compute_metrics)
             return read()
@@ -351,6 +352,11 @@ class ElasticFit:
         mine = tf.constant([[self.committed_at[0], self.committed_at[1], ops.rank()]],
                            tf.int64)
         every = ops.allgather(mine).numpy()
+        if any(int(e) == -1 for e, _, _ in every):
+            # A joiner that has not trained keeps its reads of on-read variables (the
+            # metrics' read and reset) local (`tfdist.engines.horovod.extended`): so do
+            # the members until the next step, which it takes part in.
+            self.member.training = False
         newest = max((int(e), int(p)) for e, p, _ in every)
         root = min(int(r) for e, p, r in every if (int(e), int(p)) == newest)
         return root, newest
