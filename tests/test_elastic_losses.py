@@ -20,13 +20,13 @@ ALL = ["worker-0", "worker-1", "worker-2"]
 AVERAGE_EVERY = 4  # an epoch (10 steps) ends between averages
 
 
-def _assert_survivors(done, results, starts, names, reference):
+def _assert_survivors(done, results, starts, names, expected):
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(results) == names
     for name, result in results.items():
         assert [pid for task, pid in starts if task == name] == [str(result["pid"])]
         assert result["size"] == len(names) and result["iterations"] == STEPS
-        assert_weights_close([np.array(w) for w in result["weights"]], reference)
+        assert_weights_close([np.array(w) for w in result["weights"]], expected)
     _assert_members_agree_at_every_step(results)
 
 
@@ -155,7 +155,8 @@ def test_two_workers_lost_at_once_the_survivor_waits_for_a_joiner(tmp_path, refe
     for name in ("worker-1", "worker-2"):
         assert f"{name} exited with code -9 (signal SIGKILL); {BELOW}" in done.stderr
     assert "adding worker-3, which joins the running elastic job (2 workers)" in done.stderr
-    assert "worker-3: takes the state of rank 0 (epoch 0, batch 6)" in done.stdout + done.stderr
+    assert "worker-3: takes the state of rank 0 (epoch 0, batch 6)" in \
+        done.stdout + done.stderr
     _assert_no_membership_lists_the_dead(done)
     _assert_survivors(done, results, starts, ["worker-0", "worker-3"], reference)
 
