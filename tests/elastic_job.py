@@ -9,12 +9,15 @@ only (``TASK:EPOCH:BATCH:BEGIN``: SIGKILL before that batch's step;
 ``TASK:EPOCH:BATCH:STOP``: SIGSTOP, it freezes; ``TASK:EPOCH:BATCH:GROW``: it
 writes ``OUT/grow-EPOCH-BATCH`` and then waits, up to 120 s, until the launcher lists
 a worker more; ``TASK:EPOCH:BATCH:HOLD``: it writes ``OUT/hold-EPOCH-BATCH`` and
-waits, up to 120 s, for ``OUT/release-EPOCH-BATCH``). Several events are separated by
-commas. Each task notes its weights
+waits, up to 120 s, for ``OUT/release-EPOCH-BATCH``; ``TASK:EPOCH:BATCH:READ``:
+SIGKILL as Keras begins to read that epoch's metrics, a collective after the epoch's
+last step). Several events are separated by commas; they run in the job's first
+attempt only (``TFDIST_RESTART`` 0). Each task notes its weights
 after every step. ``JOB_HEARTBEAT`` sets the strategy's ``heartbeat_timeout`` (5 s);
 ``JOB_PERIOD`` trains with ``tfdist.ModelAverageStrategy(period=JOB_PERIOD)`` instead;
 ``JOB_COMMIT_EVERY`` and ``JOB_STEPS_PER_EXECUTION`` set ``commit_every_steps`` and
-Keras' ``steps_per_execution``.
+Keras' ``steps_per_execution``; ``JOB_BACKUP`` adds
+``tfdist.keras.callbacks.BackupAndRestore(OUT/backup)``.
 Each task appends ``<task> <pid>`` to ``OUT/starts`` when it starts and writes
 ``OUT/<task>.json`` when fit ends; the chief saves the model once, recording who did.
 """
@@ -98,7 +101,7 @@ def main(out, epochs, kill=""):
                     not member.changed() and time.monotonic() < self.deadline:
                 time.sleep(0.2)  # the test adds a worker: wait until the launcher lists it
             for name, epoch, at, how in events():
-                if name != task or not first_start or how == "BEGIN" or \
+                if name != task or not first_start or how in ("BEGIN", "READ") or \
                         (self.epoch, batch) != (int(epoch), int(at)):
                     continue
                 if how == "GROW":
@@ -116,9 +119,24 @@ def main(out, epochs, kill=""):
     def events():
         return [(event.split(":") + ["KILL"])[:4] for event in filter(None, kill.split(","))]
 
-    first_start = os.environ.get("TFDIST_TASK_RESTART", "0") == "0"
+    first_start = os.environ.get("TFDIST_TASK_RESTART", "0") == "0" and \
+        os.environ.get("TFDIST_RESTART", "0") == "0"
     steps = {}  # "epoch:batch" -> the weights after that step
-    fit(net, epochs, [Events()])
+    noting = Events()
+    reads = {int(epoch) for name, epoch, _, how in events() if how == "READ" and name == task}
+    if reads and first_start:
+        keras_read = net.get_metrics_result
+
+        def read():  # Keras' read of the epoch's metrics (fit's last read included)
+            if noting.epoch in reads:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return keras_read()
+
+        net.get_metrics_result = read
+    callbacks = [noting]
+    if os.environ.get("JOB_BACKUP"):
+        callbacks.append(tfdist.keras.callbacks.BackupAndRestore(os.path.join(out, "backup")))
+    fit(net, epochs, callbacks)
     if strategy.is_chief:
         net.save(os.path.join(out, "model.keras"))
         open(os.path.join(out, f"saved-by-{task}"), "w").close()

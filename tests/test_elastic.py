@@ -41,10 +41,12 @@ def reference():
     return net.get_weights()
 
 
-def _launch(tmp_path, *flags, kill, workers=(3, 2), heartbeat=5, **job_env):
+def _launch(tmp_path, *flags, kill, workers=(3, 2), heartbeat=5, grow_after=None,
+            **job_env):
     """Runs elastic_job under ``tfdist launch`` (``job_env``: more of its environment,
     e.g. ``JOB_PERIOD``); for each ``GROW`` event, asks the launcher for a worker
-    (SIGUSR1) once the job has written that event's marker."""
+    (SIGUSR1) once the job has written that event's marker, and once more when the
+    launcher has written ``grow_after``."""
     require_horovod()
     env = dict(os.environ, JOB_HEARTBEAT=str(heartbeat), PYTHONPATH=os.pathsep.join(
         [ROOT, TESTS_DIR, os.environ.get("PYTHONPATH", "")]), **job_env)
@@ -53,6 +55,8 @@ def _launch(tmp_path, *flags, kill, workers=(3, 2), heartbeat=5, **job_env):
          "--min-workers", str(workers[1]), "--timeout", "200", *flags,
          os.path.join(TESTS_DIR, "elastic_job.py"), str(tmp_path), str(EPOCHS), kill],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if grow_after is not None:
+        return _launch_and_grow(proc, tmp_path, grow_after)
     try:
         for event in kill.split(","):
             if not event.endswith(":GROW"):
@@ -67,6 +71,43 @@ def _launch(tmp_path, *flags, kill, workers=(3, 2), heartbeat=5, **job_env):
     except BaseException:
         proc.kill()
         raise
+    return _outcome(proc, stdout, stderr, tmp_path)
+
+
+def _launch_and_grow(proc, tmp_path, text):
+    """Waits for ``text`` in the launcher's stderr, sends it SIGUSR1 (a worker joins),
+    and returns `_launch`'s answer."""
+    import threading
+
+    lines, seen = [], threading.Event()
+
+    def read_stderr():
+        for line in proc.stderr:
+            lines.append(line)
+            if text in line:
+                seen.set()
+        seen.set()  # the launcher ended: nothing more will come
+
+    out = []
+    readers = [threading.Thread(target=read_stderr, daemon=True),
+               threading.Thread(target=lambda: out.append(proc.stdout.read()), daemon=True)]
+    for reader in readers:
+        reader.start()
+    try:
+        seen.wait(200)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGUSR1)
+        proc.wait(timeout=240)
+        for reader in readers:
+            reader.join(timeout=10)
+    except BaseException:
+        proc.kill()
+        raise
+    return _outcome(proc, "".join(out), "".join(lines), tmp_path)
+
+
+def _outcome(proc, stdout, stderr, tmp_path):
+    """``(the launcher's CompletedProcess, {task: its json}, [[task, pid], ...])``."""
     done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     results = {name[:-5]: json.loads((tmp_path / name).read_text())
                for name in os.listdir(tmp_path) if name.endswith(".json")}

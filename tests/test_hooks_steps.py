@@ -241,3 +241,37 @@ def test_committing_step_of_a_local_output_strategy_stays_local(logical_cpus):
     assert train_step_collectives(model).every_step == 0
     np.testing.assert_allclose(
         values[0].numpy(), np.concatenate([w.numpy().ravel() for w in weights]))
+
+
+def test_fit_reads_the_epoch_metrics_through_a_wrapped_get_metrics_result():
+    """`wrap_epoch_metrics`: Keras' fit reads each epoch's logs with the private
+    ``_get_metrics_result_or_logs``, which calls ``get_metrics_result``; an elastic fit
+    puts its recovering read there (tfdist/strategies/_elastic.py)."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    from keras.src.backend.tensorflow import trainer
+    from keras.src.trainers import trainer as base
+
+    from tfdist._hooks.keras_steps import wrap_epoch_metrics
+
+    assert "self._get_metrics_result_or_logs(logs)" in inspect.getsource(
+        trainer.TensorFlowTrainer.fit)
+    assert "self.get_metrics_result()" in inspect.getsource(
+        base.Trainer._get_metrics_result_or_logs)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    reads = []
+
+    def wrapper(read):
+        result = read()
+        if not tf.inside_function():  # the train step reads them too, traced
+            reads.append(result)
+        return result
+
+    undo = wrap_epoch_metrics(model, wrapper)
+    history = model.fit(np.ones((8, 2)), np.ones((8, 1)), batch_size=4, epochs=2, verbose=0)
+    assert len(reads) == 2 and history.history["loss"] == [float(r["loss"]) for r in reads]
+    undo()
+    model.fit(np.ones((8, 2)), np.ones((8, 1)), batch_size=4, epochs=1, verbose=0)
+    assert len(reads) == 2

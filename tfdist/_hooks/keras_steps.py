@@ -14,7 +14,8 @@ epoch (as Keras' arrays and TF's ``DATA`` auto-sharding give).
 The epoch's logs stay global: Keras' metric variables are on-read (``SUM``), so the read
 of ``get_metrics_result()`` after the epoch sums them over every worker, once.
 An elastic ``fit`` also gets Keras' per-batch step rebuilt with its commit's reads after
-the step, in the same traced function (`committing_train_function`).
+the step, in the same traced function (`committing_train_function`), and its own read of
+the epoch's metrics (`wrap_epoch_metrics`).
 ``tests/test_hooks_steps.py`` fails loudly when a Keras upgrade removes what it touches.
 """
 
@@ -157,6 +158,26 @@ def remake_train_function(model):
     model.train_function = None
     model.make_train_function()
     return model.train_function
+
+
+def wrap_epoch_metrics(model, wrapper):
+    """Makes ``fit``'s read of ``model``'s epoch metrics call ``wrapper(read)`` (``read``:
+    Keras' own ``get_metrics_result``); returns a function that undoes it.
+
+    Why: an elastic ``fit`` (`tfdist.strategies._elastic`) recovers a member lost in the
+    epoch's read of the metrics, which sums them over the workers outside the train
+    function. Keras' fit reads them with the private ``_get_metrics_result_or_logs``,
+    which calls the public ``get_metrics_result``; an attribute of the instance takes
+    its place for this model only. Keras' train step calls it too, while traced
+    (``wrapper`` tells by ``tf.inside_function()``).
+    """
+    original = model.get_metrics_result
+    model.get_metrics_result = lambda: wrapper(original)
+
+    def undo():
+        model.__dict__.pop("get_metrics_result", None)
+
+    return undo
 
 
 def committing_train_function(model, train_function, snapshot):

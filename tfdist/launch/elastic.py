@@ -34,6 +34,10 @@ from tfdist.wire import new_token
 # Seconds after the first member reported a lost peer by which every live member has
 # reported too (they all wait on the same collective): the silent ones are frozen.
 REPORT_GRACE = 10.0
+# Seconds a lost worker's removal waits at most for every running member to report the
+# loss (each does at once when its Horovod fails): a member dying at the same moment
+# exits meanwhile, and every worker lost at once leaves in one membership.
+LOSS_SETTLE = 0.5
 
 
 class ElasticRestarts(JobRestarts):
@@ -69,6 +73,9 @@ class ElasticRestarts(JobRestarts):
         self.first_report: tuple[int, float] | None = None  # (version, when)
         self.requested = 0  # workers asked for (SIGUSR1, add_worker) and not yet added
         self.grown = None  # the cluster with the added workers' addresses
+        self._deferred = None  # while `replace` removes several: the memberships made
+        self._dying: set[str] = set()  # workers found dead and not removed yet
+        self.stateless: str | None = None  # "backup" / "none": no member held the state
 
     def add_worker(self) -> None:
         """Asks for one more worker; the launcher adds it at its next poll (up to
@@ -87,6 +94,7 @@ class ElasticRestarts(JobRestarts):
                                        self.port, token=self.token, log=self.log,
                                        signed=self.signed_scopes())
         self.lost, self.below_since, self.grown = set(), None, None
+        self.stateless = None
         self.members: list[tuple[str, str]] = []  # oldest first; published once >= min
         previous = None
         if threading.current_thread() is threading.main_thread():
@@ -127,6 +135,9 @@ class ElasticRestarts(JobRestarts):
         """Makes ``members`` the job's; publishes them if they are at least
         ``min_workers`` (below, the survivors wait for a joiner)."""
         self.members = members
+        if self._deferred is not None:
+            self._deferred.append(members)  # `replace` publishes the last one
+            return
         if len(members) >= self.min_workers:
             self.below_since = None
             self.server.publish(members)
@@ -190,17 +201,78 @@ class ElasticRestarts(JobRestarts):
         return False
 
     def replace(self, tasks: list, failed, start: Callable[[TaskSpec, int], object]) -> bool:
+        """Removes ``failed`` and every other worker that failed by now, in one
+        membership (a membership that lists a dead worker would hold the survivors in
+        Gloo's rendezvous until it aborts them)."""
         if failed.spec.type not in TRAINING_TASK_TYPES:
             return False
-        failed.finish_output()
-        outcome = self.lose(failed.name, self.host, exit_cause(failed.name, failed.poll()))
-        if outcome is None:
-            return False  # nobody is left to carry on: the job fails on this task
-        if outcome:
-            tasks[tasks.index(failed)] = start(failed.spec, self.used, self.grown)
-        else:
-            self.lost.add(id(failed))
+        dead = self._settle(tasks)
+        for task in dead:
+            task.finish_output()
+        if self._no_state_left(dead):
+            return False  # the attempt ends: `failure_note` and `restart_job` say how
+        self._deferred, self._dying = [], {t.name for t in dead}
+        try:
+            for task in dead:
+                self._dying.discard(task.name)  # its replacement takes its name
+                outcome = self.lose(task.name, self.host, exit_cause(task.name, task.poll()))
+                if outcome is None:
+                    return False  # nobody is left to carry on: the job fails on ``failed``
+                if outcome:
+                    tasks[tasks.index(task)] = start(task.spec, self.used, self.grown)
+                else:
+                    self.lost.add(id(task))
+        finally:
+            deferred, self._deferred, self._dying = self._deferred, None, set()
+            if deferred:
+                self._publish(deferred[-1])
         return True
+
+    def _no_state_left(self, dead: list) -> bool:
+        """Whether a worker of ``dead`` failed because every member holding the
+        training state was lost (its replacements have nothing to take: `stateless`)."""
+        from tfdist.engines.horovod.membership import HAS_BACKUP_WORDS, NO_STATE_WORDS
+
+        for task in dead:
+            tail = task.tail_text()
+            if NO_STATE_WORDS in tail:
+                self.stateless = "backup" if HAS_BACKUP_WORDS in tail else "none"
+                return True
+        return False
+
+    def restart_job(self) -> int | None:
+        """A whole-job restart, only from a backup once every member holding the
+        training state was lost: without one it would train from scratch."""
+        if self.stateless == "none":
+            return None
+        return super().restart_job()
+
+    def failure_note(self, failed) -> str:
+        if self.stateless is None:
+            return ""
+        then = ("; the job starts again from fit's backup" if self.stateless == "backup"
+                else "; there is no backup to resume from, so the job fails rather than "
+                     "train from scratch")
+        return (f": every member holding the elastic job's training state was lost "
+                f"({'; '.join(self.removed)}), and its replacements had no member to take "
+                f"it from{then}")
+
+    def _dead(self, tasks: list) -> list:
+        """The workers that exited non-zero and are not removed yet, first failed first."""
+        return sorted((t for t in tasks if t.spec.type in TRAINING_TASK_TYPES and
+                       not self.is_lost(t) and t.poll() not in (None, 0)),
+                      key=lambda t: t.exited_at)
+
+    def _settle(self, tasks: list) -> list:
+        """`_dead`, once every running member reported the loss (`LOSS_SETTLE` at most)."""
+        deadline = time.monotonic() + LOSS_SETTLE
+        while True:
+            dead = self._dead(tasks)
+            members = {name for name, _ in self.server.members}
+            running = {t.name for t in tasks if t.poll() is None and t.name in members}
+            if running <= self.server.reports() or time.monotonic() > deadline:
+                return dead
+            time.sleep(0.01)
 
     def lose(self, name: str, host: str, cause: str, *, replaceable: bool = True
              ) -> bool | None:
@@ -212,7 +284,7 @@ class ElasticRestarts(JobRestarts):
             it, None when nobody is left and no restart either: the job fails.
         """
         self.removed.append(cause)
-        members = [(n, h) for n, h in self.members if n != name]
+        members = [(n, h) for n, h in self.members if n != name and n not in self._dying]
         if not members and (self.spent >= self.max_restarts or not replaceable):
             return None
         if replaceable and self.spent < self.max_restarts:
@@ -237,8 +309,8 @@ class ElasticRestarts(JobRestarts):
         if len(members) >= self.min_workers:
             print(f"tfdist launch: {cause}; the elastic job carries on with {len(members)} "
                   f"worker(s) ({left}): {none_left}", file=self.log, flush=True)
-        elif self.below_since is None:
-            self.below_since = time.monotonic()
+        else:
+            self.below_since = self.below_since or time.monotonic()
             print(f"tfdist launch: {cause}; {len(members)} worker(s) left ({left}), below "
                   f"--min-workers {self.min_workers}, and {none_left}: the job waits up to "
                   f"--elastic-timeout {self.elastic_timeout:g}s for workers to join",

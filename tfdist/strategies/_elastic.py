@@ -27,9 +27,11 @@ have (checked before ``fit`` starts).
 
 from __future__ import annotations
 
+import os
+
 import tensorflow as tf
 
-from tfdist.engines.horovod import elastic, ops
+from tfdist.engines.horovod import elastic, membership, ops
 
 DEFAULT_COMMIT_EVERY_STEPS = 1
 
@@ -99,15 +101,19 @@ class ElasticFit:
         self._inner = None
         self._committing = None  # the train function whose last step commits
         self.rules = strategy.elastic_rules(model)
+        self.backups: list[str] = []  # fit's BackupAndRestore directories
+        self._read_elsewhere = False  # the others read this epoch's metrics already
 
     # ---- the wrapped train function ------------------------------------------------
     def install(self) -> None:
-        """Makes Keras' train function (as ``fit`` would) and puts this one in its place."""
-        from tfdist._hooks.keras_steps import remake_train_function
+        """Makes Keras' train function (as ``fit`` would) and puts this one in its place;
+        the epoch's read of the metrics goes through `epoch_results` until `uninstall`."""
+        from tfdist._hooks.keras_steps import remake_train_function, wrap_epoch_metrics
 
         self._inner = remake_train_function(self.model)
         self._committing = None
         self.model.train_function = self
+        self.uninstall = wrap_epoch_metrics(self.model, self.epoch_results)
 
     def __call__(self, iterator):
         if iterator is not self.iterator:  # a new epoch
@@ -120,9 +126,9 @@ class ElasticFit:
         if self.fast_forward > 0:  # Keras' steps the job trained before this worker joined
             self.fast_forward -= self.model.steps_per_execution
             return {}
-        self.member.training = True
         start = iterator.position
         while True:
+            self.member.training = True  # again after a re-forming with a joiner
             try:
                 if self.calls_since_commit == 0 and self.member.changed() and \
                         self.rules.may_reform():
@@ -234,17 +240,31 @@ class ElasticFit:
         self._committed_lists = ([tf.identity(_tf_variable(v))
                                   for v in self.state_variables()], [])
         self.committed_at = (-1, -1)
-        epoch, position = self._sync()
+        found = self._newest_commit()
+        if found[1] == (-1, -1):
+            raise NoStateLeftError(self._no_state_left())
+        epoch, position = self._sync(found)
         self.rules.after_join()
         self.member.synced = True
         self.epoch, self.fast_forward = epoch - 1, position
         return epoch
 
-    def _sync(self) -> tuple[int, int]:
+    def _no_state_left(self) -> str:
+        """Why a joiner whose members all joined too cannot go on (`NoStateLeftError`)."""
+        backups = [b for b in self.backups if os.path.isdir(b) and os.listdir(b)]
+        then = (f"{membership.HAS_BACKUP_WORDS} {backups[0]}: the launcher starts the whole "
+                "job again, which resumes from it" if backups else
+                "fit has no backup to resume from (keras.callbacks.BackupAndRestore, "
+                "tfdist launch --backup-dir): the job fails rather than train from scratch")
+        return (f"{self.member.name}: {membership.NO_STATE_WORDS} (membership "
+                f"{self.member.version}: {', '.join(self.member.members)}, each started "
+                f"after every member that trained was lost); {then}")
+
+    def _sync(self, found: tuple | None = None) -> tuple[int, int]:
         """Every member takes the newest commit's values (a member holding the newest
         commit keeps its own values of the rules' ``own_variables``); returns its
-        position."""
-        root, newest = self._newest_commit()
+        position. ``found``: `_newest_commit`'s answer, when asked already."""
+        root, newest = found or self._newest_commit()
         keep = self.rules.own_variables() if self.committed_at == newest else set()
         elastic._say(f"{self.member.name}: takes the state of rank {root} (epoch "
                      f"{newest[0]}, batch {newest[1]})")
@@ -267,11 +287,24 @@ class ElasticFit:
         self.iterator.rewind()
         for variable, value in zip(self.metric_variables(), self.committed_metrics):
             variable.assign(value)
+        epoch, position = self._reform_and_sync()
+        if epoch > self.epoch:
+            self._read_elsewhere = True  # and read its metrics: not again (`epoch_results`)
+            return True  # the others ended this epoch: its batches are done
+        self.iterator.skip(position - self.iterator.position)  # the others' newer steps
+        self.committed_at = (epoch, position)
+        self.iterator.mark()
+        self.calls_since_commit = 0
+        return position > start
+
+    def _reform_and_sync(self) -> tuple[int, int]:
+        """Re-forms Horovod (again while members are lost meanwhile), takes the newest
+        commit, re-traces the train function; returns the commit's position."""
         while True:
             self.member.reform()
             self.strategy.extended.refresh_membership()
             try:
-                epoch, position = self._sync()
+                newest = self._sync()
                 break
             except tf.errors.OpError as error:  # another member was lost meanwhile
                 if not elastic.is_lost_peer(error):
@@ -282,19 +315,48 @@ class ElasticFit:
         self._committing = None
         self._snapshot_now(renew=True)
         self.model.train_function = self
-        if epoch > self.epoch:
-            return True  # the others ended this epoch: its batches are done
-        self.iterator.skip(position - self.iterator.position)  # the others' newer steps
-        self.committed_at = (epoch, position)
-        self.iterator.mark()
-        self.calls_since_commit = 0
-        return position > start
+        return newest
+
+    # ---- the epoch's end -----------------------------------------------------------
+    def epoch_results(self, read):
+        """Keras' read of the epoch's metrics (``read``: ``model.get_metrics_result``),
+        which sums them over the members: a collective outside the train function.
+
+        A member lost there (or in the epoch's last step, which the others finished) is
+        recovered as in a step: each survivor commits the state after the epoch's last
+        step, re-forms, takes the newest commit, and reads again over the survivors.
+        When the others had read already and moved on (their newest commit is in the
+        next epoch), this member returns its last step's logs instead; with a joiner
+        that has not trained yet, every member reads its own sums (`_newest_commit`).
+        The epoch's logs may then miss the lost member's sums (docs/elastic.md, Limits).
+        """
+        if tf.inside_function():  # a train step's own read (Keras' compute_metrics)
+            return read()
+        while True:
+            if self._read_elsewhere:
+                self._read_elsewhere = False
+                return dict(self.last_logs or {})
+            try:
+                return read()
+            except tf.errors.OpError as error:
+                if not elastic.is_lost_peer(error):
+                    raise
+            self.recoveries += 1
+            if self.calls_since_commit:
+                self.commit()  # every step of the epoch is done: a newer commit
+            epoch, _ = self._reform_and_sync()
+            self._read_elsewhere = epoch > self.epoch
 
     def _newest_commit(self) -> tuple[int, tuple[int, int]]:
         """``(rank holding it, (epoch, batch))`` of the newest commit among the members."""
         mine = tf.constant([[self.committed_at[0], self.committed_at[1], ops.rank()]],
                            tf.int64)
         every = ops.allgather(mine).numpy()
+        if any(int(e) == -1 for e, _, _ in every):
+            # A joiner that has not trained keeps its reads of on-read variables (the
+            # metrics' read and reset) local (`tfdist.engines.horovod.extended`): so do
+            # the members until the next step, which it takes part in.
+            self.member.training = False
         newest = max((int(e), int(p)) for e, p, _ in every)
         root = min(int(r) for e, p, r in every if (int(e), int(p)) == newest)
         return root, newest
@@ -340,6 +402,11 @@ class _Snapshot:
 def _tf_variable(variable):
     """The TF variable behind a Keras variable (its public ``value``), or ``variable``."""
     return variable if isinstance(variable, tf.Variable) else variable.value
+
+
+class NoStateLeftError(RuntimeError):
+    """Every member of the membership joined after the last member holding the
+    training state was lost: there is no commit to take."""
 
 
 class _MembershipChanged(Exception):

@@ -327,6 +327,7 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
 
         self._elastic_dataset = training_data
         fitting = ElasticFit(self, model, self.commit_every_steps)
+        fitting.backups = _backup_dirs(arguments)
         if not member.synced:
             self._elastic_initial_epoch = fitting.join()
         fitting.install()
@@ -337,6 +338,7 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
             self.__dict__.pop("_elastic_dataset", None)
             self.__dict__.pop("_elastic_initial_epoch", None)
             model.train_function = None
+            fitting.uninstall()
 
     def elastic_rules(self, model):
         """What elastic ``fit`` asks this strategy (`tfdist.strategies._elastic`)."""
@@ -376,6 +378,16 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
         """This task's name, e.g. ``worker-1``."""
         task = self.cluster and self.cluster.task
         return task.name if task else f"worker-{self.rank}"
+
+
+def _backup_dirs(arguments) -> list[str]:
+    """The ``backup_dir`` of each ``keras.callbacks.BackupAndRestore`` given to ``fit``."""
+    import keras
+
+    callbacks = (arguments or {}).get("callbacks") or []
+    callbacks = getattr(callbacks, "callbacks", callbacks)
+    return [c.backup_dir for c in callbacks
+            if isinstance(c, keras.callbacks.BackupAndRestore)]
 
 
 def _rank(value):

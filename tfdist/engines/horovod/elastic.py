@@ -49,7 +49,9 @@ class ElasticMember:
         self.reforms = 0  # times Horovod was formed again
         self.joined_running = False  # formed first with a membership past the first
         self.synced = False  # holds the job's training state (a joiner: once fit synced)
-        self.training = False  # has trained a step with the members (or started with them)
+        # Has trained a step with the members (or started with them); False again while
+        # a joiner that has not trained is a member: on-read variables stay local.
+        self.training = False
         self.latest = 0  # the newest version seen by the watcher thread
         self.formation = Formation()  # the sockets of the current Horovod formation
 

@@ -29,6 +29,11 @@ from tfdist.wire import MAX_PENDING, quote, sign, verify
 SCOPE = "tfdist-elastic"
 # Members PUT their name here when Horovod failed under them (body: their version).
 LOST_SCOPE = "tfdist-elastic-lost"
+# A joiner that finds no member holding the training state fails with these words
+# (`tfdist.strategies._elastic`), followed by the backup it could resume from, if any;
+# the launcher reads them in its output and does not start it again.
+NO_STATE_WORDS = "no member of the elastic job holds its training state"
+HAS_BACKUP_WORDS = "fit has a backup in"
 
 
 def plan_of(members: list[tuple[str, str]]) -> dict[str, dict]:
