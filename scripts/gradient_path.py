@@ -6,9 +6,15 @@ reduction and update. A crossing is a call from Keras code into tfdist code, or 
 with TensorFlow's own frames in between ignored. Each distinct (caller, callee) pair is
 counted once, so the figure is the number of places where control changes hands.
 
+It also counts the files a reader must open to follow one step: every tfdist file
+whose code runs during ``fit``'s one step (the wrappers around Keras' train function
+included), in any thread.
+
 Usage: ``.venv/bin/python scripts/gradient_path.py [MODE ...]`` (modes: mirrored,
-multi_worker, model_average, horovod; default all). Each mode runs in a fresh process on
-one host with 2 logical CPUs (multi_worker and horovod with one worker).
+multi_worker, model_average, horovod, sharded_elastic; default all). Each mode runs in a
+fresh process on one host with 2 logical CPUs (multi_worker and horovod with one
+worker); ``sharded_elastic`` runs one worker of an elastic job (``tfdist launch
+--workers 1 --min-workers 1 --max-workers 2``) with ``shard_optimizer_state=True``.
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ MODES = {
     "multi_worker": "tfdist.MultiWorkerMirroredStrategy()",
     "model_average": "tfdist.ModelAverageStrategy(period=2)",
     "horovod": "tfdist.HorovodStrategy()",
+    "sharded_elastic": "tfdist.MultiWorkerMirroredStrategy(shard_optimizer_state=True)",
 }
+ELASTIC_MODES = ("sharded_elastic",)
 
 
 def _owner(filename: str) -> str | None:
@@ -49,7 +57,8 @@ def count(make_strategy: str) -> dict:
 
     import tfdist
 
-    tfdist.devices.use_logical_cpus(2)
+    if not os.environ.get("TF_CONFIG"):
+        tfdist.devices.use_logical_cpus(2)
     import keras
 
     strategy = eval(make_strategy, {"tfdist": tfdist})  # noqa: S307 - our own table
@@ -57,6 +66,7 @@ def count(make_strategy: str) -> dict:
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
         model.compile("sgd", "mse")
     crossings: set[tuple[str, str]] = set()
+    files: set[str] = set()
     local = threading.local()  # Mirrored replicas run in threads of their own
 
     def profile(frame, event, _arg):
@@ -67,6 +77,8 @@ def count(make_strategy: str) -> dict:
             code = frame.f_code
             owner = _owner(code.co_filename)
             parent = stack[-1] if stack else None
+            if owner == "tfdist":
+                files.add(_short(code).split(":")[0])
             if code.co_name == "train_step" and owner == "keras":
                 local.depth += 1
             if (local.depth or threading.current_thread() is not main) and owner and parent and owner != parent[0]:
@@ -88,7 +100,8 @@ def count(make_strategy: str) -> dict:
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
-    return {"crossings": len(crossings), "pairs": sorted(f"{a} -> {b}" for a, b in crossings)}
+    return {"crossings": len(crossings), "files": len(files),
+            "pairs": sorted(f"{a} -> {b}" for a, b in crossings), "file_list": sorted(files)}
 
 
 def main(argv: list[str]) -> int:
@@ -100,15 +113,22 @@ def main(argv: list[str]) -> int:
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     results = {}
     for mode in modes:
-        out = subprocess.run([sys.executable, __file__, "--one", mode], env=env,
-                             capture_output=True, text=True, check=False)
-        lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+        command = [sys.executable, __file__, "--one", mode]
+        if mode in ELASTIC_MODES:
+            command = [sys.executable, "-m", "tfdist.cli", "launch", "--workers", "1",
+                       "--min-workers", "1", "--max-workers", "2", *command[1:]]
+        out = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+        lines = [line.split("] ", 1)[-1] for line in out.stdout.splitlines()]
+        lines = [line for line in lines if line.startswith("{")]
         if out.returncode or not lines:
             results[mode] = {"error": (out.stderr or out.stdout).strip().splitlines()[-1:]}
         else:
             results[mode] = json.loads(lines[-1])
     for mode, result in results.items():
-        print(f"{mode:14s} {result.get('crossings', result.get('error'))}")
+        if "error" in result:
+            print(f"{mode:16s} {result['error']}")
+        else:
+            print(f"{mode:16s} crossings {result['crossings']:3d}  files {result['files']:3d}")
     if "-v" in os.environ.get("GRADIENT_PATH_FLAGS", ""):
         print(json.dumps(results, indent=1))
     return 0
