@@ -48,6 +48,7 @@ def _short(code) -> str:
     for root in ("/tfdist/", "/keras/"):
         if root in path:
             path = root.strip("/") + "/" + path.split(root, 1)[1]
+            break
     return f"{path}:{code.co_name}"
 
 
