@@ -170,49 +170,7 @@ def test_sync_equals_single_device_on_summed_batch():
     assert moved > 1e-2  # it really trained
 
 
-# ---- sharding: an embedding split across two ps tasks -------------------------------------
-
-def _sharded_task():
-    import keras
-    import tensorflow as tf
-
-    import tfdist
-
-    partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
-        min_shard_bytes=256, max_shards=2)
-    strategy = tfdist.ParameterServerStrategy(variable_partitioner=partitioner)
-    rng = np.random.default_rng(0)
-    ids = rng.integers(0, 100, size=(512, 4)).astype("int32")
-    y = rng.normal(size=(100,)).astype("float32")[ids].sum(1, keepdims=True)
-    with strategy.scope():
-        keras.utils.set_random_seed(2)
-        model = keras.Sequential([keras.Input((4,), dtype="int32"),
-                                  keras.layers.Embedding(100, 8), keras.layers.Flatten(),
-                                  keras.layers.Dense(1)])
-        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
-    embeddings = model.layers[0].embeddings
-    shards = [(v.device, tuple(v.shape)) for v in embeddings.value.variables]
-    before = [np.asarray(v) for v in embeddings.value.variables]
-    history = model.fit(ids, y, batch_size=32, epochs=3, verbose=0)
-    after = [np.asarray(v) for v in embeddings.value.variables]
-    return {"type": type(embeddings.value).__name__, "shards": shards,
-            "moved": [float(np.abs(a - b).max()) for a, b in zip(after, before)],
-            "loss": history.history["loss"],
-            "iterations": int(model.optimizer.iterations.numpy()),
-            "evaluate": model.evaluate(ids, y, verbose=0)}
-
-
-@pytest.mark.multiprocess
-def test_sharded_embedding_across_two_ps_trains():
-    chief = run_cluster(_sharded_task, workers=2, chief=True, ps=2)[0]
-    assert chief["type"] == "ShardedVariable"
-    devices = sorted(device for device, _ in chief["shards"])
-    assert devices == ["/job:ps/replica:0/task:0/device:CPU:0",
-                       "/job:ps/replica:0/task:1/device:CPU:0"]
-    assert [shape for _, shape in chief["shards"]] == [(50, 8), (50, 8)]
-    assert all(m > 1e-3 for m in chief["moved"])  # both halves were trained
-    assert chief["iterations"] == 3 * 16
-    assert chief["loss"][-1] < 0.5 * chief["loss"][0]
+# ---- sharding: an embedding split across two ps tasks: tests/test_ps_sharded.py ----------
     assert np.isfinite(chief["evaluate"])
 
 

@@ -186,7 +186,33 @@ def _sharded_task():
         strategy, lambda: keras.optimizers.SGD(0.05, momentum=0.9), use_apply_gradients=True,
         seed=4)
     out["tutorial"] = _tutorial_loop(strategy)
+    out["embedding_fit"] = _embedding_fit(strategy)
     return out
+
+
+def _embedding_fit(strategy):
+    """fit, evaluate and both halves of the table trained: an Embedding across two ps."""
+    import keras
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 100, size=(512, 4)).astype("int32")
+    y = rng.normal(size=(100,)).astype("float32")[ids].sum(1, keepdims=True)
+    with strategy.scope():
+        keras.utils.set_random_seed(2)
+        model = keras.Sequential([keras.Input((4,), dtype="int32"),
+                                  keras.layers.Embedding(100, 8), keras.layers.Flatten(),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    embeddings = model.layers[0].embeddings
+    shards = [(v.device, tuple(v.shape)) for v in embeddings.value.variables]
+    before = [np.asarray(v) for v in embeddings.value.variables]
+    history = model.fit(ids, y, batch_size=32, epochs=3, verbose=0)
+    after = [np.asarray(v) for v in embeddings.value.variables]
+    return {"type": type(embeddings.value).__name__, "shards": shards,
+            "moved": [float(np.abs(a - b).max()) for a, b in zip(after, before)],
+            "loss": history.history["loss"],
+            "iterations": int(model.optimizer.iterations.numpy()),
+            "evaluate": model.evaluate(ids, y, verbose=0)}
 
 
 def _sync_fit_task(steps, batch):
@@ -268,6 +294,18 @@ def test_custom_loop_on_sharded_variables_equals_one_device(chief, loop, slot):
     assert len(result["optimizer"]) == len(result["ref_optimizer"])
     for (path, got), want in zip(result["optimizer"].items(), result["ref_optimizer"].values()):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg=path)
+
+
+@pytest.mark.multiprocess
+def test_sharded_embedding_across_two_ps_trains(chief):
+    result = chief["embedding_fit"]
+    assert result["type"] == "ShardedVariable"
+    assert sorted(device for device, _ in result["shards"]) == PS_DEVICES
+    assert [shape for _, shape in result["shards"]] == [(50, 8), (50, 8)]
+    assert all(m > 1e-3 for m in result["moved"])  # both halves were trained
+    assert result["iterations"] == 3 * 16
+    assert result["loss"][-1] < 0.5 * result["loss"][0]
+    assert np.isfinite(result["evaluate"])
 
 
 @pytest.mark.multiprocess
