@@ -62,8 +62,9 @@ def logical_cpus():
 
 # The longest files first, so that with `pytest -n 2 --dist loadfile` (make test) no long
 # file starts last while the other worker sits idle. Order within a file is kept.
-LONGEST_FIRST = ("test_notebooks.py", "test_faults.py", "test_parameter_server.py",
-                 "test_bench.py", "test_ray.py", "test_multi_worker.py", "test_multi_node.py",
+LONGEST_FIRST = ("test_notebooks.py", "test_faults.py", "test_elastic_state.py",
+                 "test_parameter_server.py", "test_bench.py", "test_elastic_losses.py",
+                 "test_ray.py", "test_multi_worker.py", "test_multi_node.py",
                  "test_horovod.py", "test_train_resume.py", "test_spark.py", "test_engines.py",
                  "test_ps_save.py", "test_ps_sharded.py", "test_stock_compat.py",
                  "test_model_average.py", "test_slurm.py")
