@@ -21,7 +21,7 @@ from tfdist.checks import (check_bool, check_device_list, check_int, check_numbe
 from tfdist.comm.options import CommunicationOptions, merge_options
 from tfdist.comm.quantize import check_outer_compression
 from tfdist.engines.registry import check_engine
-from tfdist.strategies import registry
+from tfdist.strategies import pairs, registry
 
 DEFAULT_STARTUP_TIMEOUT = 60.0
 # Seconds a collective may wait for its peers before failing; None: no limit. None by
@@ -47,6 +47,27 @@ def check_options(name: str, options: dict[str, Any]) -> None:
     entry = registry.get(name)
     if entry.class_name is not None:
         getattr(sys.modules[__name__], f"check_{entry.name}")(**options)
+
+
+def check_pairs(name: str, function, values: dict[str, Any], modes=None) -> None:
+    """Refuses an option the launch modes of this task's environment (or ``modes``)
+    refuse (`tfdist.strategies.pairs`); ``values`` are ``function``'s arguments, of
+    which those at their defaults are not checked."""
+    import inspect
+
+    defaults = {name: p.default for name, p in inspect.signature(function).parameters.items()}
+    defaults.setdefault("commit_every_steps", DEFAULT_COMMIT_EVERY_STEPS)
+    given = {k: v for k, v in values.items() if k not in defaults or not _same(v, defaults[k])}
+    pairs.check_modes(name, given, pairs.environment_modes() if modes is None else modes)
+
+
+def _same(value, default) -> bool:
+    if isinstance(value, bool) is not isinstance(default, bool):
+        return False
+    try:
+        return bool(value == default)
+    except (TypeError, ValueError):  # e.g. an array
+        return False
 
 
 def _sync_options(communication_options, compression, accumulate_steps,
@@ -80,6 +101,9 @@ def check_multi_worker(communication_options=None, startup_timeout=DEFAULT_START
                        commit_every_steps=DEFAULT_COMMIT_EVERY_STEPS) -> dict[str, Any]:
     """`tfdist.MultiWorkerMirroredStrategy`'s arguments, checked: a dict of
     ``commit_every_steps``, the three timeouts and ``options``."""
+    check_pairs("multi_worker", check_multi_worker, dict(
+        compression=compression, accumulate_steps=accumulate_steps, engine=engine,
+        shard_optimizer_state=shard_optimizer_state, commit_every_steps=commit_every_steps))
     checked = dict(
         commit_every_steps=check_int("commit_every_steps", commit_every_steps, 1),
         startup_timeout=check_seconds("startup_timeout", startup_timeout),
@@ -122,6 +146,12 @@ def check_model_average(period=1, warmup_steps=0, outer_optimizer=None,
         base class (without ``communication_options`` and ``shard_optimizer_state``).
     """
     base_kwargs = dict(base_kwargs)
+    check_pairs("model_average", check_model_average, dict(
+        warmup_steps=warmup_steps, outer_optimizer=outer_optimizer,
+        average_optimizer_state=average_optimizer_state, devices=devices,
+        compression=compression, engine=engine, fragments=fragments, sync_delay=sync_delay,
+        mix=mix, outer_compression=outer_compression,
+        commit_every_steps=base_kwargs.get("commit_every_steps", 1)))
     period = check_int("period", period, 1)
     warmup_steps = check_int("warmup_steps", warmup_steps, 0)
     check_bool("average_optimizer_state", average_optimizer_state)
