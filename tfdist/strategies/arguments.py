@@ -101,9 +101,6 @@ def check_multi_worker(communication_options=None, startup_timeout=DEFAULT_START
                        commit_every_steps=DEFAULT_COMMIT_EVERY_STEPS) -> dict[str, Any]:
     """`tfdist.MultiWorkerMirroredStrategy`'s arguments, checked: a dict of
     ``commit_every_steps``, the three timeouts and ``options``."""
-    check_pairs("multi_worker", check_multi_worker, dict(
-        compression=compression, accumulate_steps=accumulate_steps, engine=engine,
-        shard_optimizer_state=shard_optimizer_state, commit_every_steps=commit_every_steps))
     checked = dict(
         commit_every_steps=check_int("commit_every_steps", commit_every_steps, 1),
         startup_timeout=check_seconds("startup_timeout", startup_timeout),
@@ -113,6 +110,9 @@ def check_multi_worker(communication_options=None, startup_timeout=DEFAULT_START
     check_engine(engine)
     checked["options"] = _sync_options(communication_options, compression, accumulate_steps,
                                        shard_optimizer_state)
+    check_pairs("multi_worker", check_multi_worker, dict(
+        compression=compression, accumulate_steps=accumulate_steps, engine=engine,
+        shard_optimizer_state=shard_optimizer_state, commit_every_steps=commit_every_steps))
     return checked
 
 
@@ -146,12 +146,6 @@ def check_model_average(period=1, warmup_steps=0, outer_optimizer=None,
         base class (without ``communication_options`` and ``shard_optimizer_state``).
     """
     base_kwargs = dict(base_kwargs)
-    check_pairs("model_average", check_model_average, dict(
-        warmup_steps=warmup_steps, outer_optimizer=outer_optimizer,
-        average_optimizer_state=average_optimizer_state, devices=devices,
-        compression=compression, engine=engine, fragments=fragments, sync_delay=sync_delay,
-        mix=mix, outer_compression=outer_compression,
-        commit_every_steps=base_kwargs.get("commit_every_steps", 1)))
     period = check_int("period", period, 1)
     warmup_steps = check_int("warmup_steps", warmup_steps, 0)
     check_bool("average_optimizer_state", average_optimizer_state)
@@ -165,14 +159,22 @@ def check_model_average(period=1, warmup_steps=0, outer_optimizer=None,
         raise ValueError("ModelAverageStrategy keeps a whole optimizer per worker; "
                          "shard_optimizer_state is for the synchronous strategies. "
                          "Received: shard_optimizer_state=True")
+    # accumulate_steps too: given to the base class, it would be ignored, silently.
     options = merge_options(base_kwargs.pop("communication_options", None),
-                            compression=compression)
+                            compression=compression,
+                            accumulate_steps=base_kwargs.pop("accumulate_steps", None))
     if options.accumulate_steps > 1:
         raise ValueError("ModelAverageStrategy applies every micro-batch locally; "
                          "accumulate_steps is for the synchronous strategies. Received: "
                          f"accumulate_steps={options.accumulate_steps}")
     outer_compression = check_outer_compression(outer_compression, options.compression)
     check_multi_worker(engine=engine, **base_kwargs)
+    check_pairs("model_average", check_model_average, dict(
+        warmup_steps=warmup_steps, outer_optimizer=outer_optimizer,
+        average_optimizer_state=average_optimizer_state, devices=devices,
+        compression=compression, engine=engine, fragments=fragments, sync_delay=sync_delay,
+        mix=mix, outer_compression=outer_compression,
+        commit_every_steps=base_kwargs.get("commit_every_steps", 1)))
     return dict(period=period, warmup_steps=warmup_steps, fragments=fragments,
                 sync_delay=sync_delay, mix=mix,
                 average_optimizer_state=average_optimizer_state, options=options,

@@ -127,6 +127,57 @@ def check_modes(name: str, given: Mapping[str, Any], modes) -> None:
                                  f"Received: {option}={value!r}")
 
 
+def decisions(entry) -> tuple[dict, list[str]]:
+    """Every pair of a registry entry's options and launch modes, decided.
+
+    Returns:
+        ``({pair: decision}, undecided)``: a pair is ``frozenset({a, b})`` or
+        ``(option, mode)``; ``undecided`` names each pair no table nor rule decides.
+    """
+    from tfdist.strategies import registry
+
+    options = sorted(registry.option_names(entry.name))
+    table = PAIRS.get(entry.name, {})
+    decided, undecided = {}, []
+
+    alone = ALONE.get(entry.name, {})
+
+    def decide(key, names):
+        refused = [alone[n] for n in names if n in alone]
+        if refused:
+            return refused[0]
+        if key in table:
+            return table[key]
+        settings = [n for n in names if n in SETTINGS]
+        if settings:
+            return Composes(tuple(SETTINGS[n] for n in settings), note="a setting")
+        undecided.append(" x ".join(names))
+        return None
+
+    def fields(option):
+        return ALIASES.get(option, (option,))
+
+    for i, a in enumerate(options):
+        for b in options[i + 1:]:
+            if b in fields(a) or a in fields(b):
+                decided[frozenset({a, b})] = Composes((ALIAS_TEST,), note="an alias")
+                continue
+            for x in fields(a):
+                for y in fields(b):
+                    if x != y:
+                        decided[frozenset({x, y})] = decide(frozenset({x, y}), (x, y))
+        for mode in launch_modes(entry):
+            for x in fields(a):
+                decided[(x, mode)] = decide((x, mode), (x, mode))
+    known = set(options) | set(MODES)
+    for key in table:
+        stale = set(key) - known
+        if stale:
+            undecided.append(f"{' x '.join(sorted(map(str, key)))}: not an option of "
+                             f"{entry.name!r} ({sorted(stale)})")
+    return {k: v for k, v in decided.items() if v is not None}, sorted(set(undecided))
+
+
 # ---- the tables -------------------------------------------------------------------------
 
 T = "tests/"
@@ -135,7 +186,7 @@ _RESTART = T + "test_multi_worker.py::test_resume_after_killed_worker_matches_un
 _NODES = T + "test_multi_node.py::test_two_node_multi_worker_job_matches_the_single_process_reference"
 _SPARK = T + "test_spark.py::test_multi_worker_mirrored_equals_reference_twice_in_one_session"
 _RAY = T + "test_ray.py::test_multi_worker_mirrored_equals_reference_twice"
-_PAIRS_TEST = T + "test_option_pairs.py::"
+_PAIRS_TEST = T + "test_pair_references.py::"
 
 # option -> the test of the setting itself (see the module's rules).
 SETTINGS = {
@@ -173,9 +224,10 @@ def _sync_pairs(launched: bool) -> dict:
     }
     if not launched:
         return pairs
-    state = T + "test_elastic_state.py::test_a_{}_keeps_the_state_of_every_feature"
-    elastic = tuple(state.format(event) for event in ("lost_worker", "added_worker",
-                                                      "lost_rank_0"))
+    # from tests/test_elastic_state.py (each parametrized: shard, accumulate, both)
+    state = T + "test_elastic_state.py::test_{}_keeps_the_state_of_every_feature"
+    elastic = tuple(state.format(event) for event in ("a_lost_worker", "an_added_worker",
+                                                      "a_lost_rank_0"))
     launched_tests = {
         "accumulate_steps": T + "test_communication.py::test_multi_worker_accumulate_and_compression",
         "compression": T + "test_communication.py::test_multi_worker_accumulate_and_compression",
@@ -213,14 +265,14 @@ def _average_pairs() -> dict:
             "average_optimizer_state needs fragments=1",
             {"fragments": 2, "average_optimizer_state": True, "period": 2}),
         frozenset({"sync_delay", "warmup_steps"}): Refused(
-            "warmup_steps needs sync_delay=0", {"sync_delay": 1, "warmup_steps": 2, "period": 4}),
+            "warmup_steps needs sync_delay=0 and mix=1", {"sync_delay": 1, "warmup_steps": 2, "period": 4}),
         frozenset({"mix", "warmup_steps"}): Refused(
-            "warmup_steps needs mix=1", {"mix": 0.5, "warmup_steps": 2, "period": 4}),
+            "warmup_steps needs sync_delay=0 and mix=1", {"mix": 0.5, "warmup_steps": 2, "period": 4}),
         frozenset({"sync_delay", "average_optimizer_state"}): Refused(
-            "average_optimizer_state needs sync_delay=0",
+            "average_optimizer_state needs sync_delay=0 and mix=1",
             {"sync_delay": 1, "average_optimizer_state": True, "period": 4}),
         frozenset({"mix", "average_optimizer_state"}): Refused(
-            "average_optimizer_state needs mix=1",
+            "average_optimizer_state needs sync_delay=0 and mix=1",
             {"mix": 0.5, "average_optimizer_state": True, "period": 4}),
         frozenset({"outer_compression", "compression"}): Refused(
             "outer_compression and compression", {"outer_compression": "int8",
@@ -248,17 +300,6 @@ def _average_pairs() -> dict:
                  ("average_optimizer_state", "compression"), ("fragments", "compression"),
                  ("sync_delay", "compression"), ("mix", "compression")):
         pairs[frozenset({a, b})] = Composes((smoke.format(a, b),))
-    # One gradient-free step per worker: the synchronous features have no place in it.
-    for option in ("accumulate_steps", "shard_optimizer_state"):
-        for other in _AVERAGE_OPTIONS:
-            pairs[frozenset({option, other})] = Refused(
-                "ModelAverageStrategy", {option: 2 if option == "accumulate_steps" else True})
-        for mode in MODES:
-            pairs[(option, mode)] = Refused(
-                "ModelAverageStrategy refuses {value!r} whatever the launch",
-                {option: 2 if option == "accumulate_steps" else True})
-    pairs[frozenset({"accumulate_steps", "shard_optimizer_state"})] = Refused(
-        "ModelAverageStrategy", {"shard_optimizer_state": True, "accumulate_steps": 2})
     # Launch modes. Elastic: only what model averaging hands to a joiner today.
     cannot = ("ModelAverageStrategy averages whole models at each average and commits every "
               "step: {what} cannot be handed to a joiner yet (docs/elastic.md, Limits)")
@@ -267,10 +308,12 @@ def _average_pairs() -> dict:
                          ("mix", "Streaming DiLoCo (fragments, sync_delay, mix)"),
                          ("outer_compression", "outer_compression's residuals"),
                          ("outer_optimizer", "no test shows an outer optimizer's slots")):
-        pairs[(option, ELASTIC)] = Refused(cannot.format(what=what), {option: _EXAMPLE[option]})
+        pairs[(option, ELASTIC)] = Refused(cannot.format(what=what),
+                                           {option: _EXAMPLE[option], "period": 4})
     for option in ("warmup_steps", "average_optimizer_state", "compression"):
         pairs[(option, ELASTIC)] = Refused(
-            cannot.format(what=f"no test shows {option}"), {option: _EXAMPLE[option]})
+            cannot.format(what=f"no test shows {option}"),
+            {option: _EXAMPLE[option], "period": 4})
     pairs[("commit_every_steps", ELASTIC)] = Refused(
         "ModelAverageStrategy commits every step: a commit between averages could not be "
         "shared", {"commit_every_steps": 2}, allowed=(1,))
@@ -324,6 +367,13 @@ _AVERAGE_OPTIONS = ("period", "warmup_steps", "outer_optimizer", "average_optimi
 _EXAMPLE = {"period": 4, "warmup_steps": 2, "outer_optimizer": "sgd",
             "average_optimizer_state": True, "fragments": 2, "sync_delay": 1, "mix": 0.5,
             "outer_compression": "int8", "compression": "fp16"}
+
+# Options an entry refuses whatever they are paired with.
+ALONE = {"model_average": {
+    "accumulate_steps": Refused("accumulate_steps is for the synchronous strategies",
+                                {"accumulate_steps": 2}),
+    "shard_optimizer_state": Refused("shard_optimizer_state is for the synchronous "
+                                     "strategies", {"shard_optimizer_state": True})}}
 
 PAIRS: dict[str, dict] = {
     "mirrored": _sync_pairs(False),
