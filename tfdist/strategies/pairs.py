@@ -115,16 +115,19 @@ def check_modes(name: str, given: Mapping[str, Any], modes) -> None:
         modes: Launch modes of the job (`MODES`).
 
     Raises:
-        ValueError: one line, ``In <mode>, <reason>. Received: option=value``.
+        ValueError: one line, ``In <mode>, <reason>. Received: option=value, ...``,
+            naming every refused option of the first mode that refuses one.
     """
     table = PAIRS.get(name, {})
     for mode in modes:
-        for option, value in given.items():
-            decision = table.get((option, mode))
-            if isinstance(decision, Refused) and value not in decision.allowed:
-                reason = decision.reason.format(value=value)
-                raise ValueError(f"In {MODE_WORDS[mode]}, {reason}. "
-                                 f"Received: {option}={value!r}")
+        refused = [(option, value, table[(option, mode)]) for option, value in given.items()
+                   if isinstance(table.get((option, mode)), Refused)
+                   and value not in table[(option, mode)].allowed]
+        if refused:
+            reasons = dict.fromkeys(d.reason.format(value=v) for _, v, d in refused)
+            received = ", ".join(f"{option}={value!r}" for option, value, _ in refused)
+            raise ValueError(f"In {MODE_WORDS[mode]}, {'; '.join(reasons)}. "
+                             f"Received: {received}")
 
 
 def decisions(entry) -> tuple[dict, list[str]]:

@@ -189,7 +189,9 @@ def _check_elastic(config: dict[str, Any], source: str) -> None:
         raise ConfigError(f"{source}: cluster.min_workers needs cluster.mode = 'local' or "
                           "'nodes' (tfdist's launcher runs the elastic job). Received: "
                           f"cluster.mode = {cluster['mode']!r}")
-    if strategy["name"] not in ("multi_worker", "model_average") or \
+    from tfdist.strategies.pairs import ELASTIC_STRATEGIES
+
+    if strategy["name"] not in ELASTIC_STRATEGIES or \
             strategy["options"].get("engine") != "horovod":
         raise ConfigError(
             f"{source}: cluster.min_workers needs strategy.name = 'multi_worker' or "
