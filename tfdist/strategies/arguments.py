@@ -172,7 +172,8 @@ def check_model_average(period=1, warmup_steps=0, outer_optimizer=None,
     check_pairs("model_average", check_model_average, dict(
         warmup_steps=warmup_steps, outer_optimizer=outer_optimizer,
         average_optimizer_state=average_optimizer_state, devices=devices,
-        compression=compression, engine=engine, fragments=fragments, sync_delay=sync_delay,
+        compression=options.compression, engine=engine, fragments=fragments,
+        sync_delay=sync_delay,
         mix=mix, outer_compression=outer_compression,
         commit_every_steps=base_kwargs.get("commit_every_steps", 1)))
     return dict(period=period, warmup_steps=warmup_steps, fragments=fragments,
