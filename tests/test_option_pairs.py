@@ -209,3 +209,23 @@ def test_the_strategy_refuses_a_pair_its_environment_shows_at_construction(
         cls(**kwargs)
     assert "\n" not in str(raised.value) and "Received: " in str(raised.value)
     del mode
+
+
+@pytest.mark.unit
+def test_tfdist_train_exits_2_in_one_line_before_any_task(tmp_path, capsys, monkeypatch):
+    from tfdist.cli import main
+    from tfdist.train import main as train
+
+    from test_train_options import _argv
+
+    started = []
+    monkeypatch.setattr(train, "run_task", lambda *a, **k: started.append(a))
+    monkeypatch.setattr(train, "launch_job", lambda *a, **k: started.append(a))
+    argv = _argv(tmp_path / "out", "model_average", [
+        "strategy.options.engine='horovod'", "strategy.options.period=4",
+        "strategy.options.warmup_steps=2", "cluster.workers=2", "cluster.min_workers=1"])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "In an elastic job" in err, err
+    assert "Received: warmup_steps=2" in err, err
+    assert not started
