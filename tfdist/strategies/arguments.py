@@ -21,7 +21,7 @@ from tfdist.checks import (check_bool, check_device_list, check_int, check_numbe
 from tfdist.comm.options import CommunicationOptions, merge_options
 from tfdist.comm.quantize import check_outer_compression
 from tfdist.engines.registry import check_engine
-from tfdist.strategies import registry
+from tfdist.strategies import pairs, registry
 
 DEFAULT_STARTUP_TIMEOUT = 60.0
 # Seconds a collective may wait for its peers before failing; None: no limit. None by
@@ -47,6 +47,27 @@ def check_options(name: str, options: dict[str, Any]) -> None:
     entry = registry.get(name)
     if entry.class_name is not None:
         getattr(sys.modules[__name__], f"check_{entry.name}")(**options)
+
+
+def check_pairs(name: str, function, values: dict[str, Any], modes=None) -> None:
+    """Refuses an option the launch modes of this task's environment (or ``modes``)
+    refuse (`tfdist.strategies.pairs`); ``values`` are ``function``'s arguments, of
+    which those at their defaults are not checked."""
+    import inspect
+
+    defaults = {name: p.default for name, p in inspect.signature(function).parameters.items()}
+    defaults.setdefault("commit_every_steps", DEFAULT_COMMIT_EVERY_STEPS)
+    given = {k: v for k, v in values.items() if k not in defaults or not _same(v, defaults[k])}
+    pairs.check_modes(name, given, pairs.environment_modes() if modes is None else modes)
+
+
+def _same(value, default) -> bool:
+    if isinstance(value, bool) is not isinstance(default, bool):
+        return False
+    try:
+        return bool(value == default)
+    except (TypeError, ValueError):  # e.g. an array
+        return False
 
 
 def _sync_options(communication_options, compression, accumulate_steps,
@@ -89,6 +110,9 @@ def check_multi_worker(communication_options=None, startup_timeout=DEFAULT_START
     check_engine(engine)
     checked["options"] = _sync_options(communication_options, compression, accumulate_steps,
                                        shard_optimizer_state)
+    check_pairs("multi_worker", check_multi_worker, dict(
+        compression=compression, accumulate_steps=accumulate_steps, engine=engine,
+        shard_optimizer_state=shard_optimizer_state, commit_every_steps=commit_every_steps))
     return checked
 
 
@@ -135,14 +159,23 @@ def check_model_average(period=1, warmup_steps=0, outer_optimizer=None,
         raise ValueError("ModelAverageStrategy keeps a whole optimizer per worker; "
                          "shard_optimizer_state is for the synchronous strategies. "
                          "Received: shard_optimizer_state=True")
+    # accumulate_steps too: given to the base class, it would be ignored, silently.
     options = merge_options(base_kwargs.pop("communication_options", None),
-                            compression=compression)
+                            compression=compression,
+                            accumulate_steps=base_kwargs.pop("accumulate_steps", None))
     if options.accumulate_steps > 1:
         raise ValueError("ModelAverageStrategy applies every micro-batch locally; "
                          "accumulate_steps is for the synchronous strategies. Received: "
                          f"accumulate_steps={options.accumulate_steps}")
     outer_compression = check_outer_compression(outer_compression, options.compression)
     check_multi_worker(engine=engine, **base_kwargs)
+    check_pairs("model_average", check_model_average, dict(
+        warmup_steps=warmup_steps, outer_optimizer=outer_optimizer,
+        average_optimizer_state=average_optimizer_state, devices=devices,
+        compression=options.compression, engine=engine, fragments=fragments,
+        sync_delay=sync_delay,
+        mix=mix, outer_compression=outer_compression,
+        commit_every_steps=base_kwargs.get("commit_every_steps", 1)))
     return dict(period=period, warmup_steps=warmup_steps, fragments=fragments,
                 sync_delay=sync_delay, mix=mix,
                 average_optimizer_state=average_optimizer_state, options=options,

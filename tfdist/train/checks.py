@@ -103,12 +103,28 @@ def check_strategy_options(config: dict[str, Any], source: str = "<config>") -> 
     """
     from tfdist.strategies import arguments
 
+    name, cluster = config["strategy"]["name"], config["cluster"]
     try:
-        arguments.check_options(config["strategy"]["name"], strategy_kwargs(config))
+        options = strategy_kwargs(config)
+        arguments.check_options(name, options)
+        if registry.get(name).class_name is not None:
+            arguments.check_pairs(name, getattr(arguments, f"check_{name}"), options,
+                                  launch_modes(cluster))
     except ConfigError as error:
         raise ConfigError(f"{source}: {error}") from None
     except (ValueError, TypeError) as error:
         raise ConfigError(f"{source}: strategy.options: {error}") from None
+
+
+def launch_modes(cluster: dict[str, Any]) -> tuple[str, ...]:
+    """The launch modes (`tfdist.strategies.pairs.MODES`) of a config's ``cluster``."""
+    from tfdist.strategies import pairs
+
+    modes = {pairs.ELASTIC: bool(cluster["min_workers"]),
+             pairs.MULTI_NODE: cluster["mode"] == "nodes" or cluster["nnodes"] > 1,
+             pairs.SPARK: cluster["mode"] == "spark", pairs.RAY: cluster["mode"] == "ray",
+             pairs.MAX_RESTARTS: cluster["max_restarts"] > 0}
+    return tuple(mode for mode in pairs.MODES if modes[mode])
 
 
 def check_job(config: dict[str, Any], source: str = "<config>") -> None:
@@ -173,7 +189,9 @@ def _check_elastic(config: dict[str, Any], source: str) -> None:
         raise ConfigError(f"{source}: cluster.min_workers needs cluster.mode = 'local' or "
                           "'nodes' (tfdist's launcher runs the elastic job). Received: "
                           f"cluster.mode = {cluster['mode']!r}")
-    if strategy["name"] not in ("multi_worker", "model_average") or \
+    from tfdist.strategies.pairs import ELASTIC_STRATEGIES
+
+    if strategy["name"] not in ELASTIC_STRATEGIES or \
             strategy["options"].get("engine") != "horovod":
         raise ConfigError(
             f"{source}: cluster.min_workers needs strategy.name = 'multi_worker' or "

@@ -1,0 +1,395 @@
+"""Which strategy options and launch modes compose, and which are refused: data.
+
+For each entry of `tfdist.strategies.registry`, every pair of its options and every
+(option, launch mode) pair is decided here: `Composes`, naming the tests that show the
+pair working (pytest node ids), or `Refused`, with the reason. A refusal happens before
+anything runs: an (option, option) refusal in the strategy's argument check
+(`tfdist.strategies.arguments`); an (option, launch mode) refusal in `check_modes`,
+which ``tfdist train`` calls with the config's modes before any process starts, and
+which the strategy's argument check calls at construction with the modes its
+environment shows (`environment_modes`: ``tfdist launch script.py`` cannot see the
+script's options). Either is one line: ``... Received: option=value``.
+
+``tests/test_option_pairs.py`` walks every pair of every entry: a `Composes` must name
+tests that exist, a `Refused` must be refused; an option of the registry that is in
+no table here fails it.
+
+Rules that decide many pairs at once (each said once, here):
+
+- A *setting* (`SETTINGS`: timeouts, devices, the engine, ...) changes neither the
+  step's arithmetic nor any state a feature keeps: it composes with every option and
+  launch mode, with the setting's own test as the reference, unless a pair in `PAIRS`
+  says otherwise (e.g. ``engine`` in an elastic job).
+- An alias (`ALIASES`: ``communication_options``) is decided by the options it holds.
+- A launch mode that only hands the tasks TF_CONFIG and the ``TFDIST_*`` environment
+  (multi-node, Spark, Ray) composes with an option when there is (1) a test of the
+  option in a job of TF_CONFIG tasks (``tfdist launch`` or the tests' cluster runner)
+  and (2) a test that the mode runs such a job as ``tfdist launch`` does; the pair
+  cites both.
+- ``--max-restarts`` restarts the whole job, which resumes from its
+  ``BackupAndRestore`` backup: an option composes with it when a test resumes the
+  option's state from a save to the uninterrupted result, cited with a launched
+  restart test.
+
+This module is data plus two small functions; it imports nothing from TensorFlow.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from tfdist import env
+
+# Launch modes.
+ELASTIC = "elastic"  # tfdist launch --min-workers
+MULTI_NODE = "multi_node"  # tfdist launch --nnodes / cluster.mode = "nodes"
+SPARK = "spark"  # tfdist.spark.run / cluster.mode = "spark"
+RAY = "ray"  # tfdist.ray.run / cluster.mode = "ray"
+MAX_RESTARTS = "max_restarts"  # tfdist launch --max-restarts N > 0
+MODES = (ELASTIC, MULTI_NODE, SPARK, RAY, MAX_RESTARTS)
+MODE_WORDS = {ELASTIC: "an elastic job (tfdist launch --min-workers)",
+              MULTI_NODE: "a multi-node job (tfdist launch --nnodes)",
+              SPARK: "a Spark job (tfdist.spark.run)", RAY: "a Ray job (tfdist.ray.run)",
+              MAX_RESTARTS: "a job that restarts (tfdist launch --max-restarts)"}
+# Strategies an elastic launch runs (with engine='horovod'; docs/elastic.md).
+ELASTIC_STRATEGIES = ("multi_worker", "model_average")
+
+
+@dataclass(frozen=True)
+class Composes:
+    """The pair works; ``tests`` are the node ids that show it (``tests/f.py::name``,
+    ``[id]`` for one case of a parametrized test)."""
+
+    tests: tuple[str, ...]
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The pair is refused before anything runs, in one line.
+
+    Attributes:
+        reason: Why; for an (option, mode) pair the words after ``In <mode>, `` in the
+            refusal (``{value!r}`` is the option's value).
+        example: Values of the pair's option(s) that are refused.
+        allowed: For an (option, mode) pair: values of the option that compose (the
+            default always does).
+    """
+
+    reason: str
+    example: Mapping[str, Any]
+    allowed: tuple = ()
+
+
+def launch_modes(entry) -> tuple[str, ...]:
+    """The launch modes that can run a registry entry."""
+    modes = []
+    if entry.name in ELASTIC_STRATEGIES:
+        modes.append(ELASTIC)
+    if entry.runs_on_nodes:
+        modes += [MULTI_NODE, MAX_RESTARTS]
+    if entry.runs_on_engines:
+        modes += [SPARK, RAY]
+    return tuple(m for m in MODES if m in modes)
+
+
+def environment_modes(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """The launch modes a task's environment shows (what a launcher of a script set)."""
+    environ = os.environ if environ is None else environ
+    modes = []
+    if environ.get(env.ELASTIC_ADDR):
+        modes.append(ELASTIC)
+    if environ.get(env.NNODES, "1").strip() not in ("", "1"):
+        modes.append(MULTI_NODE)
+    return tuple(modes)
+
+
+def check_modes(name: str, given: Mapping[str, Any], modes) -> None:
+    """Raises if an option given to strategy ``name`` is refused in one of ``modes``.
+
+    Args:
+        name: The registry entry.
+        given: The options set to other than their defaults.
+        modes: Launch modes of the job (`MODES`).
+
+    Raises:
+        ValueError: one line, ``In <mode>, <reason>. Received: option=value, ...``,
+            naming every refused option of the first mode that refuses one.
+    """
+    table = PAIRS.get(name, {})
+    for mode in modes:
+        refused = [(option, value, table[(option, mode)]) for option, value in given.items()
+                   if isinstance(table.get((option, mode)), Refused)
+                   and value not in table[(option, mode)].allowed]
+        if refused:
+            reasons = dict.fromkeys(d.reason.format(value=v) for _, v, d in refused)
+            received = ", ".join(f"{option}={value!r}" for option, value, _ in refused)
+            raise ValueError(f"In {MODE_WORDS[mode]}, {'; '.join(reasons)}. "
+                             f"Received: {received}")
+
+
+def decisions(entry) -> tuple[dict, list[str]]:
+    """Every pair of a registry entry's options and launch modes, decided.
+
+    Returns:
+        ``({pair: decision}, undecided)``: a pair is ``frozenset({a, b})`` or
+        ``(option, mode)``; ``undecided`` names each pair no table nor rule decides.
+    """
+    from tfdist.strategies import registry
+
+    options = sorted(registry.option_names(entry.name))
+    table = PAIRS.get(entry.name, {})
+    decided, undecided = {}, []
+
+    alone = ALONE.get(entry.name, {})
+
+    def decide(key, names):
+        refused = [alone[n] for n in names if n in alone]
+        if refused:
+            return refused[0]
+        if key in table:
+            return table[key]
+        settings = [n for n in names if n in SETTINGS]
+        if settings:
+            return Composes(tuple(SETTINGS[n] for n in settings), note="a setting")
+        undecided.append(" x ".join(names))
+        return None
+
+    def fields(option):
+        return ALIASES.get(option, (option,))
+
+    for i, a in enumerate(options):
+        for b in options[i + 1:]:
+            if b in fields(a) or a in fields(b):
+                decided[frozenset({a, b})] = Composes((ALIAS_TEST,), note="an alias")
+                continue
+            for x in fields(a):
+                for y in fields(b):
+                    if x != y:
+                        decided[frozenset({x, y})] = decide(frozenset({x, y}), (x, y))
+        for mode in launch_modes(entry):
+            for x in fields(a):
+                decided[(x, mode)] = decide((x, mode), (x, mode))
+    known = set(options) | set(MODES)
+    for key in table:
+        stale = set(key) - known
+        if stale:
+            undecided.append(f"{' x '.join(sorted(map(str, key)))}: not an option of "
+                             f"{entry.name!r} ({sorted(stale)})")
+    return {k: v for k, v in decided.items() if v is not None}, sorted(set(undecided))
+
+
+# ---- the tables -------------------------------------------------------------------------
+
+T = "tests/"
+_LAUNCHED_SYNC = T + "test_multi_worker.py::test_fit_matches_single_process_and_shards_exactly_once"
+_RESTART = T + "test_multi_worker.py::test_resume_after_killed_worker_matches_uninterrupted"
+_NODES = T + "test_multi_node.py::test_two_node_multi_worker_job_matches_the_single_process_reference"
+_SPARK = T + "test_spark.py::test_multi_worker_mirrored_equals_reference_twice_in_one_session"
+_RAY = T + "test_ray.py::test_multi_worker_mirrored_equals_reference_twice"
+_PAIRS_TEST = T + "test_pair_references.py::"
+
+# option -> the test of the setting itself (see the module's rules).
+SETTINGS = {
+    "collective_timeout": T + "test_multi_worker.py::test_frozen_peer_fails_after_collective_timeout",
+    "heartbeat_timeout": T + "test_multi_worker.py::test_killed_peer_makes_survivor_exit",
+    "startup_timeout": T + "test_multi_worker.py::test_missing_peer_is_named_after_startup_timeout",
+    "engine": T + "test_zero.py::test_two_workers_horovod_engine",
+    "devices": T + "test_mirrored.py::test_mirrored_matches_single_device",
+    "commit_every_steps": T + "test_elastic.py::test_commits_every_k_calls_of_several_steps_roll_back_at_most_k_calls",
+    # parameter servers: what the coordinator does, not what a step computes
+    "chief_poll_seconds": T + "test_parameter_server.py::test_worker_killed_mid_fit_still_completes",
+    "exactly_once": T + "test_parameter_server.py::test_killed_and_crashed_workers_restart_alone_and_every_step_applies_once",
+    "mode": T + "test_parameter_server.py::test_sync_equals_single_device_on_summed_batch",
+    "step_timeout": T + "test_parameter_server.py::test_watchdog_asks_the_launcher_to_restart_a_hung_worker",
+    "steps_per_dispatch": T + "test_parameter_server.py::test_async_fit_three_inputs_evaluate_predict",
+    "update_block_bytes": T + "test_ps_save.py::test_sharded_model_saves_resumes_after_a_ps_kill_loads_plain_and_reshards",
+    # model averaging: how often it averages, the base every one of its tests sets
+    "period": T + "test_model_average.py::test_local_sgd_matches_numpy",
+}
+# option -> the options it holds (its pairs are theirs).
+ALIASES = {"communication_options": ("compression", "accumulate_steps", "collective_timeout")}
+ALIAS_TEST = T + "test_communication.py::test_options_validation"
+
+
+def _sync_pairs(launched: bool) -> dict:
+    """The pairs of the synchronous features (accumulate_steps, compression,
+    shard_optimizer_state), and with ``launched`` their pairs with launch modes."""
+    pairs = {
+        frozenset({"accumulate_steps", "compression"}): Composes(
+            (T + "test_communication.py::test_multi_worker_accumulate_and_compression",)),
+        frozenset({"accumulate_steps", "shard_optimizer_state"}): Composes(
+            (T + "test_zero.py::test_sharded_matches_unsharded_with[accumulate]",)),
+        frozenset({"compression", "shard_optimizer_state"}): Composes(
+            (_PAIRS_TEST + "test_sharded_state_with_compression_equals_unsharded",)),
+    }
+    if not launched:
+        return pairs
+    # from tests/test_elastic_state.py (each parametrized: shard, accumulate, both)
+    state = T + "test_elastic_state.py::test_{}_keeps_the_state_of_every_feature"
+    elastic = tuple(state.format(event) for event in ("a_lost_worker", "an_added_worker",
+                                                      "a_lost_rank_0"))
+    launched_tests = {
+        "accumulate_steps": T + "test_communication.py::test_multi_worker_accumulate_and_compression",
+        "compression": T + "test_communication.py::test_multi_worker_accumulate_and_compression",
+        "shard_optimizer_state": T + "test_zero.py::test_two_workers_tf_engine",
+    }
+    resumed = {
+        "accumulate_steps": _PAIRS_TEST + "test_accumulated_training_resumes_from_a_save",
+        "compression": _PAIRS_TEST + "test_compressed_training_resumes_from_a_save",
+        "shard_optimizer_state": T + "test_zero.py::test_backup_and_restore_resumes_sharded_state",
+    }
+    for option, launched_test in launched_tests.items():
+        pairs[(option, MULTI_NODE)] = Composes((launched_test, _NODES))
+        pairs[(option, SPARK)] = Composes((launched_test, _SPARK))
+        pairs[(option, RAY)] = Composes((launched_test, _RAY))
+        pairs[(option, MAX_RESTARTS)] = Composes((resumed[option], _RESTART))
+    pairs[("accumulate_steps", ELASTIC)] = Composes(elastic)
+    pairs[("shard_optimizer_state", ELASTIC)] = Composes(elastic)
+    pairs[("compression", ELASTIC)] = Composes(
+        (_PAIRS_TEST + "test_a_lost_worker_in_a_compressed_elastic_job",),
+        note="a cast on the wire: no state of its own (no residuals) to hand over")
+    pairs[("engine", ELASTIC)] = Refused(
+        "it needs engine='horovod': engine={value!r} cannot re-form its cluster inside a "
+        "running process (TF's collectives and coordination service are fixed at start)",
+        {"engine": "tf"}, allowed=("horovod", "auto"))
+    return pairs
+
+
+def _average_pairs() -> dict:
+    """Model averaging's pairs (its own options and the launch modes)."""
+    delay = T + "test_model_average_delay.py::test_delay_and_mix_match_numpy_streaming_diloco"
+    quant = T + "test_model_average_quant.py::"
+    smoke = _PAIRS_TEST + "test_model_average_pair_trains_and_agrees[{}-{}]"
+    pairs = {
+        frozenset({"fragments", "average_optimizer_state"}): Refused(
+            "average_optimizer_state needs fragments=1",
+            {"fragments": 2, "average_optimizer_state": True, "period": 2}),
+        frozenset({"sync_delay", "warmup_steps"}): Refused(
+            "warmup_steps needs sync_delay=0 and mix=1", {"sync_delay": 1, "warmup_steps": 2, "period": 4}),
+        frozenset({"mix", "warmup_steps"}): Refused(
+            "warmup_steps needs sync_delay=0 and mix=1", {"mix": 0.5, "warmup_steps": 2, "period": 4}),
+        frozenset({"sync_delay", "average_optimizer_state"}): Refused(
+            "average_optimizer_state needs sync_delay=0 and mix=1",
+            {"sync_delay": 1, "average_optimizer_state": True, "period": 4}),
+        frozenset({"mix", "average_optimizer_state"}): Refused(
+            "average_optimizer_state needs sync_delay=0 and mix=1",
+            {"mix": 0.5, "average_optimizer_state": True, "period": 4}),
+        frozenset({"outer_compression", "compression"}): Refused(
+            "outer_compression and compression", {"outer_compression": "int8",
+                                                   "compression": "fp16", "period": 2}),
+        frozenset({"fragments", "outer_optimizer"}): Composes(
+            (T + "test_model_average_fragments.py::test_fragments_match_numpy_streaming_diloco[True]",)),
+        frozenset({"fragments", "sync_delay"}): Composes((delay + "[4-2-1-1.0-False]",)),
+        frozenset({"fragments", "mix"}): Composes((delay + "[4-2-0-0.5-False]",)),
+        frozenset({"sync_delay", "mix"}): Composes((delay + "[4-2-1-0.5-True]",)),
+        frozenset({"sync_delay", "outer_optimizer"}): Composes((delay + "[4-1-2-1.0-True]",)),
+        frozenset({"mix", "outer_optimizer"}): Composes((delay + "[4-2-1-0.5-True]",)),
+        frozenset({"fragments", "outer_compression"}): Composes(
+            (quant + "test_quantized_diloco_matches_numpy[int4-2-True]",)),
+        frozenset({"outer_optimizer", "outer_compression"}): Composes(
+            (quant + "test_quantized_diloco_matches_numpy[int4-2-True]",)),
+        frozenset({"sync_delay", "outer_compression"}): Composes(
+            (quant + "test_quantized_overlapped_syncs_match_numpy[int4-1-0.5]",)),
+        frozenset({"mix", "outer_compression"}): Composes(
+            (quant + "test_quantized_overlapped_syncs_match_numpy[int4-1-0.5]",)),
+    }
+    for a, b in (("warmup_steps", "outer_optimizer"), ("warmup_steps", "average_optimizer_state"),
+                 ("warmup_steps", "fragments"), ("warmup_steps", "outer_compression"),
+                 ("warmup_steps", "compression"), ("outer_optimizer", "average_optimizer_state"),
+                 ("outer_optimizer", "compression"), ("average_optimizer_state", "outer_compression"),
+                 ("average_optimizer_state", "compression"), ("fragments", "compression"),
+                 ("sync_delay", "compression"), ("mix", "compression")):
+        pairs[frozenset({a, b})] = Composes((smoke.format(a, b),))
+    # Launch modes. Elastic: only what model averaging hands to a joiner today.
+    cannot = ("ModelAverageStrategy averages whole models at each average and commits every "
+              "step: {what} cannot be handed to a joiner yet (docs/elastic.md, Limits)")
+    for option, what in (("fragments", "Streaming DiLoCo (fragments, sync_delay, mix)"),
+                         ("sync_delay", "Streaming DiLoCo (fragments, sync_delay, mix)"),
+                         ("mix", "Streaming DiLoCo (fragments, sync_delay, mix)"),
+                         ("outer_compression", "outer_compression's residuals")):
+        pairs[(option, ELASTIC)] = Refused(cannot.format(what=what),
+                                           {option: _EXAMPLE[option], "period": 4})
+    # Handed over by design (docs/elastic.md), but no test checks a loss or a joiner
+    # with them against a reference: refused until one does.
+    for option in ("outer_optimizer", "warmup_steps", "average_optimizer_state",
+                   "compression"):
+        pairs[(option, ELASTIC)] = Refused(
+            "ModelAverageStrategy takes only period and the timeouts: no test yet checks "
+            "a lost or added member against a reference with " + option,
+            {option: _EXAMPLE[option], "period": 4})
+    pairs[("commit_every_steps", ELASTIC)] = Refused(
+        "ModelAverageStrategy commits every step: a commit between averages could not be "
+        "shared", {"commit_every_steps": 2}, allowed=(1,))
+    pairs[("engine", ELASTIC)] = _sync_pairs(True)[("engine", ELASTIC)]
+    pairs[("period", ELASTIC)] = Composes(
+        (T + "test_elastic_average.py::test_a_worker_lost_is_dropped_from_the_next_average",
+         T + "test_elastic_average.py::test_a_joiner_starts_from_the_last_average"))
+    for mode in (ELASTIC, MULTI_NODE, SPARK, RAY, MAX_RESTARTS):
+        pairs[("devices", mode)] = Refused(
+            "devices is for one host; with several workers every local device is a replica",
+            {"devices": ["/cpu:0"]})
+    launched = {
+        "period": T + "test_model_average.py::test_two_workers_period_4_matches_numpy",
+        "fragments": T + "test_model_average_fragments.py::test_two_workers_fragments_match_numpy",
+        "sync_delay": T + "test_model_average_delay.py::test_two_workers_delay_and_mix_match_numpy",
+        "mix": T + "test_model_average_delay.py::test_two_workers_delay_and_mix_match_numpy",
+        "outer_compression": quant + "test_two_workers_quantized_match_numpy",
+        "outer_optimizer": T + "test_model_average_fragments.py::test_two_workers_fragments_match_numpy",
+    }
+    # In-process tests of the option (2 replicas of one host), and a launched job of
+    # model averaging: the option adds nothing a launch mode sees.
+    two = T + "test_model_average.py::test_two_workers_period_4_matches_numpy"
+    for option, test in (
+            ("warmup_steps", T + "test_model_average.py::test_local_sgd_matches_numpy[3-2-3]"),
+            ("average_optimizer_state", T + "test_model_average.py::test_average_optimizer_state"),
+            ("compression", T + "test_model_average.py::test_compressed_average_is_close_and_consistent")):
+        launched[option] = (test, two)
+    resumed = {
+        "period": T + "test_model_average.py::test_save_restore_mid_period_resumes_exactly",
+        "fragments": quant + "test_backup_resumes_exactly_with_int4_fragments",
+        "outer_compression": quant + "test_backup_resumes_exactly_with_int4_fragments",
+        "sync_delay": T + "test_model_average_delay.py::test_kill_with_an_exchange_in_flight_resumes_to_uninterrupted_weights",
+        "mix": T + "test_model_average_delay.py::test_kill_with_an_exchange_in_flight_resumes_to_uninterrupted_weights",
+        "outer_optimizer": T + "test_model_average.py::test_adam_backup_resumes_exactly[3-True]",
+    }
+    spark = T + "test_spark.py::test_model_average_period_4_matches_numpy"
+    ray = T + "test_ray.py::test_model_average_period_4_matches_numpy"
+    for option, tests in launched.items():
+        tests = tests if isinstance(tests, tuple) else (tests,)
+        pairs[(option, MULTI_NODE)] = Composes((*tests, _NODES))
+        pairs[(option, SPARK)] = Composes((*tests, spark))
+        pairs[(option, RAY)] = Composes((*tests, ray))
+        pairs[(option, MAX_RESTARTS)] = Composes((resumed.get(option, _PAIRS_TEST + (
+            f"test_model_average_resumes_from_a_save[{option}]")), _RESTART))
+    return pairs
+
+
+_AVERAGE_OPTIONS = ("period", "warmup_steps", "outer_optimizer", "average_optimizer_state",
+                    "fragments", "sync_delay", "mix", "outer_compression", "compression")
+# A value of each model-averaging option other than its default (tests and refusals).
+_EXAMPLE = {"period": 4, "warmup_steps": 2, "outer_optimizer": "sgd",
+            "average_optimizer_state": True, "fragments": 2, "sync_delay": 1, "mix": 0.5,
+            "outer_compression": "int8", "compression": "fp16"}
+
+# Options an entry refuses whatever they are paired with.
+ALONE = {"model_average": {
+    "accumulate_steps": Refused("accumulate_steps is for the synchronous strategies",
+                                {"accumulate_steps": 2}),
+    "shard_optimizer_state": Refused("shard_optimizer_state is for the synchronous "
+                                     "strategies", {"shard_optimizer_state": True})}}
+
+PAIRS: dict[str, dict] = {
+    "mirrored": _sync_pairs(False),
+    "horovod": {frozenset({"accumulate_steps", "compression"}): Composes(
+        (T + "test_horovod.py::test_accumulate_steps_equals_the_larger_batch",
+         T + "test_horovod.py::test_compression_within_tolerance_and_counts_fewer_bytes",
+         T + "test_communication.py::test_multi_worker_accumulate_and_compression"),
+        note="HorovodStrategy sums and compresses through the same SyncGradientsMixin as "
+             "MultiWorkerMirroredStrategy, whose test combines the two")},
+    "multi_worker": _sync_pairs(True),
+    "parameter_server": {},
+    "model_average": _average_pairs(),
+}
