@@ -55,7 +55,7 @@ def task_info(strategy=None) -> tuple[bool, str]:
         extended = getattr(strategy, "extended", None)
         if extended is not None and hasattr(extended, "should_checkpoint"):
             return bool(extended.should_checkpoint), name
-    if os.environ.get("TF_CONFIG"):
+    if os.environ.get(env.TF_CONFIG):
         cluster = ClusterSpec.from_env()
         if cluster.task is not None:
             return cluster.is_chief(), cluster.task.name
