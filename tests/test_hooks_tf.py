@@ -133,3 +133,34 @@ def test_op_error_message_is_rewritten():
     error = tf.errors.NotFoundError(None, None, "no file /d/.tmp-1-m.keras")
     rewrite_op_error_message(error, lambda m: m.replace(".tmp-1-m.keras", "m.keras"))
     assert error.message == "no file /d/m.keras" and str(error) == "no file /d/m.keras"
+
+
+def test_checked_collective_extended_routes_variable_creation(logical_cpus):
+    """MultiWorkerExtended names a model mismatch from ``tfdist_create_variable``."""
+    import tensorflow as tf
+    from tensorflow.python.distribute import collective_all_reduce_strategy as cars
+
+    from tfdist._hooks.tf import (checked_collective_extended_class, in_multi_worker_mode,
+                                  replica_id_in_sync_group)
+
+    checked = checked_collective_extended_class()
+    assert issubclass(checked, cars.CollectiveAllReduceExtended)
+    assert callable(getattr(cars.CollectiveAllReduceExtended, "_create_variable", None)), (
+        "TF removed CollectiveAllReduceExtended._create_variable: a worker whose model "
+        "differs is no longer named")
+    import tfdist
+
+    strategy = tfdist.MultiWorkerMirroredStrategy()
+    seen = []
+    original = type(strategy.extended).tfdist_create_variable
+    type(strategy.extended).tfdist_create_variable = (
+        lambda self, create, name: seen.append(name) or original(self, create, name))
+    try:
+        with strategy.scope():
+            tf.Variable(1.0, name="weight")
+    finally:
+        type(strategy.extended).tfdist_create_variable = original
+    assert seen == ["weight"]
+    assert in_multi_worker_mode(strategy.extended) is False
+    ids = [int(replica_id_in_sync_group(strategy.extended, i)) for i in range(2)]
+    assert ids == [0, 1]

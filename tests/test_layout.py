@@ -108,3 +108,169 @@ def test_no_module_hides_tfdist_env_behind_a_local_name():
                     and isinstance(node.ctx, ast.Store)):
                 hidden.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}")
     assert not hidden, f"'env' rebound where tfdist.env is imported: {hidden}"
+
+
+# ---- the house rules of docs/architecture.md, executable ----------------------------------
+
+# Modules allowed to touch TF/Keras internals outside tfdist/_hooks/, and why. Keep short.
+PRIVATE_ACCESS_ALLOWED = {
+    "tfdist/engines/horovod/extended.py":
+        "moved by the engine-seam change (#32 item 6, worktree engines)",
+}
+
+# Modules allowed to write the literal "TF_CONFIG" (tfdist.env.TF_CONFIG is the name).
+TF_CONFIG_ALLOWED = {
+    "tfdist/strategies/_average_state.py": "being rewritten by #32 item 5 (model averaging)",
+}
+
+# The import layers, top first: a module imports only from its own row or rows below.
+# tfdist/_hooks/ may be imported by anyone and itself imports only the bottom row.
+LAYERS = [
+    ("the main job", ["tfdist", "tfdist.cli", "tfdist.train", "tfdist.config",
+                      "tfdist.models", "tfdist.data"]),
+    ("runners and launch", ["tfdist.runners", "tfdist.spark", "tfdist.ray", "tfdist.launch"]),
+    ("keras glue", ["tfdist.keras"]),
+    ("strategies", ["tfdist.strategies"]),
+    # The strategy <-> Keras contract the strategies implement (KerasHandoff) and the
+    # optimizer unwrapping they share: below the strategies, though under keras/.
+    ("the keras contract", ["tfdist.keras.handoff", "tfdist.keras.optimizer"]),
+    ("engines and comm", ["tfdist.engines", "tfdist.comm"]),
+    ("who and where", ["tfdist.cluster", "tfdist.devices", "tfdist.env", "tfdist.checks",
+                       "tfdist.files", "tfdist.wire"]),
+]
+HOOKS_PACKAGE = "tfdist._hooks"
+
+
+def _layer(module: str) -> int | None:
+    """The row of ``module`` (0 is the top), or None for tfdist/_hooks/."""
+    if module == HOOKS_PACKAGE or module.startswith(HOOKS_PACKAGE + "."):
+        return None
+    rows = [(len(prefix), row) for row, (_, prefixes) in enumerate(LAYERS)
+            for prefix in prefixes if module == prefix or module.startswith(prefix + ".")
+            and prefix != "tfdist"]
+    assert rows, f"{module} is in no row of LAYERS: add it where it belongs"
+    return max(rows)[1]
+
+
+def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    bottom = len(LAYERS) - 1
+    found = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            source_row, target_row = _layer(module), _layer(target)
+            if target_row is None:
+                continue  # anyone may import the hooks
+            if (source_row is None and target_row != bottom) or (
+                    source_row is not None and target_row < source_row):
+                found.append(f"{module} ({'hooks' if source_row is None else LAYERS[source_row][0]})"
+                             f" imports {target} ({LAYERS[target_row][0]})")
+    return found
+
+
+def _direct_imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """Like `_imports`, but ``from tfdist import env`` is tfdist.env, not tfdist too."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]
+                                + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                       for a in node.names]
+        elif (isinstance(node, ast.Call)
+              and getattr(node.func, "attr", getattr(node.func, "id", None))
+              in ("import_module", "__import__")
+              and node.args and isinstance(node.args[0], ast.Constant)):
+            targets = [node.args[0].value]
+        for target in targets:
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name and target.startswith("tfdist"):
+                found.add(target)
+    return found
+
+
+@pytest.mark.unit
+def test_no_import_goes_up_the_layers():
+    modules = _modules()
+    graph = {name: _direct_imports(name, path, modules) for name, path in modules.items()}
+    upward = _upward_imports(graph)
+    assert not upward, "imports going up the layers (LAYERS in this file):\n" + "\n".join(upward)
+
+
+@pytest.mark.unit
+def test_the_layer_rule_finds_an_upward_import():
+    assert _upward_imports({"tfdist.cluster": {"tfdist.strategies.mirrored"},
+                            "tfdist._hooks.tf": {"tfdist.keras.callbacks"},
+                            "tfdist.strategies.mirrored": {"tfdist._hooks.tf", "tfdist.env"},
+                            "tfdist.keras.handoff": {"tfdist.strategies"}}) == [
+        "tfdist._hooks.tf (hooks) imports tfdist.keras.callbacks (keras glue)",
+        "tfdist.cluster (who and where) imports tfdist.strategies.mirrored (strategies)",
+        "tfdist.keras.handoff (the keras contract) imports tfdist.strategies (strategies)"]
+
+
+@pytest.mark.unit
+def test_private_tf_keras_access_only_in_hooks():
+    """The rule is in tests/layout_rules.py; `python scripts/private_access.py` counts."""
+    import layout_rules
+
+    sites = [s for s in layout_rules.private_sites() if not s.startswith(layout_rules.HOOKS)]
+    outside = [s for s in sites if s.split(":")[0] not in PRIVATE_ACCESS_ALLOWED]
+    assert not outside, ("private TF/Keras access outside tfdist/_hooks/ (move it into a "
+                         "hook with its Why: and a test in tests/test_hooks*.py):\n"
+                         + "\n".join(outside))
+    stale = set(PRIVATE_ACCESS_ALLOWED) - {s.split(":")[0] for s in sites}
+    assert not stale, f"PRIVATE_ACCESS_ALLOWED names modules with no private access: {stale}"
+
+
+@pytest.mark.unit
+def test_the_private_access_rule_finds_each_kind():
+    import layout_rules
+
+    source = '''
+import importlib
+import keras
+from keras.src.optimizers import base_optimizer
+import tensorflow.python.distribute as td
+
+class Checkpoint(keras.callbacks.ModelCheckpoint):
+    def _save_model(self, epoch, batch, logs):
+        super()._save_model(epoch, batch, logs)
+        return self._own_counter
+
+    def _tfdist_helper(self):
+        self._own_counter = 1
+
+def f(model):
+    importlib.import_module("keras.src.losses")
+    model._own_counter = 2
+    return model._distribute_strategy, os._exit
+'''
+    sites = layout_rules.private_sites({"tfdist/x.py": ast.parse(source)})
+    assert sorted(s.split(": ", 1)[1] for s in sites) == sorted([
+        "keras.src.optimizers", "tensorflow.python.distribute", "keras.src.losses",
+        "def _save_model (overrides Checkpoint's)", "._save_model",
+        "._distribute_strategy"]), sites
+
+
+@pytest.mark.unit
+def test_tf_config_is_written_only_in_env_py():
+    found, allowed = [], set()
+    for path in ROOT.rglob("*.py"):
+        name = str(path.relative_to(ROOT.parent))
+        if path.relative_to(ROOT) == Path("env.py"):
+            continue
+        lines = [node.lineno for node in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(node, ast.Constant) and node.value == "TF_CONFIG"]
+        if name in TF_CONFIG_ALLOWED:
+            allowed.add(name) if lines else None
+        else:
+            found += [f"{name}:{line}" for line in lines]
+    assert not found, f'"TF_CONFIG" outside tfdist/env.py (use env.TF_CONFIG): {found}'
+    stale = set(TF_CONFIG_ALLOWED) - allowed
+    assert not stale, f"TF_CONFIG_ALLOWED names modules without the literal: {stale}"

@@ -15,6 +15,7 @@ import reprlib
 import warnings
 from typing import Any, Mapping
 
+from tfdist import env
 from tfdist.checks import check_int
 
 TASK_TYPES = ("chief", "worker", "ps", "evaluator")
@@ -164,7 +165,7 @@ class ClusterSpec:
             ValueError: TF_CONFIG is not set, or is not a valid cluster.
         """
         environ = os.environ if environ is None else environ
-        text = environ.get("TF_CONFIG")
+        text = environ.get(env.TF_CONFIG)
         if not text:
             raise ValueError("TF_CONFIG is not set. Set it to a JSON object with 'cluster' and "
                              "'task', start the job with `tfdist launch`, or pass a cluster "

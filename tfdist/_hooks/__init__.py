@@ -6,7 +6,8 @@ functions instead of reaching into private names themselves. Nothing is re-expor
 here: import the module you need.
 
 - ``tf``: TF distribute internals (collective key ranges, the multi-worker extended
-  class, the coordination service, the helpers of a custom ``extended``, a dataset's
+  class and its variable creation, multi-worker mode, a local replica's global id,
+  the coordination service, the helpers of a custom ``extended``, a dataset's
   batch size, functions kept out of line). Tests: ``test_hooks_tf.py``.
 - ``keras``: the patches that install the Keras hand-off (`tfdist.keras.handoff`):
   the optimizer step, ``keras.Model``'s methods, the loss-scale check, atomic updates.
@@ -15,6 +16,10 @@ here: import the module you need.
 - ``keras_steps``: a train step's loss/metric outputs kept on this worker (no per-step
   reduce across workers). Tests: ``test_hooks_steps.py``.
 - ``keras_trainer``: private members of ``keras.Model``'s trainer that tfdist calls.
+- ``keras_callbacks``: Keras' ``ModelCheckpoint``/``BackupAndRestore`` private save
+  and restore points as public methods. Tests: ``test_hooks_callbacks.py``.
+- ``horovod_kv``: the values of Horovod's rendezvous handler.
+  Tests: ``test_hooks_horovod_kv.py``.
 - ``saves``: atomic saves refusing NaN weights; Keras' file callbacks writing elsewhere
   on non-chief workers. Tests: ``test_hooks_saves.py``.
 - ``coordinator``: ``ClusterCoordinator`` per-worker iterators, closures pinned to a
@@ -26,5 +31,8 @@ here: import the module you need.
   optimizer built without slots, Keras' weight-decay rule, TF's collective
   reduce-scatter). Tests: ``test_hooks_zero.py``.
 
-These modules import nothing above them: the Keras hand-off passes itself in.
+These modules import nothing above them (only tfdist's bottom row: cluster, files, ...):
+the Keras hand-off passes itself in. ``tests/test_layout.py`` checks that no module
+outside this package touches TF/Keras internals (``python scripts/private_access.py``
+counts what is left).
 """

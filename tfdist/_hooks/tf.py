@@ -47,6 +47,53 @@ def collective_all_reduce_extended_class():
     return collective_all_reduce_strategy.CollectiveAllReduceExtended
 
 
+_checked_extended = None
+
+
+def checked_collective_extended_class():
+    """``CollectiveAllReduceExtended`` whose variable creation goes through
+    ``tfdist_create_variable(create, name)``, which a subclass overrides.
+
+    Why: TF creates (and broadcasts from the chief) each variable in the private
+    ``_create_variable``; a worker whose model differs fails there with an opaque
+    "Shape mismatch in the collective", and only an override can name the variable.
+    """
+    global _checked_extended
+    if _checked_extended is None:
+        base = collective_all_reduce_extended_class()
+
+        class CheckedCollectiveExtended(base):
+            def _create_variable(self, next_creator, **kwargs):
+                return self.tfdist_create_variable(
+                    lambda: base._create_variable(self, next_creator, **kwargs),
+                    kwargs.get("name"))
+
+            def tfdist_create_variable(self, create, name):
+                """Creates the variable ``name`` by calling ``create()``."""
+                return create()
+
+        _checked_extended = CheckedCollectiveExtended
+    return _checked_extended
+
+
+def in_multi_worker_mode(extended) -> bool:
+    """Whether a strategy's ``extended`` spans several workers.
+
+    Why: TF has no public flag; its own strategies and Keras read the private
+    ``_in_multi_worker_mode()``.
+    """
+    return extended._in_multi_worker_mode()
+
+
+def replica_id_in_sync_group(extended, local_id: int):
+    """The global replica id of this worker's local replica ``local_id`` (a tensor).
+
+    Why: outside a replica context TF has no public way to ask which global replica a
+    local device is; ``ValueContext`` needs it to build values per replica by hand.
+    """
+    return extended._get_replica_id_in_sync_group(local_id)
+
+
 def configure_coordination_service(jobs, register_timeout_seconds, heartbeat_timeout_seconds):
     """Configures TF's coordination service before MultiWorkerMirroredStrategy starts it.
 

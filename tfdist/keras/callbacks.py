@@ -24,6 +24,7 @@ import shutil
 import keras
 
 from tfdist import env
+from tfdist._hooks.keras_callbacks import BackupHooks, CheckpointHooks
 from tfdist._hooks.keras_trainer import set_initial_epoch
 from tfdist.cluster import ClusterSpec
 from tfdist.files import (check_free_space, commit, model_save_size, private_temp_dir,
@@ -54,7 +55,7 @@ def task_info(strategy=None) -> tuple[bool, str]:
         extended = getattr(strategy, "extended", None)
         if extended is not None and hasattr(extended, "should_checkpoint"):
             return bool(extended.should_checkpoint), name
-    if os.environ.get("TF_CONFIG"):
+    if os.environ.get(env.TF_CONFIG):
         cluster = ClusterSpec.from_env()
         if cluster.task is not None:
             return cluster.is_chief(), cluster.task.name
@@ -93,7 +94,7 @@ class _ChiefAware:
             self._tmpdir = None
 
 
-class ModelCheckpoint(_ChiefAware, keras.callbacks.ModelCheckpoint):
+class ModelCheckpoint(_ChiefAware, CheckpointHooks):
     """`keras.callbacks.ModelCheckpoint` where only the chief writes ``filepath``.
 
     Every worker saves (and so takes part in any collective the save needs); the
@@ -109,17 +110,16 @@ class ModelCheckpoint(_ChiefAware, keras.callbacks.ModelCheckpoint):
 
     _final_path = None
 
-    def _get_file_path(self, epoch, batch, logs):
-        path = super()._get_file_path(epoch, batch, logs)
+    def checkpoint_path(self, path):
         if self.is_chief:
             self._final_path = path
             return str(temp_path_for(path))
         return os.path.join(self._temp_dir(), os.path.basename(path))
 
-    def _save_model(self, epoch, batch, logs):
+    def save_checkpoint(self, save):
         self._final_path = None
         try:
-            super()._save_model(epoch, batch, logs)
+            save()
             temp = temp_path_for(self._final_path) if self._final_path else None
             if temp is not None and os.path.exists(temp):
                 commit(temp, self._final_path)
@@ -155,7 +155,7 @@ class ModelCheckpoint(_ChiefAware, keras.callbacks.ModelCheckpoint):
             write_text_atomic(marker, json.dumps({"epochs": self._epochs_done}))
 
 
-class BackupAndRestore(_ChiefAware, keras.callbacks.BackupAndRestore):
+class BackupAndRestore(_ChiefAware, BackupHooks):
     """`keras.callbacks.BackupAndRestore` for many workers: resume after a crash.
 
     The chief keeps the backup in ``backup_dir``; the other workers write theirs to a
@@ -190,7 +190,7 @@ class BackupAndRestore(_ChiefAware, keras.callbacks.BackupAndRestore):
         name = self._PREVIOUS_STATE if previous else self._STATE
         return os.path.join(directory or self.backup_dir, name)
 
-    def _load_model(self):
+    def restore_backup(self):
         """Restores the newest readable backup; a broken one is named and set aside."""
         candidates = [p for p in (self._state_path(), self._state_path(previous=True))
                       if os.path.exists(p)]
@@ -235,7 +235,7 @@ class BackupAndRestore(_ChiefAware, keras.callbacks.BackupAndRestore):
         set_initial_epoch(self.model, state["epoch"])
         self._saves = int(state.get("saves", 0))
 
-    def _save_model(self):
+    def save_backup(self):
         self._saves += 1
         directory = self.backup_dir if self.is_chief else self._temp_dir()
         os.makedirs(directory, exist_ok=True)
@@ -244,8 +244,8 @@ class BackupAndRestore(_ChiefAware, keras.callbacks.BackupAndRestore):
             # Under any strategy (tfdist's save hooks check only under tfdist's own).
             check_free_space(os.path.join(directory, weights), model_save_size(self.model))
             self.model.save_weights(os.path.join(directory, weights), overwrite=True)
-            state = {"epoch": self._current_epoch, "batch": self._last_batch_seen,
-                     "weights": weights, "saves": self._saves}
+            epoch, batch = self.backup_position()
+            state = {"epoch": epoch, "batch": batch, "weights": weights, "saves": self._saves}
             current, previous = self._state_path(directory), self._state_path(directory, True)
             if os.path.exists(current):
                 os.replace(current, previous)  # kept, with its weights, as the fallback
@@ -309,16 +309,16 @@ class MetricsLogger(_ChiefAware, keras.callbacks.Callback):
         row = {"epoch": epoch}
         row.update({k: _plain(v) for k, v in sorted((logs or {}).items())})
         if self.is_chief:
-            self._write(self._path, row)
+            self._write_row(self._path, row)
             return
         # Other workers: the same write to a private file, removed at once.
         self._path = os.path.join(self._temp_dir(), os.path.basename(self.filepath))
         try:
-            self._write(self._path, row)
+            self._write_row(self._path, row)
         finally:
             self._remove_temp_dir()
 
-    def _write(self, path, row):
+    def _write_row(self, path, row):
         new = not os.path.exists(path) or os.path.getsize(path) == 0
         with open(path, "a", newline="") as f:
             if self.format == "json":

@@ -8,6 +8,8 @@ import collections
 
 import tensorflow as tf
 
+from tfdist._hooks import tf as tf_hooks
+
 
 class ElasticDataset:
     """The training data of an elastic ``fit``: each global batch's rows of this worker.
@@ -81,7 +83,7 @@ class ElasticIterator:
             # from a batch without reducing it across workers, which a worker joining a
             # running job could not do (the members are training).
             return rows_of(tf.distribute.experimental.ValueContext(
-                extended._get_replica_id_in_sync_group(0), strategy.num_replicas_in_sync))
+                tf_hooks.replica_id_in_sync_group(extended, 0), strategy.num_replicas_in_sync))
         return strategy.experimental_distribute_values_from_function(rows_of)
 
 

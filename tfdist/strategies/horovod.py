@@ -13,6 +13,7 @@ import os
 
 import tensorflow as tf
 
+from tfdist import env
 from tfdist._hooks import tf as tf_hooks
 from tfdist.cluster import ClusterSpec
 from tfdist.engines.horovod import ops as comm
@@ -26,7 +27,7 @@ logger = logging.getLogger("tfdist")
 def _refuse_a_tf_config_job(environ) -> None:
     """Raises if TF_CONFIG names several training tasks: without horovodrun each would
     train alone, silently (e.g. under `tfdist.spark.run` or `tfdist.ray.run`)."""
-    if not environ.get("TF_CONFIG"):
+    if not environ.get(env.TF_CONFIG):
         return
     spec = ClusterSpec.from_env(environ)
     if spec.num_workers > 1:

@@ -55,7 +55,7 @@ _DEFAULT_GRAPH_SEED = 87654321
 logger = logging.getLogger("tfdist")
 
 
-class MultiWorkerExtended(tf_hooks.collective_all_reduce_extended_class()):
+class MultiWorkerExtended(tf_hooks.checked_collective_extended_class()):
     """TF's ``CollectiveAllReduceExtended`` that names a model mismatch between workers.
 
     Every variable's initial value is broadcast from the chief when it is created. If the
@@ -63,9 +63,9 @@ class MultiWorkerExtended(tf_hooks.collective_all_reduce_extended_class()):
     mismatch in the collective instance"; this turns that into a `ValueError`.
     """
 
-    def _create_variable(self, next_creator, **kwargs):
+    def tfdist_create_variable(self, create, name):
         try:
-            return super()._create_variable(next_creator, **kwargs)
+            return create()
         except tf.errors.InvalidArgumentError as error:
             if "Shape mismatch in the collective" not in (error.message or ""):
                 raise
@@ -76,7 +76,7 @@ class MultiWorkerExtended(tf_hooks.collective_all_reduce_extended_class()):
                                r"shape (\[[^\]]*\])", error.message)
             seen = (f": its shape is {shapes.group(3)} on {shapes.group(1)}-{shapes.group(2)} "
                     f"and {shapes.group(4)} on another worker") if shapes else ""
-            raise models_differ(kwargs.get("name"), seen, error.message) from None
+            raise models_differ(name, seen, error.message) from None
 
 
 class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerMirroredStrategy):
@@ -178,7 +178,7 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
         None when ``source`` is None and TF_CONFIG is unset: this process is the whole
         job, one worker over the local devices, as `tf.distribute.MultiWorkerMirroredStrategy`.
         """
-        if source is None and not os.environ.get("TF_CONFIG"):
+        if source is None and not os.environ.get(env.TF_CONFIG):
             logger.info("%s: TF_CONFIG is not set, so this process is the only worker "
                         "(replicas: its local devices).", type(self).__name__)
             return None
@@ -258,7 +258,7 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
         Returns:
             The seed that was set, or None when the user had set one.
         """
-        if not self.extended._in_multi_worker_mode() or (
+        if not tf_hooks.in_multi_worker_mode(self.extended) or (
                 tf.compat.v1.random.get_seed(0)[0] != _DEFAULT_GRAPH_SEED):
             return None
         from tfdist.engines.horovod import elastic

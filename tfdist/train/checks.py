@@ -213,7 +213,7 @@ def _check_environment(config: dict[str, Any], source: str) -> None:
     from tfdist.cluster import ClusterSpec, from_slurm
 
     try:
-        if os.environ.get("TF_CONFIG"):
+        if os.environ.get(env.TF_CONFIG):
             ClusterSpec.from_env()
         elif "SLURM_PROCID" in os.environ:
             from_slurm(port=slurm_port(), chief=config["cluster"]["chief"],

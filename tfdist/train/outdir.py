@@ -71,7 +71,7 @@ def holds_lock(config: dict[str, Any]) -> bool:
     if registry.get(config["strategy"]["name"]).horovodrun:
         return next((os.environ[v] for v in HOROVOD_RANK_VARIABLES if v in os.environ),
                     "0") == "0"
-    if os.environ.get("TF_CONFIG"):
+    if os.environ.get(env.TF_CONFIG):
         from tfdist.cluster import ClusterSpec
 
         return ClusterSpec.from_env().is_chief()

@@ -50,14 +50,14 @@ def build_strategy(config: dict[str, Any]):
 
 def export_slurm_cluster(config: dict[str, Any]) -> None:
     """In a Slurm job step without TF_CONFIG, writes the TF_CONFIG Slurm implies."""
-    if config["cluster"]["mode"] != "env" or os.environ.get("TF_CONFIG"):
+    if config["cluster"]["mode"] != "env" or os.environ.get(env.TF_CONFIG):
         return
     if "SLURM_PROCID" in os.environ and not registry.get(config["strategy"]["name"]).horovodrun:
         from tfdist.cluster import from_slurm
 
         spec = from_slurm(port=slurm_port(), chief=config["cluster"]["chief"],
                           ps=config["cluster"]["ps"])
-        os.environ["TF_CONFIG"] = spec.to_tf_config()
+        os.environ[env.TF_CONFIG] = spec.to_tf_config()
 
 
 def is_chief_task(config: dict[str, Any], strategy) -> bool:
@@ -65,7 +65,7 @@ def is_chief_task(config: dict[str, Any], strategy) -> bool:
     TF_CONFIG's chief."""
     if registry.get(config["strategy"]["name"]).horovodrun:
         return strategy.rank == 0
-    if os.environ.get("TF_CONFIG"):
+    if os.environ.get(env.TF_CONFIG):
         from tfdist.cluster import ClusterSpec
 
         return ClusterSpec.from_env().is_chief()
@@ -119,7 +119,7 @@ def _topology(config: dict[str, Any], strategy) -> dict[str, int]:
     entry = registry.get(config["strategy"]["name"])
     if entry.horovodrun:
         return {"workers": strategy.size, "ps": 0}
-    if os.environ.get("TF_CONFIG") and is_multi_process(config):
+    if os.environ.get(env.TF_CONFIG) and is_multi_process(config):
         from tfdist.cluster import ClusterSpec
 
         spec = ClusterSpec.from_env()

@@ -30,6 +30,7 @@ from typing import Callable
 
 from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
 
+from tfdist._hooks import horovod_kv
 from tfdist.wire import HELLO_SECONDS, MAX_PENDING, quote, verify
 
 MAX_BODY = 1 << 20  # bytes of one PUT; Gloo's values and tfdist's messages are far smaller
@@ -177,7 +178,7 @@ class _Handler(RendezvousHandler):
             return
         scope, key = parts
         view = self.server.views.get(scope)
-        value = view(key) if view is not None else self._get_value(scope, key)
+        value = view(key) if view is not None else horovod_kv.stored_value(self, scope, key)
         if value is None:
             self.send_status_code(404)
             return
@@ -209,7 +210,7 @@ class _Handler(RendezvousHandler):
             self._refuse(403, f"{scope[:40]} {problem[:20]}",
                          f"refused a PUT to /{quote(scope, 40)}/{quote(key, 40)}: {problem}")
             return
-        self._put_value(scope, key, body)
+        horovod_kv.store_value(self, scope, key, body)
         self.send_status_code(200)
 
     def do_DELETE(self):
