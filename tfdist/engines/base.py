@@ -37,6 +37,8 @@ class EngineSetup:
             (``"timeout_seconds"`` or ``"collective_timeout"``).
         exchanges_rarely: The strategy exchanges rarely (model averaging): an engine
             may trade a collective's latency for quiet links.
+        devices: This process's replicas, or None for stock
+            ``MultiWorkerMirroredStrategy``'s (its GPUs, else one CPU).
     """
 
     cluster: ClusterSpec | None = None
@@ -46,6 +48,7 @@ class EngineSetup:
     collective_timeout: float | None = None
     collective_timeout_name: str = "collective_timeout"
     exchanges_rarely: bool = False
+    devices: tuple[str, ...] | None = None
 
 
 class Engine(abc.ABC):

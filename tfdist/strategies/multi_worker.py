@@ -163,30 +163,38 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
                 f"{' or '.join(map(repr, elastic))}: engine={self.engine!r} cannot re-form "
                 f"its cluster inside a running process (TF's collectives and coordination "
                 f"service are fixed at start). Received: engine={engine!r}")
-        self._engine = chosen(self._engine_setup(options))
+        self._start(chosen(self._engine_setup(options)), cluster_resolver, options,
+                    shard_optimizer_state)
+
+    def _start(self, engine, cluster_resolver, options, shard_optimizer_state=False):
+        """Joins the job through ``engine`` (an `tfdist.engines.Engine`) and sets the
+        communication up: the constructor's part every subclass shares."""
+        self._engine = engine
         # Same as TF's CollectiveAllReduceStrategy.__init__, with the extended object
         # made by the engine.
         tf.distribute.Strategy.__init__(
-            self, self._engine.create_extended(self, cluster_resolver, options))
+            self, engine.create_extended(self, cluster_resolver, options))
         self._shard_optimizer_state = shard_optimizer_state
         self._init_communication(options)
         self.shared_seed = self._share_random_seed()
 
     # ---- overridable set-up -----------------------------------------------------------
 
-    def _engine_setup(self, options) -> EngineSetup:
+    def _engine_setup(self, options, **more) -> EngineSetup:
         """What the engine is built from: the cluster, this task and the timeouts
-        (``options.timeout_seconds``, when set, is the collective timeout)."""
+        (``options.timeout_seconds``, when set, is the collective timeout); ``more``:
+        other `EngineSetup` fields."""
         from_options = options.timeout_seconds is not None
         task = self.cluster and self.cluster.task
+        more.setdefault("task_name", task.name if task else "worker-0")
         return EngineSetup(
-            cluster=self.cluster, task_name=task.name if task else "worker-0",
+            cluster=self.cluster,
             startup_timeout=self.startup_timeout, heartbeat_timeout=self.heartbeat_timeout,
             collective_timeout=(options.timeout_seconds if from_options
                                 else self.collective_timeout),
             collective_timeout_name="timeout_seconds" if from_options
             else "collective_timeout",
-            exchanges_rarely=bool(getattr(self, "exchanges_rarely", False)))
+            exchanges_rarely=bool(getattr(self, "exchanges_rarely", False)), **more)
 
     def _resolve(self, source) -> ClusterSpec | None:
         """The cluster as a `ClusterSpec` (TF_CONFIG when ``source`` is None).

@@ -42,6 +42,7 @@ class HorovodEngine(Engine):
     def create_extended(self, strategy, cluster_resolver, options):
         import tensorflow as tf
 
+        from tfdist._hooks import tf as tf_hooks
         from tfdist.devices import multi_worker_devices
         from tfdist.engines.horovod.extended import HorovodExtended
 
@@ -61,8 +62,9 @@ class HorovodEngine(Engine):
         else:
             ops.init()
         # The replicas of stock MultiWorkerMirroredStrategy (and of engine="tf"): every
-        # local GPU, else one CPU per worker, logical CPUs or not.
-        extended = HorovodExtended(strategy, multi_worker_devices())
+        # local GPU, else one CPU per worker, logical CPUs or not; or the setup's.
+        tf_hooks.assign_collective_key_base(strategy)
+        extended = HorovodExtended(strategy, list(setup.devices or multi_worker_devices()))
         # The resolver TF's engine would hand to TF: stock code reads it.
         extended.set_cluster_resolver(strategy._make_cluster_resolver(cluster_resolver))
         return extended

@@ -170,6 +170,17 @@ class HorovodExtended(_tf.MirroredExtended):
                              cross_device_ops=self._hvd_ops)
         self.set_cluster_resolver(None)
 
+    @property
+    def horovod_ops(self) -> HorovodCrossDeviceOps:
+        """The cross-device ops that move this extended's reductions."""
+        return self._hvd_ops
+
+    def reduce_through(self, communicator) -> None:
+        """Makes every ``batch_reduce_to`` (a replica's ``all_reduce`` too) go through
+        ``communicator``, which must reduce with `horovod_ops` (`tfdist.HorovodStrategy`:
+        compressed and counted, as Horovod's ``Compression``)."""
+        self._communicator = communicator
+
     def refresh_membership(self) -> None:
         """Reads this process's rank and the size again after Horovod re-formed
         (an elastic job): the replica count and ids follow them."""
