@@ -11,5 +11,5 @@ from tfdist.engines.base import Engine, EngineSetup
 from tfdist.engines.registry import (AUTO, ENV_VAR, available, engine_class,
                                      register_engine, select_engine)
 
-__all__ = ["AUTO", "ENV_VAR", "Engine", "EngineSetup", "available", "engine_class", "register_engine",
-           "select_engine"]
+__all__ = ["AUTO", "ENV_VAR", "Engine", "EngineSetup", "available", "engine_class",
+           "register_engine", "select_engine"]
