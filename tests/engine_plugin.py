@@ -44,9 +44,9 @@ class RingEngine(TFEngine):
         return dataclasses.replace(options, implementation="ring",
                                    bytes_per_pack=PACK_BYTES).to_tf()
 
-    def create_extended(self, cluster_resolver, options):
+    def create_extended(self, strategy, cluster_resolver, options):
         self._ring_options = self.communication_options(options)
-        return super().create_extended(cluster_resolver, options)
+        return super().create_extended(strategy, cluster_resolver, options)
 
     def make_inner_communicator(self, name):
         return RingCommunicator(self._ring_options)

@@ -286,9 +286,8 @@ def test_horovod_peer_error_names_silent_and_dead_peers(monkeypatch):
 
     import tensorflow as tf
 
-    import types
-
     from tfdist.engines.horovod import rendezvous as comm
+    from tfdist.engines.base import EngineSetup
     from tfdist.engines.horovod.engine import HorovodEngine
     from tfdist.launch import find_free_ports
 
@@ -300,7 +299,7 @@ def test_horovod_peer_error_names_silent_and_dead_peers(monkeypatch):
     peers = {"worker-1": f"127.0.0.1:{alive.server_address[1]}",
              "worker-2": f"127.0.0.1:{silent.getsockname()[1]}",
              "worker-3": f"127.0.0.1:{closed}"}
-    engine = HorovodEngine(types.SimpleNamespace(
+    engine = HorovodEngine(EngineSetup(
         heartbeat_timeout=5.0, collective_timeout=3.0, task_name="worker-0"))
     monkeypatch.delenv(comm.GLOO_TIMEOUT_ENV, raising=False)
     shut_down = tf.errors.UnknownError(None, None, (

@@ -9,7 +9,6 @@ import errno
 import socket
 import subprocess
 import sys
-import types
 
 import pytest
 
@@ -96,6 +95,7 @@ def test_horovod_peer_error_names_an_outage_as_an_outage(servers, monkeypatch):
     import tensorflow as tf
 
     from tfdist.engines.horovod import rendezvous
+    from tfdist.engines.base import EngineSetup
     from tfdist.engines.horovod.engine import HorovodEngine
 
     down = "10.9.8.7:4000"
@@ -103,7 +103,7 @@ def test_horovod_peer_error_names_an_outage_as_an_outage(servers, monkeypatch):
     monkeypatch.setattr(rendezvous, "_peers", {"worker-1": servers["refused"],
                                                "worker-2": down})
     monkeypatch.delenv(rendezvous.GLOO_TIMEOUT_ENV, raising=False)
-    engine = HorovodEngine(types.SimpleNamespace(
+    engine = HorovodEngine(EngineSetup(
         heartbeat_timeout=5.0, collective_timeout=None, task_name="worker-0"))
     shut_down = tf.errors.UnknownError(None, None, "Horovod has been shut down. This was "
                                        "caused by an exception on one of the ranks.")

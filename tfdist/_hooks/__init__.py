@@ -9,6 +9,9 @@ here: import the module you need.
   class and its variable creation, multi-worker mode, a local replica's global id,
   the coordination service, the helpers of a custom ``extended``, a dataset's
   batch size, functions kept out of line). Tests: ``test_hooks_tf.py``.
+- ``extended``: a strategy's own ``extended`` and cross-device ops (the Horovod
+  engine's) over TF's private extension points, mapped to public-named methods.
+  Tests: ``test_hooks_extended.py``.
 - ``keras``: the patches that install the Keras hand-off (`tfdist.keras.handoff`):
   the optimizer step, ``keras.Model``'s methods, the loss-scale check, atomic updates.
   Tests: ``test_hooks.py``.

@@ -14,38 +14,78 @@ Nothing here imports TensorFlow: it is imported inside the methods that need it.
 from __future__ import annotations
 
 import abc
+import dataclasses
 
-from tfdist.cluster import TRAINING_TASK_TYPES
+from tfdist.cluster import TRAINING_TASK_TYPES, ClusterSpec
 from tfdist.comm.accounting import ByteCounter
 from tfdist.comm.communicator import Accounted, Communicator, StrategyCommunicator
 
 
-class Engine(abc.ABC):
-    """One strategy's engine; made by the strategy as ``engine_class(strategy)``.
+@dataclasses.dataclass(frozen=True)
+class EngineSetup:
+    """What an engine is built from: the job, this task and the timeouts, as data.
 
-    The strategy gives the engine what it knows before the engine starts: ``cluster``
-    (a `tfdist.ClusterSpec`, or None when the process is the whole job),
-    ``startup_timeout``, ``collective_timeout``, ``heartbeat_timeout`` and
-    ``task_name``. Subclasses implement `create_extended`; the rest has defaults that
-    follow the cluster (rank 0 is the chief, or worker-0 without a chief).
+    Attributes:
+        cluster: The `tfdist.ClusterSpec`, or None when the process is the whole job.
+        task_name: This task's name, e.g. ``"worker-1"``.
+        startup_timeout: Seconds every task has to join.
+        heartbeat_timeout: Seconds without a sign of life before a peer is lost.
+        collective_timeout: Seconds one collective may wait for its peers (None: no
+            limit): ``CommunicationOptions.timeout_seconds`` when set, else the
+            strategy's ``collective_timeout``.
+        collective_timeout_name: The setting it came from, as errors name it
+            (``"timeout_seconds"`` or ``"collective_timeout"``).
+        exchanges_rarely: The strategy exchanges rarely (model averaging): an engine
+            may trade a collective's latency for quiet links.
+        devices: This process's replicas, or None for stock
+            ``MultiWorkerMirroredStrategy``'s (its GPUs, else one CPU).
+    """
+
+    cluster: ClusterSpec | None = None
+    task_name: str = "worker-0"
+    startup_timeout: float = 60.0
+    heartbeat_timeout: float = 10.0
+    collective_timeout: float | None = None
+    collective_timeout_name: str = "collective_timeout"
+    exchanges_rarely: bool = False
+    devices: tuple[str, ...] | None = None
+
+
+class Engine(abc.ABC):
+    """One strategy's engine; made by the strategy as ``engine_class(setup)``.
+
+    An engine is built from data (`EngineSetup`: the cluster, this task, the
+    timeouts), not from the strategy. Subclasses implement `create_extended`; the rest
+    has defaults that follow the cluster (rank 0 is the chief, or worker-0 without a
+    chief). An engine that can re-form its members inside running processes (an
+    elastic job) says so with `supports_elastic` and answers `membership`.
 
     Args:
-        strategy: The strategy this engine serves.
+        setup: The `EngineSetup`.
     """
 
     #: The registered name (set by `tfdist.engines.register_engine`).
     name: str = ""
+    #: Whether the engine runs elastic jobs (``tfdist launch --min-workers``).
+    supports_elastic: bool = False
+    #: Whether one process's replicas may go through TF's own ``MirroredExtended``
+    #: (a strategy on one host then needs no engine of its own).
+    serves_one_host: bool = False
 
-    def __init__(self, strategy):
-        self.strategy = strategy
+    def __init__(self, setup: EngineSetup):
+        if not isinstance(setup, EngineSetup):
+            raise ValueError("an engine is built from a tfdist.engines.EngineSetup. "
+                             f"Received: setup={setup!r}")
+        self.setup = setup
 
     @abc.abstractmethod
-    def create_extended(self, cluster_resolver, options):
+    def create_extended(self, strategy, cluster_resolver, options):
         """Joins the job and returns the strategy's ``tf.distribute.StrategyExtended``.
 
         Called once, from the strategy's constructor, before any TensorFlow op.
 
         Args:
+            strategy: The strategy that will hold the extended (its container).
             cluster_resolver: What the user passed as ``cluster_resolver`` (None for
                 TF_CONFIG).
             options: The strategy's `tfdist.CommunicationOptions`.
@@ -74,7 +114,7 @@ class Engine(abc.ABC):
     @property
     def rank(self) -> int:
         """This process's index in the job: the chief first, then the workers."""
-        cluster = self.strategy.cluster
+        cluster = self.setup.cluster
         if cluster is None or cluster.task is None:
             return 0
         training = [t for t in cluster.tasks() if t.type in TRAINING_TASK_TYPES]
@@ -83,13 +123,13 @@ class Engine(abc.ABC):
     @property
     def size(self) -> int:
         """Processes that compute steps (the chief and the workers)."""
-        cluster = self.strategy.cluster
+        cluster = self.setup.cluster
         return 1 if cluster is None else cluster.num_workers
 
     @property
     def is_chief(self) -> bool:
         """Whether this process writes checkpoints and logs (TF's rule)."""
-        cluster = self.strategy.cluster
+        cluster = self.setup.cluster
         return True if cluster is None else cluster.is_chief()
 
     def peer_error(self, error):
@@ -98,6 +138,18 @@ class Engine(abc.ABC):
         Called with every `tf.errors.OpError` that ends ``fit``. Default: unchanged.
         """
         return error
+
+    def membership(self):
+        """The elastic membership this process is in, or None (not an elastic job, or
+        an engine that does not offer one: `supports_elastic`).
+
+        The object answers what `tfdist.strategies._elastic` asks: ``name``,
+        ``version``, ``members``, ``bounds``, ``synced``, ``training``,
+        ``joined_running``, ``reform()``, ``changed()``, ``is_lost_peer(error)``,
+        ``say(text)``, ``rank()``, ``broadcast(value, root_rank)``,
+        ``allgather(value)`` and the words ``HAS_BACKUP_WORDS``/``NO_STATE_WORDS``.
+        """
+        return None
 
 
 def summary(message: str | None) -> str:

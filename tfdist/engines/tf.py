@@ -12,11 +12,16 @@ import re
 
 from tfdist.cluster import TRAINING_TASK_TYPES
 from tfdist.comm.communicator import StrategyCommunicator
+from tfdist.engines import peers
 from tfdist.engines.base import Engine, summary
 
 
 class TFEngine(Engine):
     """TF's collectives, as `tf.distribute.MultiWorkerMirroredStrategy` runs them.
+
+    A collective that waits longer than the setup's ``collective_timeout`` (TF's
+    ``CommunicationOptions.timeout_seconds``) fails; `peer_error` then names the peers
+    that stopped answering.
 
     The strategy's overridable set-up (``_make_cluster_resolver``,
     ``_make_communication_options``, ``_configure_coordination``, ``_create_extended``)
@@ -29,10 +34,11 @@ class TFEngine(Engine):
         `tfdist.CommunicationOptions`."""
         return options.to_tf()
 
-    def create_extended(self, cluster_resolver, options):
+    serves_one_host = True
+
+    def create_extended(self, strategy, cluster_resolver, options):
         import tensorflow as tf
 
-        strategy = self.strategy
         tf_resolver = strategy._make_cluster_resolver(cluster_resolver)
         tf_options = strategy._make_communication_options(self.communication_options(options))
         if self.size > 1:
@@ -50,7 +56,7 @@ class TFEngine(Engine):
         """The start-up timeout as an error that names the missing task(s)."""
         import tensorflow as tf
 
-        cluster = self.strategy.cluster
+        cluster = self.setup.cluster
         me = cluster.task.name if cluster.task else "this task"
         others = [t.name for t in cluster.tasks()
                   if t.type in TRAINING_TASK_TYPES and t != cluster.task]
@@ -60,28 +66,43 @@ class TFEngine(Engine):
         return tf.errors.DeadlineExceededError(
             None, None,
             f"{me}: task(s) {missing} did not join the cluster within "
-            f"startup_timeout={self.strategy.startup_timeout:g}s. Check that every task "
+            f"startup_timeout={self.setup.startup_timeout:g}s. Check that every task "
             f"was started with the same cluster and can reach the others. TensorFlow "
             f"said: {first_line}")
 
     def peer_error(self, error):
-        """``error``, or the same error naming the coordination leader when it froze.
+        """``error``, or the same error naming the peer(s) that stopped answering.
 
         Every task sends heartbeats to the coordination service on the leader (the
         chief, else worker-0). When the leader is frozen, the others only see
-        "Deadline Exceeded, RPC: .../CoordinationService/Heartbeat".
+        "Deadline Exceeded, RPC: .../CoordinationService/Heartbeat". When a collective
+        timed out (``collective_timeout``), every other training task's server is
+        probed (`tfdist.engines.peers`) and the silent or gone ones are named.
         """
-        strategy = self.strategy
-        leader = coordination_leader(strategy.cluster)
-        if leader is None or leader == strategy.task_name or (
-                "CoordinationService/Heartbeat" not in (error.message or "")):
+        setup = self.setup
+        message = error.message or ""
+        leader = coordination_leader(setup.cluster)
+        if (leader is not None and leader != setup.task_name
+                and "CoordinationService/Heartbeat" in message):
+            return type(error)(
+                error.node_def, error.op,
+                f"{setup.task_name}: {leader}, the coordination service leader, did not "
+                f"answer heartbeats within heartbeat_timeout={setup.heartbeat_timeout:g}s: "
+                f"it is frozen (e.g. SIGSTOP), overloaded or unreachable. TensorFlow said: "
+                f"{summary(message)}")
+        if setup.collective_timeout is None or "Collective has timed out" not in message:
             return error
-        return type(error)(
-            error.node_def, error.op,
-            f"{strategy.task_name}: {leader}, the coordination service leader, did not "
-            f"answer heartbeats within heartbeat_timeout={strategy.heartbeat_timeout:g}s: "
-            f"it is frozen (e.g. SIGSTOP), overloaded or unreachable. TensorFlow said: "
-            f"{summary(error.message)}")
+        cluster = setup.cluster
+        addresses = {f"{kind}-{index}": address for kind, index, address in
+                     (cluster.addresses() if cluster else ())
+                     if kind in TRAINING_TASK_TYPES and f"{kind}-{index}" != setup.task_name}
+        timeout_text = f"{setup.collective_timeout_name}={setup.collective_timeout:g}s"
+        named = peers.name_failed_peers(addresses, "a collective", timeout_text,
+                                        min(peers.PROBE_TIMEOUT, setup.collective_timeout))
+        if named is None:
+            return error
+        return type(error)(error.node_def, error.op,
+                           f"{setup.task_name}: {named}. TensorFlow said: {summary(message)}")
 
 
 class TFCommunicator(StrategyCommunicator):

@@ -31,7 +31,6 @@ import os
 
 import tensorflow as tf
 
-from tfdist.engines.horovod import elastic, membership, ops
 
 DEFAULT_COMMIT_EVERY_STEPS = 1
 
@@ -83,7 +82,7 @@ class ElasticFit:
     def __init__(self, strategy, model, commit_every_steps: int):
         self.strategy = strategy
         self.model = model
-        self.member = elastic.member()
+        self.member = strategy.membership()
         self.commit_every_steps = commit_every_steps
         self.iterator: ElasticIterator | None = None
         self.epoch = -1
@@ -141,7 +140,7 @@ class ElasticFit:
                 else:
                     logs, values = self._inner(iterator), None
             except (tf.errors.OpError, _MembershipChanged) as error:
-                if isinstance(error, tf.errors.OpError) and not elastic.is_lost_peer(error):
+                if isinstance(error, tf.errors.OpError) and not self.member.is_lost_peer(error):
                     raise
                 if self._recover(start):
                     return self.last_logs  # the newest commit is past this call
@@ -252,11 +251,11 @@ class ElasticFit:
     def _no_state_left(self) -> str:
         """Why a joiner whose members all joined too cannot go on (`NoStateLeftError`)."""
         backups = [b for b in self.backups if os.path.isdir(b) and os.listdir(b)]
-        then = (f"{membership.HAS_BACKUP_WORDS} {backups[0]}: the launcher starts the whole "
+        then = (f"{self.member.HAS_BACKUP_WORDS} {backups[0]}: the launcher starts the whole "
                 "job again, which resumes from it" if backups else
                 "fit has no backup to resume from (keras.callbacks.BackupAndRestore, "
                 "tfdist launch --backup-dir): the job fails rather than train from scratch")
-        return (f"{self.member.name}: {membership.NO_STATE_WORDS} (membership "
+        return (f"{self.member.name}: {self.member.NO_STATE_WORDS} (membership "
                 f"{self.member.version}: {', '.join(self.member.members)}, each started "
                 f"after every member that trained was lost); {then}")
 
@@ -266,11 +265,11 @@ class ElasticFit:
         position. ``found``: `_newest_commit`'s answer, when asked already."""
         root, newest = found or self._newest_commit()
         keep = self.rules.own_variables() if self.committed_at == newest else set()
-        elastic._say(f"{self.member.name}: takes the state of rank {root} (epoch "
-                     f"{newest[0]}, batch {newest[1]})")
+        self.member.say(f"{self.member.name}: takes the state of rank {root} (epoch "
+                        f"{newest[0]}, batch {newest[1]})")
         committed = self.committed
         for i, variable in enumerate(self.state_variables()):
-            value = ops.broadcast(committed[i], root_rank=root)
+            value = self.member.broadcast(committed[i], root_rank=root)
             if id(variable) not in keep:
                 committed[i] = value
             variable.assign(committed[i])
@@ -307,7 +306,7 @@ class ElasticFit:
                 newest = self._sync()
                 break
             except tf.errors.OpError as error:  # another member was lost meanwhile
-                if not elastic.is_lost_peer(error):
+                if not self.member.is_lost_peer(error):
                     raise
         from tfdist._hooks.keras_steps import remake_train_function
 
@@ -339,7 +338,7 @@ class ElasticFit:
             try:
                 return read()
             except tf.errors.OpError as error:
-                if not elastic.is_lost_peer(error):
+                if not self.member.is_lost_peer(error):
                     raise
             self.recoveries += 1
             if self.calls_since_commit:
@@ -349,9 +348,9 @@ class ElasticFit:
 
     def _newest_commit(self) -> tuple[int, tuple[int, int]]:
         """``(rank holding it, (epoch, batch))`` of the newest commit among the members."""
-        mine = tf.constant([[self.committed_at[0], self.committed_at[1], ops.rank()]],
+        mine = tf.constant([[self.committed_at[0], self.committed_at[1], self.member.rank()]],
                            tf.int64)
-        every = ops.allgather(mine).numpy()
+        every = self.member.allgather(mine).numpy()
         if any(int(e) == -1 for e, _, _ in every):
             # A joiner that has not trained keeps its reads of on-read variables (the
             # metrics' read and reset) local (`tfdist.engines.horovod.extended`): so do

@@ -1,9 +1,12 @@
 """`tfdist.HorovodStrategy`: synchronous training under ``horovodrun``, Horovod as the engine.
 
-A thin strategy over `tfdist.engines.horovod.extended.HorovodExtended`. Every batch
-all-reduce (gradients, a replica's ``all_reduce``) goes through the strategy's
-communicator, which compresses and counts it once, as Horovod's ``Compression`` does;
-``strategy.reduce`` (losses, metrics) is exact and not counted.
+A thin subclass of `tfdist.MultiWorkerMirroredStrategy` on the Horovod engine
+(`tfdist.engines.horovod`): no cluster (``horovodrun`` connects the processes), and
+this rank's devices. Rank, size, the chief, Keras' ``reduce`` fix and ``fit`` are the
+multi-worker strategy's. Every batch all-reduce (gradients, a replica's ``all_reduce``)
+goes through the strategy's communicator, which compresses and counts it once, as
+Horovod's ``Compression`` does; ``strategy.reduce`` (losses, metrics) is exact and not
+counted.
 """
 
 from __future__ import annotations
@@ -11,15 +14,14 @@ from __future__ import annotations
 import logging
 import os
 
-import tensorflow as tf
-
 from tfdist import env
-from tfdist._hooks import tf as tf_hooks
 from tfdist.cluster import ClusterSpec
+from tfdist.engines.registry import engine_class
 from tfdist.engines.horovod import ops as comm
-from tfdist.engines.horovod.extended import HorovodCrossDeviceOps, HorovodExtended, rank_devices
-from tfdist.strategies._sync import SyncGradientsMixin
-from tfdist.strategies.arguments import check_horovod
+from tfdist.engines.horovod.extended import rank_devices
+from tfdist.strategies.arguments import (DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_STARTUP_TIMEOUT,
+                                         check_horovod)
+from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 
 logger = logging.getLogger("tfdist")
 
@@ -38,22 +40,22 @@ def _refuse_a_tf_config_job(environ) -> None:
             "(Horovod/Gloo without horovodrun), or start the job with horovodrun.")
 
 
-class HorovodStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerMirroredStrategy):
+class HorovodStrategy(MultiWorkerMirroredStrategy):
     """Synchronous data parallelism with Horovod's collective ops as the engine.
 
     Start one process per worker with ``horovodrun -np N -H host:N --gloo python
-    train.py``. Started otherwise, the process is the only rank (as Horovod does). Inside each process the model is mirrored on ``devices`` as in
-    `tfdist.MirroredStrategy`; gradients, losses and metrics are reduced across all
-    replicas of all processes. Keras 3 ``fit``/``evaluate``/``predict`` work in its
-    scope with the global batch size, as with `tf.distribute.MultiWorkerMirroredStrategy`:
-    each process reads its own slice of every global batch.
+    train.py``. Started otherwise, the process is the only rank (as Horovod does). Inside
+    each process the model is mirrored on ``devices`` as in `tfdist.MirroredStrategy`;
+    gradients, losses and metrics are reduced across all replicas of all processes.
+    Keras 3 ``fit``/``evaluate``/``predict`` work in its scope with the global batch
+    size, as with `tf.distribute.MultiWorkerMirroredStrategy`: each process reads its
+    own slice of every global batch.
 
     Variables created in the scope start from rank 0's initial values. Only Horovod's
     raw ops are used (not ``hvd.DistributedOptimizer`` nor ``horovod.keras``).
 
-    It subclasses `tf.distribute.MultiWorkerMirroredStrategy` without running that
-    class's constructor (no TF_CONFIG, no gRPC server): Keras checks for that class to
-    average metrics and gather predictions across processes.
+    It is `tfdist.MultiWorkerMirroredStrategy` with ``engine="horovod"`` and no TF
+    cluster (no TF_CONFIG, no gRPC server).
 
     Args:
         devices: Local device names; default: this process's GPU (by Horovod local
@@ -62,7 +64,8 @@ class HorovodStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerMirroredStrat
             of any replica-context ``all_reduce``) on the wire, as Horovod's
             ``Compression.fp16``. Metrics are never compressed.
         communication_options: A `tfdist.CommunicationOptions` (compression,
-            accumulate_steps); timeouts and implementation are Horovod's own.
+            accumulate_steps, timeout_seconds: Gloo's timeout, as under
+            ``MultiWorkerMirroredStrategy(engine="horovod")``).
         accumulate_steps: Sum this many micro-batches locally before each all-reduce
             (Horovod's ``backward_passes_per_step``).
 
@@ -83,16 +86,22 @@ class HorovodStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerMirroredStrat
             _refuse_a_tf_config_job(os.environ)
             logger.info("HorovodStrategy: not started by horovodrun (HOROVOD_RANK is not "
                         "set), so this process is the only rank (replicas: its devices).")
-        comm.init()
-        devices = rank_devices(devices)
-        ops = HorovodCrossDeviceOps(devices[0])
-        # The communicator reduces with `ops`; extended's batch_reduce_to goes through it.
-        self._init_sync_gradients(options, cross_device_ops=ops)
-        tf_hooks.assign_collective_key_base(self)
-        extended = HorovodExtended(self, devices, cross_device_ops=ops,
-                                   communicator=self.communicator)
-        # Skip MultiWorkerMirroredStrategy.__init__ (TF_CONFIG, gRPC): Strategy's own.
-        super(tf.distribute.MultiWorkerMirroredStrategy, self).__init__(extended)
+        self.commit_every_steps = 1
+        self.startup_timeout = DEFAULT_STARTUP_TIMEOUT
+        self.collective_timeout = None
+        self.heartbeat_timeout = DEFAULT_HEARTBEAT_TIMEOUT
+        self.cluster = None  # horovodrun, not a TF cluster, connects the processes
+        self.engine = "horovod"
+        comm.init()  # this rank's GPU is chosen by Horovod's local rank
+        setup = self._engine_setup(options, task_name=f"worker-{comm.rank()}",
+                                   devices=tuple(rank_devices(devices)))
+        self._start(engine_class(self.engine)(setup), None, options)
+
+    def _init_communication(self, options):
+        """Every batch all-reduce, a replica's ``all_reduce`` too, goes through the
+        communicator (over Horovod's ops): compressed and counted."""
+        self._init_sync_gradients(options, cross_device_ops=self.extended.horovod_ops)
+        self.extended.reduce_through(self.communicator)
 
     @property
     def cluster_resolver(self):
@@ -100,45 +109,8 @@ class HorovodStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerMirroredStrat
         return None
 
     @property
-    def rank(self) -> int:
-        return comm.rank()
-
-    @property
-    def task_name(self) -> str:
-        """This process's name, ``worker-<rank>``."""
-        return f"worker-{comm.rank()}"
-
-    @property
-    def size(self) -> int:
-        return comm.size()
-
-    @property
-    def num_workers(self) -> int:
-        """Processes that compute steps (= `size`)."""
-        return comm.size()
-
-    @property
-    def is_chief(self) -> bool:
-        """Whether this is rank 0 (it writes checkpoints and logs)."""
-        return comm.rank() == 0
-
-    @property
     def compression(self):
         return self.communicator.compression
-
-    def reduce(self, reduce_op, value, axis=None):
-        """`tf.distribute.Strategy.reduce`, also for nested structures and scalars.
-
-        Keras 3 calls ``reduce("MEAN", v, axis=0)`` on scalar metrics in multi-worker
-        mode; TF's implementation fails there ("Invalid reduction dimension 0").
-        """
-        def reduce_one(v):
-            first = v.values[0] if isinstance(v, tf.distribute.DistributedValues) else v
-            rank = getattr(getattr(first, "shape", None), "rank", None)
-            return super(HorovodStrategy, self).reduce(
-                reduce_op, v, None if rank == 0 else axis)
-
-        return tf.nest.map_structure(reduce_one, value)
 
     def broadcast_variables(self, variables, root_rank: int = 0) -> None:
         """Sets ``variables`` (e.g. ``model.variables``) to ``root_rank``'s values.

@@ -40,6 +40,7 @@ import os
 
 from tfdist import env
 from tfdist.comm.averaging import PeriodicAverager
+from tfdist.engines.registry import engine_class, select_engine
 from tfdist.keras import handoff
 from tfdist.keras.optimizer import inner_optimizer
 from tfdist.strategies import _average_elastic, _average_steps, _delayed
@@ -147,9 +148,10 @@ class ModelAverageStrategy(AverageHandoffMixin, MultiWorkerMirroredStrategy):
             _average_elastic.check_elastic(self, base_kwargs.get("commit_every_steps", 1))
         if options.timeout_seconds is not None:
             base_kwargs.setdefault("collective_timeout", options.timeout_seconds)
-        # One host: the local devices are the replicas, through TF's engine.
-        self._one_host = engine in ("tf", "auto") and not wants_multi_worker(
-            cluster_resolver)
+        # One host: the local devices are the replicas, when the engine serves them
+        # through TF's own MirroredExtended.
+        self._one_host = not wants_multi_worker(cluster_resolver) and engine_class(
+            select_engine(engine, 1, on_gpus=False)).serves_one_host
         if devices is not None and not self._one_host:
             raise ValueError("devices is for one host; with several workers every local "
                              f"device is a replica. Received: devices={devices!r}")
@@ -158,8 +160,8 @@ class ModelAverageStrategy(AverageHandoffMixin, MultiWorkerMirroredStrategy):
         self._fit_start = {}
         self._model_state = {}  # id(optimizer) -> the fit model's non-trainable floats
         try:
-            super().__init__(cluster_resolver=cluster_resolver,
-                             engine="tf" if self._one_host else engine, **base_kwargs)
+            super().__init__(cluster_resolver=cluster_resolver, engine=engine,
+                             **base_kwargs)
         except RuntimeError as error:
             if "at program startup" not in str(error):
                 raise

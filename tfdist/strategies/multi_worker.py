@@ -41,8 +41,8 @@ from tfdist._hooks import tf as tf_hooks
 from tfdist import env
 from tfdist.cluster import TRAINING_TASK_TYPES, ClusterSpec, resolve_cluster
 from tfdist.comm.accounting import ByteCounter
-from tfdist.engines.base import models_differ
-from tfdist.engines.registry import engine_class, select_engine
+from tfdist.engines.base import EngineSetup, models_differ
+from tfdist.engines.registry import available, engine_class, select_engine
 from tfdist.strategies._elastic import DEFAULT_COMMIT_EVERY_STEPS
 from tfdist.strategies._sync import SyncGradientsMixin
 from tfdist.strategies.arguments import (DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT,
@@ -155,22 +155,46 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
         self.engine = select_engine(engine, cluster.num_workers if cluster else 1,
                                     on_gpus=bool(tf.config.list_physical_devices("GPU")),
                                     is_chief=cluster.is_chief() if cluster else True)
-        if os.environ.get(env.ELASTIC_ADDR) and self.engine != "horovod":
+        chosen = engine_class(self.engine)
+        if os.environ.get(env.ELASTIC_ADDR) and not chosen.supports_elastic:
+            elastic = [name for name in available() if engine_class(name).supports_elastic]
             raise ValueError(
-                f"an elastic job (tfdist launch --min-workers) needs engine='horovod': "
-                f"engine={self.engine!r} cannot re-form its cluster inside a running "
-                f"process (TF's collectives and coordination service are fixed at start). "
-                f"Received: engine={engine!r}")
-        self._engine = engine_class(self.engine)(self)
+                f"an elastic job (tfdist launch --min-workers) needs engine="
+                f"{' or '.join(map(repr, elastic))}: engine={self.engine!r} cannot re-form "
+                f"its cluster inside a running process (TF's collectives and coordination "
+                f"service are fixed at start). Received: engine={engine!r}")
+        self._start(chosen(self._engine_setup(options)), cluster_resolver, options,
+                    shard_optimizer_state)
+
+    def _start(self, engine, cluster_resolver, options, shard_optimizer_state=False):
+        """Joins the job through ``engine`` (an `tfdist.engines.Engine`) and sets the
+        communication up: the constructor's part every subclass shares."""
+        self._engine = engine
         # Same as TF's CollectiveAllReduceStrategy.__init__, with the extended object
         # made by the engine.
         tf.distribute.Strategy.__init__(
-            self, self._engine.create_extended(cluster_resolver, options))
+            self, engine.create_extended(self, cluster_resolver, options))
         self._shard_optimizer_state = shard_optimizer_state
         self._init_communication(options)
         self.shared_seed = self._share_random_seed()
 
     # ---- overridable set-up -----------------------------------------------------------
+
+    def _engine_setup(self, options, **more) -> EngineSetup:
+        """What the engine is built from: the cluster, this task and the timeouts
+        (``options.timeout_seconds``, when set, is the collective timeout); ``more``:
+        other `EngineSetup` fields."""
+        from_options = options.timeout_seconds is not None
+        task = self.cluster and self.cluster.task
+        more.setdefault("task_name", task.name if task else "worker-0")
+        return EngineSetup(
+            cluster=self.cluster,
+            startup_timeout=self.startup_timeout, heartbeat_timeout=self.heartbeat_timeout,
+            collective_timeout=(options.timeout_seconds if from_options
+                                else self.collective_timeout),
+            collective_timeout_name="timeout_seconds" if from_options
+            else "collective_timeout",
+            exchanges_rarely=bool(getattr(self, "exchanges_rarely", False)), **more)
 
     def _resolve(self, source) -> ClusterSpec | None:
         """The cluster as a `ClusterSpec` (TF_CONFIG when ``source`` is None).
@@ -261,10 +285,8 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
         if not tf_hooks.in_multi_worker_mode(self.extended) or (
                 tf.compat.v1.random.get_seed(0)[0] != _DEFAULT_GRAPH_SEED):
             return None
-        from tfdist.engines.horovod import elastic
-
-        if self.engine == "horovod" and elastic.member() is not None and \
-                elastic.member().joined_running:
+        member = self._engine.membership()
+        if member is not None and member.joined_running:
             return None  # the members train: no collective before fit syncs (docs/elastic.md)
         contribution = float(secrets.randbelow(2**31 - 1)) if self.is_chief else 0.0
 
@@ -308,9 +330,7 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
     def _elastic_fit(self, model, arguments):
         """In an elastic job, ``fit`` commits, and survives a lost or joining member
         (`tfdist.strategies._elastic`); elsewhere nothing changes."""
-        from tfdist.engines.horovod import elastic
-
-        member = elastic.member() if self.engine == "horovod" else None
+        member = self._engine.membership()
         if member is None:
             yield
             return
@@ -339,6 +359,10 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
             self.__dict__.pop("_elastic_initial_epoch", None)
             model.train_function = None
             fitting.uninstall()
+
+    def membership(self):
+        """The engine's elastic membership of this process, or None (not elastic)."""
+        return self._engine.membership()
 
     def elastic_rules(self, model):
         """What elastic ``fit`` asks this strategy (`tfdist.strategies._elastic`)."""

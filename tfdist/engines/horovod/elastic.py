@@ -26,7 +26,10 @@ def is_lost_peer(error) -> bool:
 
 
 class ElasticMember:
-    """This task's membership in an elastic job.
+    """This task's membership in an elastic job (the Horovod engine's ``membership()``).
+
+    Besides forming Horovod, it is what elastic ``fit`` (`tfdist.strategies._elastic`)
+    calls to move state between members: `broadcast`, `allgather`, `rank`.
 
     Args:
         name: This task's name (e.g. ``worker-1``), as the launcher lists it.
@@ -37,6 +40,9 @@ class ElasticMember:
         gloo_timeout: Gloo's timeout (``HOROVOD_GLOO_TIMEOUT_SECONDS``): how long a
             member waits for a frozen or dead peer before Horovod fails.
     """
+
+    HAS_BACKUP_WORDS = membership.HAS_BACKUP_WORDS
+    NO_STATE_WORDS = membership.NO_STATE_WORDS
 
     def __init__(self, name: str, address: str, interface: str, timeout: float,
                  gloo_timeout: float):
@@ -102,6 +108,31 @@ class ElasticMember:
         ops.shutdown()
         self.reforms += 1
         self.form()
+
+    @staticmethod
+    def is_lost_peer(error) -> bool:
+        """Whether ``error`` is Horovod's failure when a member is lost."""
+        return is_lost_peer(error)
+
+    @staticmethod
+    def say(text: str) -> None:
+        """One line on stderr (the launcher prefixes it with the task's name)."""
+        _say(text)
+
+    @staticmethod
+    def rank() -> int:
+        """This member's rank in the current formation."""
+        return ops.rank()
+
+    @staticmethod
+    def broadcast(value, root_rank: int):
+        """``value`` as the member of rank ``root_rank`` holds it."""
+        return ops.broadcast(value, root_rank=root_rank)
+
+    @staticmethod
+    def allgather(value):
+        """Every member's ``value``, concatenated along the first axis in rank order."""
+        return ops.allgather(value)
 
     def changed(self) -> bool:
         """Whether the launcher published a membership newer than this one (a joiner)."""

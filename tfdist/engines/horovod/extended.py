@@ -19,6 +19,7 @@ import re
 import tensorflow as tf
 
 from tfdist._hooks import tf as tf_hooks
+from tfdist._hooks.extended import own_cross_device_ops_class, own_extended_class
 from tfdist.devices import default_devices, validate_devices
 from tfdist.engines.base import models_differ
 from tfdist.engines.horovod import ops as comm
@@ -39,7 +40,7 @@ def _local_values(value):
     return [tf.convert_to_tensor(value)]
 
 
-class HorovodCrossDeviceOps(tf.distribute.CrossDeviceOps):
+class HorovodCrossDeviceOps(own_cross_device_ops_class()):
     """Sums local replicas on one device, then all-reduces across processes with Horovod.
 
     It only moves tensors, in their own dtype: compression and byte counting are the
@@ -53,26 +54,25 @@ class HorovodCrossDeviceOps(tf.distribute.CrossDeviceOps):
         super().__init__()
         self._reduce_to_device = reduce_to_device
 
-    @property
-    def _num_between_graph_workers(self):
+    def processes(self) -> int:
         # Stops the base class from skipping the reduction when a process has a
         # single local replica: the other processes still hold values.
         return comm.size()
 
-    def _all_reduce(self, reduce_op, per_replica_values):
+    def all_reduce_values(self, reduce_op, per_replica_values):
         """Returns one reduced tensor (on the reduce device) per input value.
 
         ``IndexedSlices`` (an Embedding's gradient) stay sparse, as with TF's own
-        cross-device ops: every replica's rows, gathered (`_gather_slices`)."""
-        sparse = {k: self._gather_slices(reduce_op, _local_parts(v))
+        cross-device ops: every replica's rows, gathered (`gather_slices`)."""
+        sparse = {k: self.gather_slices(reduce_op, _local_parts(v))
                   for k, v in enumerate(per_replica_values)
                   if isinstance(_local_parts(v)[0], tf.IndexedSlices)}
         dense = [v for k, v in enumerate(per_replica_values) if k not in sparse]
-        reduced = iter(self._all_reduce_dense(reduce_op, dense))
+        reduced = iter(self.all_reduce_dense(reduce_op, dense))
         return [sparse[k] if k in sparse else next(reduced)
                 for k in range(len(per_replica_values))]
 
-    def _gather_slices(self, reduce_op, parts):
+    def gather_slices(self, reduce_op, parts):
         """Sparse ``parts`` (one per local replica) of every process, concatenated
         (divided by the number of replicas for MEAN), as ``tf.IndexedSlices``."""
         with tf.device(self._reduce_to_device):
@@ -83,7 +83,7 @@ class HorovodCrossDeviceOps(tf.distribute.CrossDeviceOps):
                 values = values / tf.cast(len(parts) * comm.size(), values.dtype)
             return tf.IndexedSlices(values, indices, parts[0].dense_shape)
 
-    def _all_reduce_dense(self, reduce_op, per_replica_values):
+    def all_reduce_dense(self, reduce_op, per_replica_values):
         if not per_replica_values:
             return []
         local_values = [_local_values(v) for v in per_replica_values]
@@ -103,20 +103,20 @@ class HorovodCrossDeviceOps(tf.distribute.CrossDeviceOps):
 
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
         del options
-        (total,) = self._all_reduce(reduce_op, [per_replica_value])
+        (total,) = self.all_reduce_values(reduce_op, [per_replica_value])
         return _tf.simple_broadcast(total, destinations, always_mirrored=True,
-                                    canonicalize_devices=self._canonicalize_devices)
+                                    canonicalize_devices=self.canonicalize_devices)
 
     def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
         del options
-        totals = self._all_reduce(reduce_op, [v for v, _ in value_destination_pairs])
+        totals = self.all_reduce_values(reduce_op, [v for v, _ in value_destination_pairs])
         return [_tf.simple_broadcast(t, d, always_mirrored=True,
-                                     canonicalize_devices=self._canonicalize_devices)
+                                     canonicalize_devices=self.canonicalize_devices)
                 for t, (_, d) in zip(totals, value_destination_pairs)]
 
     def broadcast_implementation(self, tensor, destinations):
         return _tf.simple_broadcast(tensor, destinations, always_mirrored=True,
-                                    canonicalize_devices=self._canonicalize_devices)
+                                    canonicalize_devices=self.canonicalize_devices)
 
 
 def _shape_of(shape, initial_value) -> str:
@@ -149,8 +149,10 @@ def _without_tf_config_note():
         logger.removeFilter(keep)
 
 
-class HorovodExtended(_tf.MirroredExtended):
-    """`MirroredExtended` whose replicas span every Horovod process.
+class HorovodExtended(own_extended_class()):
+    """`MirroredExtended` whose replicas span every Horovod process (TF's private
+    extension points are mapped to the public-named methods here by
+    `tfdist._hooks.extended`).
 
     Args:
         container_strategy: The strategy.
@@ -170,12 +172,23 @@ class HorovodExtended(_tf.MirroredExtended):
                              cross_device_ops=self._hvd_ops)
         self.set_cluster_resolver(None)
 
+    @property
+    def horovod_ops(self) -> HorovodCrossDeviceOps:
+        """The cross-device ops that move this extended's reductions."""
+        return self._hvd_ops
+
+    def reduce_through(self, communicator) -> None:
+        """Makes every ``batch_reduce_to`` (a replica's ``all_reduce`` too) go through
+        ``communicator``, which must reduce with `horovod_ops` (`tfdist.HorovodStrategy`:
+        compressed and counted, as Horovod's ``Compression``)."""
+        self._communicator = communicator
+
     def refresh_membership(self) -> None:
         """Reads this process's rank and the size again after Horovod re-formed
         (an elastic job): the replica count and ids follow them."""
         self._hvd_rank = comm.rank()
         self._hvd_size = comm.size()
-        self._is_chief = self._hvd_rank == 0  # the oldest member has the chief's role
+        self.set_chief(self._hvd_rank == 0)  # the oldest member has the chief's role
 
     def set_cluster_resolver(self, resolver):
         """Sets what stock code reads of TF's multi-worker ``extended`` from ``resolver``.
@@ -189,58 +202,26 @@ class HorovodExtended(_tf.MirroredExtended):
         Args:
             resolver: A TF ``ClusterResolver`` of the job, or None.
         """
-        from tensorflow.python.distribute import multi_worker_util
-
-        self._cluster_resolver = resolver
-        spec = resolver.cluster_spec() if resolver is not None else None
-        if spec is None or not spec.as_dict():
-            self._cluster_spec = None
-            self._task_type = "worker" if self._hvd_size > 1 else None
-            self._task_id = self._hvd_rank if self._hvd_size > 1 else None
-            self._num_workers = self._hvd_size
-            self._is_chief = self._hvd_rank == 0
-            return
-        self._cluster_spec = multi_worker_util.normalize_cluster_spec(spec)
-        self._task_type, self._task_id = resolver.task_type, resolver.task_id
-        self._num_workers = multi_worker_util.worker_count(self._cluster_spec, self._task_type)
-        self._is_chief = multi_worker_util.is_chief(self._cluster_spec, self._task_type,
-                                                    self._task_id)
+        self.set_task_attributes(resolver, self._hvd_rank, self._hvd_size)
 
     # --- replicas -------------------------------------------------------------------
-    @property
-    def _num_replicas_in_sync(self):
-        return len(self._devices) * self._hvd_size
+    def replicas_in_sync(self) -> int:
+        return len(self.local_devices) * self._hvd_size
 
-    def _in_multi_worker_mode(self):
+    def multi_worker_mode(self) -> bool:
         # As TF's: several processes. Keras 3 then averages metrics with `strategy.reduce`
         # and gathers `predict` outputs across them (_hooks.keras_trainer).
         return self._hvd_size > 1
 
-    @property
-    def experimental_between_graph(self):
-        return True
-
-    def _get_replica_id_in_sync_group(self, replica_id):
+    def replica_id_in_sync_group(self, replica_id) -> int:
         # As TF's multi-worker extended: this process's replicas follow the earlier ranks'.
-        return self._hvd_rank * len(self._devices) + replica_id
+        return self._hvd_rank * len(self.local_devices) + replica_id
 
-    def _get_local_replica_id(self, replica_id_in_sync_group):
-        return replica_id_in_sync_group - self._hvd_rank * len(self._devices)
-
-    def _use_merge_call(self):
-        # Always merge: reductions must go through HorovodCrossDeviceOps.
-        return True
-
-    @property
-    def should_checkpoint(self):
-        return self._is_chief
-
-    @property
-    def should_save_summary(self):
-        return self._is_chief
+    def local_replica_id(self, replica_id_in_sync_group) -> int:
+        return replica_id_in_sync_group - self._hvd_rank * len(self.local_devices)
 
     # --- variables: rank 0's initial values everywhere -------------------------------
-    def _create_variable(self, next_creator, **kwargs):
+    def create_variable(self, next_creator, **kwargs):
         initial = kwargs.get("initial_value")
         if self._hvd_size > 1 and not _joins_running_job():
             initial_value = kwargs["initial_value"]
@@ -249,12 +230,12 @@ class HorovodExtended(_tf.MirroredExtended):
 
             def broadcast_initial_value():
                 value = initial_value() if callable(initial_value) else initial_value
-                with tf.device(self._devices[0]):
+                with tf.device(self.local_devices[0]):
                     return comm.broadcast(value, root_rank=0)
 
             kwargs["initial_value"] = broadcast_initial_value
         try:
-            return super()._create_variable(next_creator, **kwargs)
+            return self.stock_create_variable(next_creator, **kwargs)
         except tf.errors.OpError as error:
             shapes = re.search(r"Mismatched BROADCAST tensor shapes: One rank sent a tensor of "
                                r"shape (\[[^\]]*\]), but another rank sent a tensor of shape "
@@ -264,16 +245,16 @@ class HorovodExtended(_tf.MirroredExtended):
             mine, other = (shape.replace(" ", "") for shape in shapes.groups())
             if mine != _shape_of(kwargs.get("shape"), initial):
                 mine, other = other, mine
-            me = getattr(self._container_strategy(), "task_name", f"worker-{self._hvd_rank}")
+            me = getattr(self.container_strategy, "task_name", f"worker-{self._hvd_rank}")
             raise models_differ(kwargs.get("name"),
                                 f": its shape is {mine} on {me} and {other} on another worker",
                                 error.message) from None
 
     # --- reductions -----------------------------------------------------------------
-    def _get_cross_device_ops(self, value):
+    def own_cross_device_ops(self):
         return self._hvd_ops
 
-    def _reduce_to(self, reduce_op, value, destinations, options):
+    def reduce_to_destinations(self, reduce_op, value, destinations, options):
         if _tf.is_mirrored(value) and reduce_op == tf.distribute.ReduceOp.MEAN:
             return value
 
@@ -283,9 +264,9 @@ class HorovodExtended(_tf.MirroredExtended):
 
         def reduce_one(v):
             if not isinstance(v, tf.distribute.DistributedValues) and (
-                    self._num_replicas_in_sync == 1):
+                    self.replicas_in_sync() == 1):
                 return _tf.reduce_non_distributed_value(reduce_op, v, destinations,
-                                                        self._num_replicas_in_sync)
+                                                        self.replicas_in_sync())
             # As in MultiWorkerMirroredStrategy, a plain tensor is this process's value.
             return self._hvd_ops.reduce(reduce_op, v, destinations=destinations, options=options)
 
@@ -294,25 +275,25 @@ class HorovodExtended(_tf.MirroredExtended):
     def _local_reduce(self, reduce_op, value, destinations):
         """``value`` reduced over this process's replicas only."""
         values = _local_values(value)
-        with tf.device(self._devices[0]):
+        with tf.device(self.local_devices[0]):
             total = values[0] if len(values) == 1 else tf.add_n(values)
             if reduce_op == tf.distribute.ReduceOp.MEAN and len(values) > 1:
                 total = total / len(values)
-        return _tf.simple_broadcast(total, destinations or self._devices[0],
+        return _tf.simple_broadcast(total, destinations or self.local_devices[0],
                                     always_mirrored=True, canonicalize_devices=True)
 
-    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+    def batch_reduce_to_destinations(self, reduce_op, value_destination_pairs, options):
         if self._communicator is None:
             return self._hvd_ops.batch_reduce(reduce_op, value_destination_pairs,
                                               options=options)
         op = {"SUM": "sum", "MEAN": "mean"}[getattr(reduce_op, "value", str(reduce_op).upper())]
         return self._communicator.all_reduce(
-            self._container_strategy(), [v for v, _ in value_destination_pairs],
+            self.container_strategy, [v for v, _ in value_destination_pairs],
             [d for _, d in value_destination_pairs], op=op)
 
-    def _gather_to_implementation(self, value, destinations, axis, options):
+    def gather_to_destinations(self, value, destinations, axis, options):
         del options
-        with tf.device(self._devices[0]):
+        with tf.device(self.local_devices[0]):
             vals = _local_values(value)
             local = vals[0] if len(vals) == 1 else tf.concat(vals, axis=axis)
             if axis != 0:
@@ -324,36 +305,20 @@ class HorovodExtended(_tf.MirroredExtended):
                                     canonicalize_devices=True)
 
     # --- input: each process reads its shard of every global batch -------------------
-    def _make_input_context(self):
+    def input_context(self):
         return tf.distribute.InputContext(num_input_pipelines=self._hvd_size,
                                           input_pipeline_id=self._hvd_rank,
-                                          num_replicas_in_sync=self._num_replicas_in_sync)
+                                          num_replicas_in_sync=self.replicas_in_sync())
 
-    def _experimental_distribute_dataset(self, dataset, options):
-        elastic = getattr(self._container_strategy(), "_elastic_dataset", None)
+    def distribute_dataset(self, dataset, options):
+        elastic = getattr(self.container_strategy, "_elastic_dataset", None)
         if elastic is not None:  # an elastic fit's training data (tfdist.strategies._elastic)
             return elastic(dataset)
         if (options and options.experimental_replication_mode
                 == tf.distribute.InputReplicationMode.PER_REPLICA):
             raise NotImplementedError("InputReplicationMode.PER_REPLICA is only supported "
                                       "in `distribute_datasets_from_function`.")
-        return _tf.get_distributed_dataset(
-            dataset, self._input_workers_with_options(options), self._container_strategy(),
-            num_replicas_in_sync=self._num_replicas_in_sync,
-            input_context=self._make_input_context(), options=options)
-
-    def _distribute_datasets_from_function(self, dataset_fn, options):
-        return _tf.get_distributed_datasets_from_function(
-            dataset_fn=dataset_fn, input_workers=self._input_workers_with_options(options),
-            input_contexts=[self._make_input_context()], strategy=self._container_strategy(),
-            options=options)
-
-    def _experimental_distribute_values_from_function(self, value_fn):
-        local = len(self._devices)
-        values = [value_fn(tf.distribute.experimental.ValueContext(
-                      self._hvd_rank * local + i, self._num_replicas_in_sync))
-                  for i in range(local)]
-        return _tf.regroup(values, always_wrap=True)
+        return self.stock_distribute_dataset(dataset, options)
 
 
 def _joins_running_job() -> bool:
