@@ -113,10 +113,7 @@ def test_no_module_hides_tfdist_env_behind_a_local_name():
 # ---- the house rules of docs/architecture.md, executable ----------------------------------
 
 # Modules allowed to touch TF/Keras internals outside tfdist/_hooks/, and why. Keep short.
-PRIVATE_ACCESS_ALLOWED = {
-    "tfdist/engines/horovod/extended.py":
-        "moved by the engine-seam change (#32 item 6, worktree engines)",
-}
+PRIVATE_ACCESS_ALLOWED: dict[str, str] = {}
 
 # Modules allowed to write the literal "TF_CONFIG" (tfdist.env.TF_CONFIG is the name).
 TF_CONFIG_ALLOWED = {

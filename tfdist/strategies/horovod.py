@@ -95,7 +95,7 @@ class HorovodStrategy(MultiWorkerMirroredStrategy):
         comm.init()  # this rank's GPU is chosen by Horovod's local rank
         setup = self._engine_setup(options, task_name=f"worker-{comm.rank()}",
                                    devices=tuple(rank_devices(devices)))
-        self._start(engine_class(self.engine)(setup), None, options)
+        self._start_engine(engine_class(self.engine)(setup), None, options)
 
     def _init_communication(self, options):
         """Every batch all-reduce, a replica's ``all_reduce`` too, goes through the

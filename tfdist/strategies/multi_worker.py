@@ -163,10 +163,10 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
                 f"{' or '.join(map(repr, elastic))}: engine={self.engine!r} cannot re-form "
                 f"its cluster inside a running process (TF's collectives and coordination "
                 f"service are fixed at start). Received: engine={engine!r}")
-        self._start(chosen(self._engine_setup(options)), cluster_resolver, options,
+        self._start_engine(chosen(self._engine_setup(options)), cluster_resolver, options,
                     shard_optimizer_state)
 
-    def _start(self, engine, cluster_resolver, options, shard_optimizer_state=False):
+    def _start_engine(self, engine, cluster_resolver, options, shard_optimizer_state=False):
         """Joins the job through ``engine`` (an `tfdist.engines.Engine`) and sets the
         communication up: the constructor's part every subclass shares."""
         self._engine = engine
