@@ -147,7 +147,8 @@ class AveragingState(StateComponent):
                     None)
 
 
-def make_state(optimizer, variables, fragments: int, make_outer, with_residuals: bool):
+def make_state(optimizer, variables, fragments: int, make_outer, with_residuals: bool,
+               slots: list):
     """The `AveragingState` of ``optimizer``: its ``variables`` split into ``fragments``.
 
     Call in the strategy's scope, outside any traced function.
@@ -158,10 +159,9 @@ def make_state(optimizer, variables, fragments: int, make_outer, with_residuals:
         fragments: How many fragments.
         make_outer: ``f(anchors)`` returning a built outer optimizer, or None.
         with_residuals: Make error-feedback residuals (``outer_compression``).
+        slots: The optimizer's per-replica floats.
     """
     import keras
-
-    from tfdist.strategies.averaging.exchange import optimizer_slots
 
     tf_vars = [tf_variable(v) for v in variables]
     split = split_fragments([v.shape.num_elements() * v.dtype.size for v in tf_vars],
@@ -181,7 +181,7 @@ def make_state(optimizer, variables, fragments: int, make_outer, with_residuals:
         names = iter(range(start))
         for fragment in made:
             fragment.residuals = make_residuals(fragment.anchors, names)
-    return AveragingState(optimizer, variables, made, optimizer_slots(optimizer))
+    return AveragingState(optimizer, variables, made, slots)
 
 
 def make_residuals(variables, numbers=None):

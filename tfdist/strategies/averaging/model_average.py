@@ -226,7 +226,8 @@ class ModelAverageStrategy(AverageHandoffMixin, MultiWorkerMirroredStrategy):
             with tf.init_scope(), self.scope():
                 self._states[id(optimizer)] = make_state(
                     optimizer, variables, self.fragments, self._make_outer,
-                    with_residuals=bool(self.outer_compression))
+                    with_residuals=bool(self.outer_compression),
+                    slots=exchange.optimizer_slots(optimizer))
         return self._states[id(optimizer)]
 
     def _make_outer(self, anchors):
