@@ -122,9 +122,9 @@ def _fit(engine, delay, mix, outer, name):
         model.compile(keras.optimizers.SGD(LR), "mse")
     initial = model.get_weights()
     model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
-    state = strategy._states[id(model.optimizer)]
+    state = strategy.averaging_state(model.optimizer)
     return {"initial": initial, "weights": model.get_weights(),
-            "pieces": [[tuple(state.pieces[j][:3]) for j in f] for f in state.fragments],
+            "pieces": [[tuple(p[:3]) for p in f.pieces] for f in state.fragments],
             "anchors": [tuple(a.shape) for a in state.anchors],
             "outers": [int(o.iterations.numpy()) for o in strategy.outer_optimizers],
             "bytes": strategy.bytes_communicated}
@@ -183,13 +183,12 @@ def test_two_workers_row_blocks_match_numpy(engine, delay, mix, outer, name):
 
 def test_agreed_variables_are_those_every_row_of_which_was_averaged():
     """`StopOnNaN` checks only variables an exchange left equal on every worker."""
-    from types import SimpleNamespace
 
     from tfdist.comm.fragments import Piece
-    from tfdist.strategies._average_state import agreed_variables
+    from tfdist.strategies.averaging.fragment import agreed_variables
 
     pieces = [Piece(0, 0, 8, 30), Piece(0, 8, 30, 30), Piece(1, 0, 8, 8), Piece(2, 0, 1, 1)]
-    state = SimpleNamespace(pieces=pieces, variables=["w1", "b1", "w2"])
-    assert agreed_variables(state, [0]) == []
-    assert agreed_variables(state, [1, 2, 3]) == ["b1", "w2"]
-    assert agreed_variables(state, range(4)) == ["w1", "b1", "w2"]
+    variables = ["w1", "b1", "w2"]
+    assert agreed_variables(pieces, variables, [0]) == []
+    assert agreed_variables(pieces, variables, [1, 2, 3]) == ["b1", "w2"]
+    assert agreed_variables(pieces, variables, range(4)) == ["w1", "b1", "w2"]

@@ -279,7 +279,7 @@ def test_quantized_diloco_matches_numpy(logical_cpus, name, fragments, outer):
                                    fragments=fragments, outer=(0.7, 0.9) if outer else None)
     assert max(np.abs(a - b).max() for a, b in zip(ref, exact)) > 1e-5  # it quantised
     assert strategy.bytes_communicated == expected_bytes(name, 1500, 10, 4, fragments)
-    state = strategy._states[id(model.optimizer)]
+    state = strategy.averaging_state(model.optimizer)
     for variable in model.trainable_weights + state.residuals:  # one model, flushed
         copies = [c.numpy() for c in variable.value.values]
         np.testing.assert_array_equal(copies[0], copies[1])
@@ -333,7 +333,7 @@ def test_forced_average_flushes_on_a_scheduled_step(logical_cpus):
     ref = numpy_quantized_diloco(x, y, initial[0], initial[1], steps=5, period=5,
                                  fragments=1, name="int4")
     assert_weights_close(model.get_weights(), ref, atol=1e-5)
-    state = strategy._states[id(model.optimizer)]
+    state = strategy.averaging_state(model.optimizer)
     assert not any(np.any(r.numpy()) for r in state.residuals)
     assert strategy.average(model) is False  # flushed at this step already
 
@@ -346,7 +346,7 @@ def test_evaluate_averages_compressed_and_a_save_flushes(logical_cpus, tmp_path)
     x, y = wide_data()
     strategy = tfdist.ModelAverageStrategy(period=4, outer_compression="int4")
     _, model = fit_linear(strategy, x, y, epochs=1)  # 5 steps; fit's end flushes
-    state = strategy._states[id(model.optimizer)]
+    state = strategy.averaging_state(model.optimizer)
     model.train_on_batch(x[:16], y[:16])  # step 6: local, no average
     before = strategy.bytes_communicated
     model.evaluate(x, y, batch_size=16, verbose=0)

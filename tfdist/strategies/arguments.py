@@ -219,7 +219,7 @@ def check_delay(period, fragments, warmup_steps, average_optimizer_state, sync_d
 def check_template(outer_optimizer) -> None:
     """Refuses an ``outer_optimizer`` argument that cannot give a usable optimizer: not
     an optimizer, a function, a config or None, or an optimizer that uses what the
-    outer step would skip (`tfdist.strategies._outer.check_outer`)."""
+    outer step would skip (`tfdist.strategies.averaging.outer.check_outer`)."""
     if outer_optimizer is not None and not (
             hasattr(outer_optimizer, "get_config") or callable(outer_optimizer)
             or isinstance(outer_optimizer, (str, dict))):
@@ -227,6 +227,6 @@ def check_template(outer_optimizer) -> None:
                          "returns one, its config (dict or name), or None. "
                          f"Received: outer_optimizer={outer_optimizer!r}")
     if hasattr(outer_optimizer, "get_config"):  # an optimizer: Keras is loaded already
-        from tfdist.strategies._outer import check_outer
+        from tfdist.strategies.averaging.outer import check_outer
 
         check_outer(outer_optimizer)

@@ -4,9 +4,10 @@
 
 At each scheduled average, ``anchor - mean(w_i)`` (the averaged change since the last
 average, negated) is applied to the anchor as the outer optimizer's gradient, with
-Keras' own ``update_step``. `tfdist.ModelAverageStrategy` holds one copy per trained
-optimizer and makes it an attribute of the model before a save, so Keras saves and
-loads its state (momentum, step) with the model's.
+Keras' own ``update_step``. Each fragment
+(`tfdist.strategies.averaging.fragment.Fragment`) owns one copy; the strategy makes
+each an attribute of the model before a save, so Keras saves and loads its state
+(momentum, step) with the model's.
 """
 
 from __future__ import annotations

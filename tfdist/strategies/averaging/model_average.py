@@ -29,24 +29,31 @@ How it works with plain Keras code (private hooks in `tfdist._hooks`):
   per-replica variable (weights, optimizer slots, non-trainable state) if the replicas
   may differ, so the model the user holds is one model.
 
-The outer optimizer (checks, copy, step, saves) is in `tfdist.strategies._outer`, the
-cross-replica steps (anchors, deltas, exchange, forced average) in
-`tfdist.strategies._average_steps`, the Keras hand-off in `tfdist.strategies._average_keras`.
+The parts are objects, each in its module of `tfdist.strategies.averaging`: the state of
+each trained optimizer and of each of its fragments (anchors, outer optimizer,
+residuals, buffers) in ``fragment``, the runner (one schedule for every ``sync_delay``)
+in ``runner``, its stages (deltas, exchange, apply, forced average) in ``exchange``, the
+outer optimizer in ``outer``, the Keras hand-off in ``keras``, elastic jobs in
+``elastic``.
 """
 
 from __future__ import annotations
 
 import os
 
+import tensorflow as tf
+
 from tfdist import env
 from tfdist.comm.averaging import PeriodicAverager
 from tfdist.engines.registry import engine_class, select_engine
 from tfdist.keras import handoff
 from tfdist.keras.optimizer import inner_optimizer
-from tfdist.strategies import _average_elastic, _average_steps, _delayed
-from tfdist.strategies._average_keras import AverageHandoffMixin
-from tfdist.strategies._average_state import is_replicated_float, wants_multi_worker
 from tfdist.strategies.arguments import check_model_average
+from tfdist.strategies.averaging import elastic, exchange, outer
+from tfdist.strategies.averaging.fragment import (is_replicated_float, make_state,
+                                                  wants_multi_worker)
+from tfdist.strategies.averaging.keras import AverageHandoffMixin
+from tfdist.strategies.averaging.runner import Runner
 from tfdist.strategies.mirrored import make_local_extended
 from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 
@@ -99,7 +106,7 @@ class ModelAverageStrategy(AverageHandoffMixin, MultiWorkerMirroredStrategy):
             exceed the number of trainable variables. ``fit`` ends with a full average.
         sync_delay: Overlapped syncs: a fragment's exchange starts at its step and is
             applied ``sync_delay`` inner steps later (0 <= it < ``period/fragments``),
-            while the worker trains on (`tfdist.strategies._delayed`).
+            while the worker trains on (`tfdist.strategies.averaging.runner`).
         mix: The applied fragment is ``mix * global + (1 - mix) * local`` (0..1).
         outer_compression: None, ``"fp16"``, ``"bf16"``, ``"int8"`` or ``"int4"``: each
             replica's outer gradient plus its error-feedback residual is quantised and
@@ -114,6 +121,8 @@ class ModelAverageStrategy(AverageHandoffMixin, MultiWorkerMirroredStrategy):
         communication: The `tfdist.CommunicationOptions` in use.
         compression: ``communication.compression`` as a policy (its ``name``).
         averager: The `tfdist.comm.averaging.PeriodicAverager`.
+        runner: The `tfdist.strategies.averaging.runner.Runner` (the same class for
+            every ``sync_delay``).
         exchanges_rarely: True: engines may trade a collective's latency for quiet
             between averages.
 
@@ -137,15 +146,13 @@ class ModelAverageStrategy(AverageHandoffMixin, MultiWorkerMirroredStrategy):
         self.fragments = checked["fragments"]
         self.sync_delay, self.mix = checked["sync_delay"], checked["mix"]
         base_kwargs, options = checked["base_kwargs"], checked["options"]
-        # Exchanges after the train step (None: averaged inside it, sync_delay=0, mix=1).
-        self._delayed = (_delayed.DelayedSyncs(self, self.sync_delay, self.mix)
-                         if self.sync_delay or self.mix != 1 else None)
+        self.runner = Runner(self, self.sync_delay, self.mix)
         self._outer_template = outer_optimizer
         self.average_optimizer_state = checked["average_optimizer_state"]
         self._options = options
         self.outer_compression = checked["outer_compression"]
         if os.environ.get(env.ELASTIC_ADDR):
-            _average_elastic.check_elastic(self, base_kwargs.get("commit_every_steps", 1))
+            elastic.check_elastic(self, base_kwargs.get("commit_every_steps", 1))
         if options.timeout_seconds is not None:
             base_kwargs.setdefault("collective_timeout", options.timeout_seconds)
         # One host: the local devices are the replicas, when the engine serves them
@@ -156,8 +163,7 @@ class ModelAverageStrategy(AverageHandoffMixin, MultiWorkerMirroredStrategy):
             raise ValueError("devices is for one host; with several workers every local "
                              f"device is a replica. Received: devices={devices!r}")
         self._devices = devices
-        self._states = {}
-        self._fit_start = {}
+        self._states = {}  # id(optimizer) -> its AveragingState
         self._model_state = {}  # id(optimizer) -> the fit model's non-trainable floats
         try:
             super().__init__(cluster_resolver=cluster_resolver, engine=engine,
@@ -193,8 +199,57 @@ class ModelAverageStrategy(AverageHandoffMixin, MultiWorkerMirroredStrategy):
                                          outer_compression=self.outer_compression)
 
     def elastic_rules(self, model):
-        """Members meet only at averages (`tfdist.strategies._average_elastic`)."""
-        return _average_elastic.AverageElasticRules(self, model)
+        """Members meet only at averages (`tfdist.strategies.averaging.elastic`)."""
+        return elastic.AverageElasticRules(self, model)
+
+    def state_components(self, model) -> list:
+        """The state of ``model``'s training (`tfdist.strategies.state`): one
+        `tfdist.strategies.averaging.elastic.AveragedModel` (the weights and slots each
+        member keeps apart between averages, its fragments' anchors and outer
+        optimizers)."""
+        return [elastic.AveragedModel(self, model)]
+
+    # ---- the averaging state, by optimizer -----------------------------------------------
+
+    @property
+    def has_outer_optimizer(self) -> bool:
+        """Whether an ``outer_optimizer`` was given."""
+        return self._outer_template is not None
+
+    def averaging_state(self, optimizer):
+        """The `tfdist.strategies.averaging.fragment.AveragingState` of ``optimizer``
+        (the inner one), or None before its first step."""
+        return self._states.get(id(optimizer))
+
+    def averaging_state_for(self, optimizer, variables):
+        """The `AveragingState` of ``optimizer``, made once (outside any traced step,
+        in this strategy's scope) over its trainable ``variables``."""
+        if id(optimizer) not in self._states:
+            with tf.init_scope(), self.scope():
+                self._states[id(optimizer)] = make_state(
+                    optimizer, variables, self.fragments, self._make_outer,
+                    with_residuals=bool(self.outer_compression),
+                    slots=exchange.optimizer_slots(optimizer))
+        return self._states[id(optimizer)]
+
+    def _make_outer(self, anchors):
+        """A built copy of the outer optimizer over ``anchors``, or None."""
+        if self._outer_template is None:
+            return None
+        made = outer.make_outer(self._outer_template)
+        made.build(anchors)
+        return made
+
+    def set_model_state(self, optimizer, variables) -> None:
+        """The model's non-trainable floats (BatchNorm statistics), averaged with the
+        weights of ``optimizer`` as plain means (set at each ``fit``'s start)."""
+        self._model_state[id(optimizer)] = list(variables)
+
+    def plain_variables(self, state) -> list:
+        """What goes with the weights of ``state`` as plain means: the optimizer slots
+        when ``average_optimizer_state``, and the model's non-trainable floats."""
+        return ((state.slots if self.average_optimizer_state else [])
+                + self._model_state.get(id(state.optimizer), []))
 
     @property
     def cluster_resolver(self):
@@ -217,7 +272,7 @@ class ModelAverageStrategy(AverageHandoffMixin, MultiWorkerMirroredStrategy):
     @property
     def outer_optimizers(self) -> list:
         """The outer optimizers in use (per trained optimizer, one per fragment)."""
-        return [outer for s in self._states.values() for outer in s.outers]
+        return [made for state in self._states.values() for made in state.outers]
 
     def is_average_step(self, step: int, fragment=None) -> bool:
         """Whether every fragment (or ``fragment``) is averaged after optimizer step
@@ -245,19 +300,18 @@ class ModelAverageStrategy(AverageHandoffMixin, MultiWorkerMirroredStrategy):
             nothing to do.
         """
         optimizer = inner_optimizer(getattr(model, "optimizer", None))
-        state = self._states.get(id(optimizer))
+        state = self.averaging_state(optimizer)
         if state is None:
             return False
-        if self._delayed is not None:
-            self._delayed.finish(state)  # an exchange in flight is applied first
+        self.runner.finish(state)  # an exchange in flight is applied first
         step = int(optimizer.iterations.numpy())
         done = state.full_at == step or (not full and state.averaged_at == step)
         if step == 0 or done or (
-                self._delayed is None and self.is_average_step(step)
+                self.runner.in_step and self.is_average_step(step)
                 and not (full and state.residuals is not None)
                 and not self._differs_after_average(model, optimizer, full)):
             return False  # every variable asked for is already one value
-        _average_steps.force_average(self, model, optimizer, state, full)
+        exchange.force_average(self, model, state, full)
         state.averaged_at = step
         if full:
             state.full_at = step
@@ -270,5 +324,5 @@ class ModelAverageStrategy(AverageHandoffMixin, MultiWorkerMirroredStrategy):
         only replica 0's copy and a resumed run would differ. ``full=False``: the
         model's variables only."""
         slots = ([] if self.average_optimizer_state or not full
-                 else _average_steps.optimizer_slots(optimizer))
+                 else exchange.optimizer_slots(optimizer))
         return bool(slots) or any(is_replicated_float(v) for v in model.non_trainable_weights)
