@@ -100,7 +100,7 @@ CSV_OK = "a,b,label\n" + "".join(f"{i},{i % 3},{i % 2}\n" for i in range(20))
       "Received: strategy.name = 'mirrored'"]),
     ("elastic engine tf",
      ['strategy.name="multi_worker"', 'strategy.options.engine="tf"', "cluster.min_workers=1"],
-     ["options.engine = 'tf'"]),
+     ["In an elastic job", "needs engine='horovod'", "Received: engine='tf'"]),
     ("elastic spark",
      ['strategy.name="multi_worker"', 'strategy.options.engine="horovod"',
       "cluster.min_workers=1", 'cluster.mode="spark"'],

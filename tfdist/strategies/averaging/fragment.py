@@ -15,6 +15,7 @@ import os
 
 import tensorflow as tf
 
+from tfdist import env
 from tfdist.comm.fragments import split_fragments, variable_rows
 from tfdist.strategies.state import StateComponent, unique
 
@@ -210,7 +211,7 @@ def wants_multi_worker(cluster_resolver) -> bool:
     """Whether the replicas span several workers (a resolver, or TF_CONFIG with many)."""
     if cluster_resolver is not None:
         return True
-    if not os.environ.get("TF_CONFIG"):
+    if not os.environ.get(env.TF_CONFIG):
         return False
     from tfdist.cluster import resolve_cluster
 
