@@ -269,3 +269,13 @@ def test_tf_config_is_written_only_in_env_py():
     assert not found, f'"TF_CONFIG" outside tfdist/env.py (use env.TF_CONFIG): {found}'
     stale = set(TF_CONFIG_ALLOWED) - allowed
     assert not stale, f"TF_CONFIG_ALLOWED names modules without the literal: {stale}"
+
+
+@pytest.mark.unit
+def test_the_architecture_page_lists_every_member_of_the_keras_handoff():
+    """docs/architecture.md's hand-off table names every KerasHandoff member."""
+    source = (ROOT / "keras" / "handoff.py").read_text()
+    members = set(re.findall(r"^    (?:def )?(keras_\w+)", source, re.M))
+    table = (ROOT.parent / "docs" / "architecture.md").read_text()
+    missing = sorted(m for m in members if f"`{m}" not in table)
+    assert len(members) >= 14 and not missing, f"not in docs/architecture.md: {missing}"
