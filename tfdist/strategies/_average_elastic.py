@@ -21,7 +21,7 @@ from __future__ import annotations
 from tfdist.keras.optimizer import inner_optimizer
 from tfdist.strategies import _average_steps
 from tfdist.strategies._average_state import assign_piece, tf_variable
-from tfdist.strategies._elastic import ElasticRules
+from tfdist.strategies.state import StateComponent
 
 
 def check_elastic(strategy, commit_every_steps=1) -> None:
@@ -47,8 +47,15 @@ def check_elastic(strategy, commit_every_steps=1) -> None:
             f"not be shared (docs/elastic.md, Limits). Received: {given}")
 
 
-class AverageElasticRules(ElasticRules):
-    """`ElasticRules` of model averaging (see the module's words)."""
+class AverageElasticState(StateComponent):
+    """Model averaging's state component (see the module's words): the anchors and
+    the outer optimizers are shared; each member keeps its weights and slots."""
+
+    feature = "ModelAverageStrategy"
+
+    def __init__(self, strategy, model):
+        self.strategy = strategy
+        self.model = model
 
     @property
     def _optimizer(self):
@@ -64,14 +71,14 @@ class AverageElasticRules(ElasticRules):
         _average_steps.ensure_state(self.strategy, self._optimizer,
                                     list(self.model.trainable_variables))
 
-    def extra_variables(self) -> list:
+    def shared_variables(self) -> list:
         """The anchors and the outer optimizers' variables."""
         if id(self._optimizer) not in self.strategy._states:
             return []
         state = self._state
         return [*state.anchors, *(v for outer in state.outers for v in outer.variables)]
 
-    def own_variables(self) -> set:
+    def kept_when_newest(self) -> set:
         """The model's variables and the optimizer's slots: each member's own."""
         return {id(v) for v in (*self.model.variables,
                                 *_average_steps.optimizer_slots(self._optimizer))}

@@ -190,9 +190,13 @@ class ModelAverageStrategy(AverageHandoffMixin, MultiWorkerMirroredStrategy):
                                          fragments=self.fragments,
                                          outer_compression=self.outer_compression)
 
-    def elastic_rules(self, model):
-        """Members meet only at averages (`tfdist.strategies._average_elastic`)."""
-        return _average_elastic.AverageElasticRules(self, model)
+    def state_components(self, model) -> list:
+        """What this strategy's training state is made of (`tfdist.strategies.state`);
+        members meet only at averages (`tfdist.strategies._average_elastic`)."""
+        from tfdist.strategies._components import KerasState, MetricsState
+
+        return [KerasState(model), MetricsState(self, model),
+                _average_elastic.AverageElasticState(self, model)]
 
     @property
     def cluster_resolver(self):
