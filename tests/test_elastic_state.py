@@ -79,8 +79,77 @@ def test_a_lost_rank_0_keeps_the_state_of_every_feature(tmp_path, feature):
 @pytest.mark.parametrize("feature", sorted(FEATURES))
 def test_an_added_worker_keeps_the_state_of_every_feature(tmp_path, feature):
     done, results, starts = _launch(
-        tmp_path, "--max-workers", "4", kill="worker-0:1:2:GROW", heartbeat=JOINER_HEARTBEAT, **FEATURES[feature])
-    assert "adding worker-2, which joins the running elastic job (4 workers)" in \
+        tmp_path, "--max-workers", "3", kill="worker-0:1:2:GROW", workers=(2, 2),
+        heartbeat=JOINER_HEARTBEAT, **FEATURES[feature])
+    assert "adding worker-2, which joins the running elastic job (3 workers)" in \
         done.stderr, done.stderr[-4000:]
-    assert sorted(results) == ["worker-0", "worker-1", "worker-2", "worker-3"]
-    _check(done, results, starts, feature, size=4)
+    assert sorted(results) == ["worker-0", "worker-1", "worker-2"]
+    _check(done, results, starts, feature, size=3)
+
+
+# ---- unit: the protocol (tfdist.strategies.state), without TensorFlow -------------
+
+class _Part:
+    """A fake state component: ``shared``/``own`` lists, an optional refusal, and the
+    resizes it was asked for."""
+
+    def __new__(cls, *args, **kwargs):
+        from tfdist.strategies.state import StateComponent
+
+        class Part(StateComponent):
+            def __init__(self, feature, shared=(), own=(), refuse=None, at=1):
+                self.feature, self.shared, self.own = feature, list(shared), list(own)
+                self.refuse, self.at, self.resized = refuse, at, []
+
+            def shared_variables(self):
+                return self.shared
+
+            def own_variables(self):
+                return self.own
+
+            def resize_refusal(self, old, new):
+                return self.refuse
+
+            def resize(self, old, new):
+                self.resized.append((old, new))
+
+            def commit_point(self, steps_ahead):
+                return steps_ahead % self.at == 0
+
+        return Part(*args, **kwargs)
+
+
+@pytest.mark.unit
+def test_components_list_each_variable_once_in_their_order():
+    from tfdist.strategies import state
+
+    a, b, c = object(), object(), object()
+    parts = [_Part("x", shared=[a, b], own=[c]), _Part("y", shared=[b, c], own=[c])]
+    assert state.shared_variables(parts) == [a, b, c]
+    assert state.own_variables(parts) == [c]
+
+
+@pytest.mark.unit
+def test_a_resize_checks_every_component_before_it_recuts_any():
+    from tfdist.strategies import state
+
+    free, refusing = _Part("free"), _Part("fragments", refuse="anchors are cut by rank")
+    with pytest.raises(state.ResizeRefused) as refused:
+        state.resize([free, refusing], 3, 2)
+    assert str(refused.value) == ("fragments cannot go from 3 to 2 replicas: anchors are "
+                                  "cut by rank. Received: fragments in an elastic job")
+    assert free.resized == []  # all or none
+    state.resize([free], 3, 2)
+    state.resize([free], 2, 2)  # the same count: nothing to re-cut
+    assert free.resized == [(3, 2)]
+
+
+@pytest.mark.unit
+def test_a_commit_lands_only_where_every_component_lets_it():
+    from tfdist.strategies import state
+
+    parts = [_Part("model"), _Part("accumulate_steps", at=2)]
+    assert [state.commit_point(parts, k) for k in range(4)] == [True, False, True, False]
+    assert state.may_reform(parts)
+    assert state.StateComponent().shared_variables() == []
+    assert state.kept_when_newest(parts) == set()

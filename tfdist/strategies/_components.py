@@ -58,15 +58,20 @@ class AccumulationState(StateComponent):
         strategy: The strategy (its local results).
         steps: ``accumulate_steps``.
         counter: The micro-step counter (a host ``tf.Variable``).
-        accumulators: ``{id(optimizer): [replica-local accumulators]}``, filled at the
-            first step.
+        accumulators: ``{id(optimizer): [replica-local accumulators]}``.
+        make: ``make()``: makes the model's optimizer's accumulators when missing.
     """
 
     feature = "accumulate_steps"
 
-    def __init__(self, strategy, steps: int, counter, accumulators: dict):
+    def __init__(self, strategy, steps: int, counter, accumulators: dict, make):
         self.strategy, self.steps = strategy, steps
-        self.counter, self.accumulators = counter, accumulators
+        self.counter, self.accumulators, self._make = counter, accumulators, make
+
+    def prepare(self) -> None:
+        """The accumulators, made before the first step: every member at once (their
+        initial values are broadcast), a joiner before it takes part in collectives."""
+        self._make()
 
     def shared_variables(self) -> list:
         return [self.counter]

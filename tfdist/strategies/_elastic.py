@@ -73,6 +73,7 @@ class ElasticFit:
         self.components = strategy.state_components(model)
         self.backups: list[str] = []  # fit's BackupAndRestore directories
         self._read_elsewhere = False  # the others read this epoch's metrics already
+        self._joined = False  # joined a running job: its first commit is the one it took
 
     # ---- the wrapped train function ------------------------------------------------
     def install(self) -> None:
@@ -93,7 +94,13 @@ class ElasticFit:
             self.iterator, self.epoch = iterator, self.epoch + 1
             iterator.skip(self.fast_forward)  # a joiner's first epoch: the job's position
             self._check_epoch_start()
-            self.commit()
+            if self._joined:  # the commit it took: no read (it may gather, alone)
+                self._joined = False
+                self.committed_at = (self.epoch, iterator.position)
+                iterator.mark()
+                self.calls_since_commit = 0
+            else:
+                self.commit()
         if self.fast_forward > 0:  # Keras' steps the job trained before this worker joined
             self.fast_forward -= self.model.steps_per_execution
             return {}
@@ -230,6 +237,7 @@ class ElasticFit:
         for component in self.components:
             component.after_join()
         self.member.synced = True
+        self._joined = True
         self.epoch, self.fast_forward = epoch - 1, position
         return epoch
 

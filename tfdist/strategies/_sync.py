@@ -33,6 +33,7 @@ from tfdist.comm.accounting import ByteCounter
 from tfdist.comm.communicator import Accounted, StrategyCommunicator, per_replica
 from tfdist.comm.options import CommunicationOptions
 from tfdist.keras import handoff
+from tfdist.keras.optimizer import inner_optimizer
 from tfdist.strategies import _zero as sharded
 from tfdist.strategies._fit import KerasFitMixin
 from tfdist.strategies._zero_saving import ShardedSaving
@@ -166,7 +167,9 @@ class SyncGradientsMixin(KerasFitMixin):
         if self.communication.accumulate_steps > 1:
             found.append(components.AccumulationState(
                 self, self.communication.accumulate_steps, self._micro_steps.variable,
-                self._accumulators))
+                self._accumulators, functools.partial(self._ensure_accumulators,
+                                                      inner_optimizer(model.optimizer),
+                                                      model.trainable_variables, None)))
         if self.shard_optimizer_state:
             found.append(components.ShardedSlotsState(
                 model, self._sharded_state, self._sharded_states.clear,
