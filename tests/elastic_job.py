@@ -16,7 +16,8 @@ attempt only (``TFDIST_RESTART`` 0). Each task notes its weights
 after every step. ``JOB_HEARTBEAT`` sets the strategy's ``heartbeat_timeout`` (5 s);
 ``JOB_PERIOD`` trains with ``tfdist.ModelAverageStrategy(period=JOB_PERIOD)`` instead;
 ``JOB_COMMIT_EVERY`` and ``JOB_STEPS_PER_EXECUTION`` set ``commit_every_steps`` and
-Keras' ``steps_per_execution``; ``JOB_BACKUP`` adds
+Keras' ``steps_per_execution``; ``JOB_SHARD`` (sharded Adam) and ``JOB_ACCUMULATE``
+set ``shard_optimizer_state=True`` with Adam, and ``accumulate_steps``; ``JOB_BACKUP`` adds
 ``tfdist.keras.callbacks.BackupAndRestore(OUT/backup)``.
 Each task appends ``<task> <pid>`` to ``OUT/starts`` when it starts and writes
 ``OUT/<task>.json`` when fit ends; the chief saves the model once, recording who did.
@@ -47,7 +48,9 @@ def model():
     keras.utils.set_random_seed(1)
     net = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, activation="tanh"),
                             keras.layers.Dense(1)])
-    net.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse",
+    optimizer = keras.optimizers.Adam(0.01) if os.environ.get("JOB_SHARD") else \
+        keras.optimizers.SGD(0.05, momentum=0.9)
+    net.compile(optimizer=optimizer, loss="mse",
                 steps_per_execution=int(os.environ.get("JOB_STEPS_PER_EXECUTION", 1)))
     return net
 
@@ -74,7 +77,9 @@ def main(out, epochs, kill=""):
     else:
         strategy = tfdist.MultiWorkerMirroredStrategy(
             engine="horovod", heartbeat_timeout=heartbeat,
-            commit_every_steps=int(os.environ.get("JOB_COMMIT_EVERY", 1)))
+            commit_every_steps=int(os.environ.get("JOB_COMMIT_EVERY", 1)),
+            shard_optimizer_state=bool(os.environ.get("JOB_SHARD")),
+            accumulate_steps=int(os.environ.get("JOB_ACCUMULATE", 1)))
     with strategy.scope():
         net = model()
 
@@ -140,6 +145,8 @@ def main(out, epochs, kill=""):
     if strategy.is_chief:
         net.save(os.path.join(out, "model.keras"))
         open(os.path.join(out, f"saved-by-{task}"), "w").close()
+    elif getattr(strategy, "save_needs_every_worker", False):  # sharded state: gathered
+        net.save(os.path.join(out, f"{task}-scratch.keras"))
     fitting = getattr(strategy, "elastic_fit", None)
     with open(os.path.join(out, f"{task}.json"), "w") as f:
         json.dump({"pid": os.getpid(), "weights": [w.tolist() for w in net.get_weights()],

@@ -53,7 +53,7 @@ def test_delay_0_gives_the_weights_it_gave_before(logical_cpus, mix, outer):
 
 def test_fragments_are_state_components(logical_cpus):
     import tfdist
-    from tfdist.strategies.averaging.elastic import AverageElasticRules, AveragedModel
+    from tfdist.strategies.averaging.elastic import AveragedModel
     from tfdist.strategies.averaging.fragment import Fragment
     from tfdist.strategies.state import ResizeRefused, StateComponent
 
@@ -82,13 +82,11 @@ def test_fragments_are_state_components(logical_cpus):
     assert "in flight" in first.resize_refusal(2, 3)
     first.pending = None
 
-    rules = AverageElasticRules(strategy, model)  # elastic fit's interface, from it
-    component = strategy.state_components(model)[0]
+    component = strategy.state_components(model)[-1]  # what elastic fit asks
     assert isinstance(component, AveragedModel)
-    assert [id(v) for v in rules.extra_variables()] == ids
-    assert rules.own_variables() == component.kept_when_newest()
-    assert {id(v) for v in model.variables} <= rules.own_variables()
+    assert [id(v) for v in component.averaging_variables()] == ids
+    assert {id(v) for v in model.variables} <= component.kept_when_newest()
     shared = {id(v) for v in component.shared_variables()}
     assert set(ids) | {id(v) for v in model.variables} <= shared
     assert int(model.optimizer.iterations.numpy()) == 5
-    assert not rules.may_reform()  # step 6 averages fragment 1 only: members never meet
+    assert not component.may_reform()  # step 6 averages fragment 1 only: never meet

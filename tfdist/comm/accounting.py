@@ -30,6 +30,11 @@ class ByteCounter:
         return self._variable.assign_add(tf.cast(nbytes, tf.int64))
 
     @property
+    def variable(self):
+        """The counter's ``tf.Variable`` (committed in an elastic job)."""
+        return self._variable
+
+    @property
     def total(self) -> int:
         return int(self._variable.numpy())
 

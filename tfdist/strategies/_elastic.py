@@ -3,7 +3,11 @@
 In an elastic job (``tfdist launch --min-workers``, engine ``"horovod"``) Keras' train
 function is wrapped (`ElasticFit`). After every ``commit_every_steps`` train steps (and
 at each epoch's start) the wrapper copies the training state into host memory: the
-model's, optimizer's and metrics' variables and the data position (epoch, batch). The
+variables of the strategy's state components (``strategy.state_components(model)``,
+`tfdist.strategies.state`: the model's, optimizer's and metrics' variables, gradient
+accumulation's, sharded optimizer state's, model averaging's) and the data position
+(epoch, batch). A commit lands only where every component lets it (gradient
+accumulation: at an accumulation boundary). The
 copy of a step that commits is read inside that step's own traced function
 (`tfdist._hooks.keras_steps.committing_train_function`), as one flat buffer per dtype,
 so a commit costs no function call of its own.
@@ -31,43 +35,9 @@ import os
 
 import tensorflow as tf
 
+from tfdist.strategies import state
 
 DEFAULT_COMMIT_EVERY_STEPS = 1
-
-
-class ElasticRules:
-    """What a strategy tells `ElasticFit`; synchronous training's answers.
-
-    Every member holds the whole state equal after every step, so a membership change
-    may be acted on before any step, and the newest commit is everyone's state.
-
-    Args:
-        strategy: The strategy.
-        model: The Keras model being fit.
-    """
-
-    def __init__(self, strategy, model):
-        self.strategy = strategy
-        self.model = model
-
-    def prepare(self) -> None:
-        """Makes the strategy's own state variables (before the first commit)."""
-
-    def extra_variables(self) -> list:
-        """The strategy's state variables besides the model's and optimizer's."""
-        return []
-
-    def own_variables(self) -> set:
-        """Ids of the variables a member keeps its own values of when its commit is the
-        newest (they differ between members)."""
-        return set()
-
-    def may_reform(self) -> bool:
-        """Whether a newer membership may be taken in before the next step."""
-        return True
-
-    def after_join(self) -> None:
-        """On a joiner, after it took the newest commit's values."""
 
 
 class ElasticFit:
@@ -99,9 +69,10 @@ class ElasticFit:
         self._snapshot: _Snapshot | None = None  # the variables a commit reads
         self._inner = None
         self._committing = None  # the train function whose last step commits
-        self.rules = strategy.elastic_rules(model)
+        self.components = strategy.state_components(model)
         self.backups: list[str] = []  # fit's BackupAndRestore directories
         self._read_elsewhere = False  # the others read this epoch's metrics already
+        self._joined = False  # joined a running job: its first commit is the one it took
 
     # ---- the wrapped train function ------------------------------------------------
     def install(self) -> None:
@@ -117,11 +88,18 @@ class ElasticFit:
     def __call__(self, iterator):
         if iterator is not self.iterator:  # a new epoch
             if self.iterator is None:
-                self.rules.prepare()
+                self._prepare()
                 self._snapshot_now(renew=True)
             self.iterator, self.epoch = iterator, self.epoch + 1
             iterator.skip(self.fast_forward)  # a joiner's first epoch: the job's position
-            self.commit()
+            self._check_epoch_start()
+            if self._joined:  # the commit it took: no read (it may gather, alone)
+                self._joined = False
+                self.committed_at = (self.epoch, iterator.position)
+                iterator.mark()
+                self.calls_since_commit = 0
+            else:
+                self.commit()
         if self.fast_forward > 0:  # Keras' steps the job trained before this worker joined
             self.fast_forward -= self.model.steps_per_execution
             return {}
@@ -130,11 +108,12 @@ class ElasticFit:
             self.member.training = True  # again after a re-forming with a joiner
             try:
                 if self.calls_since_commit == 0 and self.member.changed() and \
-                        self.rules.may_reform():
+                        state.may_reform(self.components):
                     raise _MembershipChanged()
                 while iterator.position < start:  # replay what the rollback undid
                     self._inner(iterator)
-                if self.calls_since_commit + 1 >= self.commit_every_steps:
+                if self.calls_since_commit + 1 >= self.commit_every_steps and \
+                        state.commit_point(self.components, self.model.steps_per_execution):
                     snapshot, committing = self._committing_function()
                     logs, values = committing(iterator)
                 else:
@@ -148,8 +127,9 @@ class ElasticFit:
             self.last_logs = logs
             self.calls_since_commit += 1
             if self.calls_since_commit >= self.commit_every_steps:
-                if values is None:  # the data ran out before the call's last step
-                    self.commit()
+                if values is None:  # the data ran out, or no commit point was ahead
+                    if state.commit_point(self.components, 0):
+                        self.commit()
                 else:
                     self.fused_commits += 1
                     self._keep(snapshot, values)
@@ -169,21 +149,29 @@ class ElasticFit:
 
     # ---- commit, rollback, re-form -------------------------------------------------
     def state_variables(self) -> list:
-        """The model's and optimizer's variables, each once, in a fixed order: what every
+        """The components' shared variables, each once, in a fixed order: what every
         member holds equal (the state a joiner receives)."""
-        found, seen = [], set()
-        for v in (*self.model.variables, *self.model.optimizer.variables,
-                  *self.rules.extra_variables()):
-            if id(v) not in seen:
-                seen.add(id(v))
-                found.append(v)
-        return found
+        return state.shared_variables(self.components)
 
     def metric_variables(self) -> list:
-        """This worker's own copies of the metrics' variables (their sums over workers are
-        read at the epoch's end): committed and restored here, never sent."""
-        local = self.strategy.experimental_local_results
-        return [c for m in self.model.metrics for v in m.variables for c in local(v.value)]
+        """The components' own variables (the metrics' local copies, the accumulated
+        gradients): committed and restored on this worker, never sent."""
+        return state.own_variables(self.components)
+
+    def _prepare(self) -> None:
+        """Each component makes its state variables (before the first commit)."""
+        for component in self.components:
+            component.prepare()
+
+    def _check_epoch_start(self) -> None:
+        """An epoch starts with a commit: every component must allow one there."""
+        refusing = [c.feature for c in self.components if not c.commit_point(0)]
+        if refusing:
+            raise ValueError(
+                f"In an elastic job an epoch starts with a commit, which "
+                f"{', '.join(refusing)} allows only at its boundaries (accumulate_steps "
+                f"must divide the train steps of an epoch). Received: epoch {self.epoch} "
+                f"starting inside an accumulation of {', '.join(refusing)}")
 
     def commit(self) -> None:
         """Copies the training state and the data position into host memory, by a
@@ -204,7 +192,8 @@ class ElasticFit:
         first commit, after a re-forming or a join) or when the optimizer's variables
         changed (an optimizer builds its own lazily); the model's, the metrics' and the
         rules' extra variables are made before the first commit."""
-        count = len(self.model.optimizer.variables)
+        count = (len(self.model.optimizer.variables), len(self.state_variables()),
+                 len(self.metric_variables()))
         if renew or self._snapshot is None or self._snapshot.optimizer_count != count:
             self._snapshot = _Snapshot(self.state_variables(), self.metric_variables(),
                                        count)
@@ -235,16 +224,19 @@ class ElasticFit:
         if not optimizer.built:
             with self.strategy.scope():
                 optimizer.build(self.model.trainable_variables)
-        self.rules.prepare()
-        self._committed_lists = ([tf.identity(_tf_variable(v))
+        self._prepare()
+        # Placeholders of the broadcast's shapes: a joiner never holds the newest commit.
+        self._committed_lists = ([tf.zeros(v.shape, v.dtype)
                                   for v in self.state_variables()], [])
         self.committed_at = (-1, -1)
         found = self._newest_commit()
         if found[1] == (-1, -1):
             raise NoStateLeftError(self._no_state_left())
         epoch, position = self._sync(found)
-        self.rules.after_join()
+        for component in self.components:
+            component.after_join()
         self.member.synced = True
+        self._joined = True
         self.epoch, self.fast_forward = epoch - 1, position
         return epoch
 
@@ -264,7 +256,8 @@ class ElasticFit:
         commit keeps its own values of the rules' ``own_variables``); returns its
         position. ``found``: `_newest_commit`'s answer, when asked already."""
         root, newest = found or self._newest_commit()
-        keep = self.rules.own_variables() if self.committed_at == newest else set()
+        keep = (state.kept_when_newest(self.components) if self.committed_at == newest
+                else set())
         self.member.say(f"{self.member.name}: takes the state of rank {root} (epoch "
                         f"{newest[0]}, batch {newest[1]})")
         committed = self.committed
@@ -298,10 +291,15 @@ class ElasticFit:
 
     def _reform_and_sync(self) -> tuple[int, int]:
         """Re-forms Horovod (again while members are lost meanwhile), takes the newest
-        commit, re-traces the train function; returns the commit's position."""
+        commit, re-traces the train function; returns the commit's position. The
+        components' state is re-cut for the new replica count (`state.resize`) before
+        it takes the newest commit's values."""
+        replicas = self.strategy.num_replicas_in_sync
         while True:
             self.member.reform()
             self.strategy.extended.refresh_membership()
+            state.resize(self.components, replicas, self.strategy.num_replicas_in_sync)
+            replicas = self.strategy.num_replicas_in_sync
             try:
                 newest = self._sync()
                 break
@@ -376,16 +374,18 @@ class _Snapshot:
         self.state_count = len(state)
         self.optimizer_count = optimizer_count
         self._reads = [_tf_variable(v) for v in (*state, *metrics)]
+        self._shapes = [tf.TensorShape(v.shape) for v in self._reads]
         groups: dict = {}
         for index, read in enumerate(self._reads):
-            groups.setdefault(read.dtype, []).append(index)
+            groups.setdefault(tf.as_dtype(read.dtype), []).append(index)
         self._groups = list(groups.values())  # indices of each flat buffer's variables
-        self._shapes = [read.shape for read in self._reads]
         self.read = tf.function(self.pack, autograph=False)  # a commit's own call
 
     def pack(self) -> list:
         """The flat buffers (traced: inside a train step, after it, or alone)."""
-        return [tf.concat([tf.reshape(self._reads[i], [-1]) for i in group], axis=0)
+        reads = [v.read_for_commit() if hasattr(v, "read_for_commit") else v
+                 for v in self._reads]
+        return [tf.concat([tf.reshape(reads[i], [-1]) for i in group], axis=0)
                 for group in self._groups]
 
     def unpack(self, flat: list) -> list:
@@ -399,8 +399,11 @@ class _Snapshot:
 
 
 def _tf_variable(variable):
-    """The TF variable behind a Keras variable (its public ``value``), or ``variable``."""
-    return variable if isinstance(variable, tf.Variable) else variable.value
+    """The TF variable behind a Keras variable (its public ``value``), or ``variable``
+    (a TF variable, or a component's entry read by ``read_for_commit``)."""
+    if isinstance(variable, tf.Variable) or hasattr(variable, "read_for_commit"):
+        return variable
+    return variable.value
 
 
 class NoStateLeftError(RuntimeError):

@@ -30,9 +30,10 @@ from tfdist._hooks import keras_optimizer
 from tfdist._hooks import zero as zero_hooks
 from tfdist.checks import check_bool
 from tfdist.comm.accounting import ByteCounter
-from tfdist.comm.communicator import Accounted, StrategyCommunicator
+from tfdist.comm.communicator import Accounted, StrategyCommunicator, per_replica
 from tfdist.comm.options import CommunicationOptions
 from tfdist.keras import handoff
+from tfdist.keras.optimizer import inner_optimizer
 from tfdist.strategies import _zero as sharded
 from tfdist.strategies._fit import KerasFitMixin
 from tfdist.strategies._zero_saving import ShardedSaving
@@ -156,6 +157,28 @@ class SyncGradientsMixin(KerasFitMixin):
             id(getattr(model, "optimizer", None)))
         if saving is not None and method in ("save", "save_weights") and when == "before":
             saving.before_save()
+
+    def state_components(self, model) -> list:
+        """What this strategy's training state is made of (`tfdist.strategies.state`):
+        elastic commits, rollbacks and joiner broadcasts collect it from these."""
+        from tfdist.strategies import _components as components
+
+        found = [components.KerasState(model), components.MetricsState(self, model)]
+        if self.communication.accumulate_steps > 1:
+            found.append(components.AccumulationState(
+                self, self.communication.accumulate_steps, self._micro_steps.variable,
+                self._accumulators, functools.partial(self._ensure_accumulators,
+                                                      inner_optimizer(model.optimizer),
+                                                      model.trainable_variables, None)))
+        if self.shard_optimizer_state:
+            found.append(components.ShardedSlotsState(
+                model, self._sharded_state, self._sharded_states.clear,
+                self._gather_whole))
+        return found
+
+    def _gather_whole(self, parts):
+        """One tensor per local replica, all-gathered whole (a commit's read)."""
+        return self.communicator.all_gather(self, per_replica(parts, always_wrap=True))
 
     def sharded_optimizer_state(self, optimizer):
         """The `tfdist.strategies._zero.ShardedOptimizerState` of ``optimizer``, or None

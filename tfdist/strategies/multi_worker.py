@@ -364,12 +364,6 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
         """The engine's elastic membership of this process, or None (not elastic)."""
         return self._engine.membership()
 
-    def elastic_rules(self, model):
-        """What elastic ``fit`` asks this strategy (`tfdist.strategies._elastic`)."""
-        from tfdist.strategies._elastic import ElasticRules
-
-        return ElasticRules(self, model)
-
     def keras_fit_initial_epoch(self, model):
         """A worker that joined a running elastic job starts at the job's epoch."""
         del model

@@ -9,7 +9,14 @@ says, for its feature:
 - which variables stay each member's own (`StateComponent.own_variables`): committed
   and restored on the member, never sent;
 - how its state goes from N replicas to M (`StateComponent.resize`), or why it cannot
-  (`StateComponent.resize_refusal`, asked before anything runs).
+  (`StateComponent.resize_refusal`, asked before anything runs);
+- where a commit may land (`StateComponent.commit_point`: gradient accumulation commits
+  only where its sums are zero), and when a membership change may be taken in
+  (`StateComponent.may_reform`: model averaging only before an average).
+
+A shared "variable" may be any object with ``shape``, ``dtype``, ``assign(value)`` and
+a traced ``read_for_commit()`` (sharded optimizer state commits its slots gathered
+whole, so that the slices of a lost member are not lost with it).
 
 This is Horovod elastic's ``State`` (save, restore, sync) and torchft's
 ``register_state_dict_fn``, with the replica count as part of the contract.
@@ -41,6 +48,26 @@ class StateComponent:
     def own_variables(self) -> list:
         """Variables each member keeps its own values of: committed, never sent."""
         return []
+
+    def kept_when_newest(self) -> set:
+        """Ids of shared variables a member holding the newest commit keeps its own
+        values of at a re-forming (it still sends them, to members one step behind and
+        to joiners): model averaging's weights."""
+        return set()
+
+    def prepare(self) -> None:
+        """Makes the feature's state variables, before the first commit (eager)."""
+
+    def after_join(self) -> None:
+        """On a joiner, after it took the newest commit's values."""
+
+    def may_reform(self) -> bool:
+        """Whether a membership change may be taken in before the next step."""
+        return True
+
+    def commit_point(self, steps_ahead: int) -> bool:
+        """Whether a commit may land after ``steps_ahead`` more train steps."""
+        return True
 
     def resize_refusal(self, old: int, new: int) -> str | None:
         """Why the state cannot go from ``old`` to ``new`` replicas, or None."""
@@ -86,3 +113,18 @@ def resize(components: Iterable[StateComponent], old: int, new: int) -> None:
     if old != new:
         for component in components:
             component.resize(old, new)
+
+
+def may_reform(components: Iterable[StateComponent]) -> bool:
+    """Whether every component lets a membership change in before the next step."""
+    return all(c.may_reform() for c in components)
+
+
+def commit_point(components: Iterable[StateComponent], steps_ahead: int) -> bool:
+    """Whether every component lets a commit land after ``steps_ahead`` more steps."""
+    return all(c.commit_point(steps_ahead) for c in components)
+
+
+def kept_when_newest(components: Iterable[StateComponent]) -> set:
+    """Every component's `StateComponent.kept_when_newest` ids."""
+    return {i for c in components for i in c.kept_when_newest()}

@@ -16,14 +16,13 @@ at the next average, and a membership change is taken in only there:
   (the anchors), with that member's optimizer slots.
 
 `AveragedModel` says this as a `tfdist.strategies.state.StateComponent`, built on the
-fragments' own components (`tfdist.strategies.averaging.fragment.Fragment`);
-`AverageElasticRules` gives elastic ``fit``'s rules from it.
+fragments' own components (`tfdist.strategies.averaging.fragment.Fragment`); elastic
+``fit`` (`tfdist.strategies._elastic`) asks it with the strategy's other components.
 """
 
 from __future__ import annotations
 
 from tfdist.keras.optimizer import inner_optimizer
-from tfdist.strategies._elastic import ElasticRules
 from tfdist.strategies.averaging.exchange import optimizer_slots
 from tfdist.strategies.averaging.fragment import assign_piece, tf_variable
 from tfdist.strategies.state import StateComponent, unique
@@ -125,30 +124,3 @@ class AveragedModel(StateComponent):
         state = self.state
         return None if state is None else state.resize_refusal(old, new)
 
-
-class AverageElasticRules(ElasticRules):
-    """`ElasticRules` of model averaging, given by its `AveragedModel` component."""
-
-    def __init__(self, strategy, model):
-        super().__init__(strategy, model)
-        self.component = AveragedModel(strategy, model)
-
-    def prepare(self) -> None:
-        """See `AveragedModel.prepare`."""
-        self.component.prepare()
-
-    def extra_variables(self) -> list:
-        """The anchors and the outer optimizers' variables."""
-        return self.component.averaging_variables()
-
-    def own_variables(self) -> set:
-        """The model's variables and the optimizer's slots: each member's own."""
-        return self.component.kept_when_newest()
-
-    def may_reform(self) -> bool:
-        """See `AveragedModel.may_reform`."""
-        return self.component.may_reform()
-
-    def after_join(self) -> None:
-        """See `AveragedModel.after_join`."""
-        self.component.after_join()

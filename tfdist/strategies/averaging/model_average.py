@@ -198,16 +198,16 @@ class ModelAverageStrategy(AverageHandoffMixin, MultiWorkerMirroredStrategy):
                                          fragments=self.fragments,
                                          outer_compression=self.outer_compression)
 
-    def elastic_rules(self, model):
-        """Members meet only at averages (`tfdist.strategies.averaging.elastic`)."""
-        return elastic.AverageElasticRules(self, model)
-
     def state_components(self, model) -> list:
-        """The state of ``model``'s training (`tfdist.strategies.state`): one
+        """The state of ``model``'s training (`tfdist.strategies.state`): the model and
+        its optimizer, each worker's metric sums, and one
         `tfdist.strategies.averaging.elastic.AveragedModel` (the weights and slots each
         member keeps apart between averages, its fragments' anchors and outer
-        optimizers)."""
-        return [elastic.AveragedModel(self, model)]
+        optimizers); members meet only at averages."""
+        from tfdist.strategies._components import KerasState, MetricsState
+
+        return [KerasState(model), MetricsState(self, model),
+                elastic.AveragedModel(self, model)]
 
     # ---- the averaging state, by optimizer -----------------------------------------------
 
