@@ -20,8 +20,11 @@ def _modules() -> dict[str, Path]:
     return modules
 
 
-def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The tfdist modules ``name`` imports (importlib look-ups of literal names count)."""
+def _imports(name: str, path: Path, modules: dict[str, Path], direct=False) -> set[str]:
+    """The tfdist modules ``name`` imports (importlib look-ups of literal names count).
+
+    With ``direct``, ``from tfdist import env`` is tfdist.env alone, not tfdist too.
+    """
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -33,8 +36,12 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
             if node.level:
                 base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]
                                 + ([base] if base else []))
-            targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
-        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module"
+            named = [f"{base}.{alias.name}" for alias in node.names]
+            targets = ([n if n in modules else base for n in named] if direct
+                       else named + [base])
+        elif (isinstance(node, ast.Call)
+              and getattr(node.func, "attr", getattr(node.func, "id", None))
+              in ("import_module", "__import__")
               and node.args and isinstance(node.args[0], ast.Constant)):
             targets = [node.args[0].value]
         for target in targets:
@@ -162,38 +169,11 @@ def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
     return found
 
 
-def _direct_imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """Like `_imports`, but ``from tfdist import env`` is tfdist.env, not tfdist too."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        targets = []
-        if isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]
-                                + ([base] if base else []))
-            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
-                       for a in node.names]
-        elif (isinstance(node, ast.Call)
-              and getattr(node.func, "attr", getattr(node.func, "id", None))
-              in ("import_module", "__import__")
-              and node.args and isinstance(node.args[0], ast.Constant)):
-            targets = [node.args[0].value]
-        for target in targets:
-            while target and target not in modules:
-                target = target.rpartition(".")[0]
-            if target and target != name and target.startswith("tfdist"):
-                found.add(target)
-    return found
-
-
 @pytest.mark.unit
 def test_no_import_goes_up_the_layers():
     modules = _modules()
-    graph = {name: _direct_imports(name, path, modules) for name, path in modules.items()}
+    graph = {name: _imports(name, path, modules, direct=True)
+             for name, path in modules.items()}
     upward = _upward_imports(graph)
     assert not upward, "imports going up the layers (LAYERS in this file):\n" + "\n".join(upward)
 
