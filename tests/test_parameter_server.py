@@ -171,7 +171,6 @@ def test_sync_equals_single_device_on_summed_batch():
 
 
 # ---- sharding: an embedding split across two ps tasks: tests/test_ps_sharded.py ----------
-    assert np.isfinite(chief["evaluate"])
 
 
 # ---- a worker killed in the middle of fit -------------------------------------------------
