@@ -320,3 +320,18 @@ def test_wrapper_owns_the_slices_and_leaves_the_users_optimizer_alone(logical_cp
     assert len(slices) == 2 * 2 * len(strategy.sharded_optimizer_state(model.optimizer).buckets)
     assert all(id(v) in ids for v in slices)  # Adam: m and v, per replica, per bucket
     assert not any(len(v.shape) for v in users.variables)  # no full-size slots
+
+
+def test_a_sharded_optimizer_without_a_sharding_strategy_is_refused(logical_cpus):
+    import keras
+
+    import tfdist
+    from zero_jobs import classification_data, mlp
+
+    x, y = classification_data(n=16)
+    with tfdist.MirroredStrategy().scope():
+        model = mlp()
+        model.compile(tfdist.keras.ShardedOptimizer(keras.optimizers.Adam()),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match="shard_optimizer_state=True .*Received: strategy="):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)

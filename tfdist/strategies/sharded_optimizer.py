@@ -65,6 +65,13 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
         super().apply(grads, trainable_variables)
         self.inner_optimizer.iterations.assign(self.iterations)
 
+    def update_step(self, gradient, variable, learning_rate):
+        """Reached only when no tfdist strategy shards the step: refused."""
+        raise ValueError(
+            "ShardedOptimizer steps under a tfdist strategy with shard_optimizer_state=True "
+            "(the strategy reduce-scatters the gradients). Received: strategy="
+            f"{type(tf.distribute.get_strategy()).__name__}")
+
     @property
     def learning_rate(self):
         return self.inner_optimizer.learning_rate
