@@ -30,8 +30,10 @@ def test_sharded_matches_unsharded_and_one_device(logical_cpus, optimizer, monke
     for count in counts:  # half, plus at most one padding element per bucket and slot
         assert full / 2 <= count <= full / 2 + 2 * len(
             strategy.sharded_optimizer_state(model.optimizer).buckets)
-    # The outer optimizer holds no full-size slots.
-    assert all(len(v.shape) == 0 for v in model.optimizer.variables)
+    # The wrapper's only non-scalar variables are the slices; the user's optimizer has none.
+    assert [id(v) for v in model.optimizer.variables if len(v.shape)] == [
+        id(v) for v in model.optimizer.sharded_variables()]
+    assert all(len(v.shape) == 0 for v in model.optimizer.inner_optimizer.variables)
 
 
 @pytest.mark.parametrize("optimizer", sorted(UNSHARDABLE))
@@ -292,3 +294,44 @@ def test_transformer_block_matches_unsharded_and_one_device(logical_cpus, monkey
     assert_weights_close(plain, ref)
     assert_weights_close(got, plain)
     assert_weights_close(got, ref)
+
+
+def test_wrapper_owns_the_slices_and_leaves_the_users_optimizer_alone(logical_cpus):
+    """shard_optimizer_state=True wraps the model's optimizer at fit: the user's
+    optimizer's __dict__ keeps its keys, and the wrapper's variables hold the slices."""
+    import keras
+
+    import tfdist
+    from zero_jobs import classification_data, mlp
+
+    strategy = tfdist.MirroredStrategy(shard_optimizer_state=True)
+    x, y = classification_data(n=64)
+    with strategy.scope():
+        model = mlp()
+        users = keras.optimizers.Adam()
+        model.compile(users, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    before = set(users.__dict__)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert set(users.__dict__) == before
+    assert isinstance(model.optimizer, tfdist.keras.ShardedOptimizer)
+    assert model.optimizer.inner_optimizer is users
+    slices = model.optimizer.sharded_variables()
+    ids = {id(v) for v in model.optimizer.variables}
+    assert len(slices) == 2 * 2 * len(strategy.sharded_optimizer_state(model.optimizer).buckets)
+    assert all(id(v) in ids for v in slices)  # Adam: m and v, per replica, per bucket
+    assert not any(len(v.shape) for v in users.variables)  # no full-size slots
+
+
+def test_a_sharded_optimizer_without_a_sharding_strategy_is_refused(logical_cpus):
+    import keras
+
+    import tfdist
+    from zero_jobs import classification_data, mlp
+
+    x, y = classification_data(n=16)
+    with tfdist.MirroredStrategy().scope():
+        model = mlp()
+        model.compile(tfdist.keras.ShardedOptimizer(keras.optimizers.Adam()),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match="shard_optimizer_state=True .*Received: strategy="):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)

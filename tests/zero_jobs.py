@@ -105,9 +105,11 @@ def slot_elements(strategy, model):
 
 def full_slot_elements(model):
     """Slot elements of an unsharded optimizer of the same kind on the model."""
+    from tfdist.keras.optimizer import inner_optimizer
+
     return sum(int(np.prod(v.shape)) for v in model.trainable_variables) * {
         "Adam": 2, "AdamW": 2, "SGD": 1, "RMSprop": 1, "Adagrad": 1,
-        "Lion": 1}[type(model.optimizer).__name__]
+        "Lion": 1}[type(inner_optimizer(model.optimizer)).__name__]
 
 
 def launched_task(engine):

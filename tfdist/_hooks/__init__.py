@@ -30,9 +30,8 @@ here: import the module you need.
 - ``sharded``: variables a partitioner split into shards (gradients, embedding lookup,
   shard-sized initialization, optimizer state and row blocks, saving).
   Tests: ``test_hooks_sharded.py``.
-- ``zero``: sharded optimizer state (plain per-replica variables under a strategy, an
-  optimizer built without slots, Keras' weight-decay rule, TF's collective
-  reduce-scatter). Tests: ``test_hooks_zero.py``.
+- ``zero``: sharded optimizer state (plain per-replica variables under a strategy,
+  Keras' weight-decay rule, TF's collective reduce-scatter). Tests: ``test_hooks_zero.py``.
 
 These modules import nothing above them (only tfdist's bottom row: cluster, files, ...):
 the Keras hand-off passes itself in. ``tests/test_layout.py`` checks that no module

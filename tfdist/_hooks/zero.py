@@ -1,5 +1,5 @@
 """Hooks for sharded optimizer state (`tfdist.strategies._zero`): plain per-replica
-variables, a Keras optimizer built without its slots, and Keras' weight-decay rule.
+variables, Keras' weight-decay rule, and TF's collective reduce-scatter.
 
 ``tests/test_hooks_zero.py`` fails loudly when a TF or Keras upgrade removes what they touch.
 """
@@ -45,26 +45,6 @@ def uses_weight_decay(optimizer, variable) -> bool:
     return optimizer._use_weight_decay(variable)
 
 
-def build_without_slots(optimizer) -> None:
-    """Makes ``optimizer.build`` create no slot variables (sharded slots live elsewhere).
-
-    Why: Keras' ``fit`` builds the optimizer on every trainable variable before the
-    first step (full-size mirrored slots on every replica): the memory sharding saves.
-    The base ``keras.optimizers.Optimizer.build`` records the variables (what ``apply``
-    needs) and creates no slots; it is set on the instance's ``__dict__`` (Keras'
-    attribute tracking would track the function).
-    """
-    import keras
-
-    if optimizer.built:
-        return
-
-    def build(variables):
-        keras.optimizers.Optimizer.build(optimizer, variables)
-
-    optimizer.__dict__["build"] = build
-
-
 def backend_update_step_overridden(optimizer) -> bool:
     """Whether the optimizer class does work outside ``update_step`` (Nadam)."""
     from tfdist._hooks.keras_optimizer import overrides_backend_update_step
@@ -108,15 +88,3 @@ def collective_reduce_scatter(distribution, tensor):
             merge_op="Add", final_op="Id", communication_hint=options.implementation.value,
             timeout_seconds=options.timeout_seconds or 0)
 
-
-def replace_state_io(optimizer, save, load) -> None:
-    """``optimizer.save_own_variables``/``load_own_variables`` become ``save``/``load``.
-
-    Why: Keras' saving (``model.save``, ``save_weights``, so every checkpoint callback)
-    writes an optimizer's state through these two methods, one entry per variable of
-    ``optimizer.variables``; a sharded optimizer's slots live elsewhere, and the file
-    must hold them whole in the unsharded layout. Set in the instance's ``__dict__``
-    (Keras' attribute tracking would track the functions).
-    """
-    optimizer.__dict__["save_own_variables"] = save
-    optimizer.__dict__["load_own_variables"] = load

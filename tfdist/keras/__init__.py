@@ -2,7 +2,7 @@
 
 ``tfdist.keras.callbacks`` holds `ModelCheckpoint`, `BackupAndRestore` and
 `MetricsLogger`; ``tfdist.keras.guards`` holds `StopOnNaN`; `SidecarEvaluator` evaluates the chief's checkpoints in an evaluator
-task; ``tfdist.keras.handoff`` is the contract between strategies and Keras
+task; `ShardedOptimizer` shards an optimizer's state over the replicas; ``tfdist.keras.handoff`` is the contract between strategies and Keras
 (`KerasHandoff`). Importing this package imports nothing: ``callbacks``, ``guards`` and
 `SidecarEvaluator` (which import Keras and TensorFlow) load on first attribute access,
 so strategies can import the hand-off without an import circle.
@@ -12,9 +12,10 @@ import importlib
 
 # Public name -> module that defines it (the module itself for a submodule's name).
 _LAZY = {"callbacks": "tfdist.keras.callbacks", "guards": "tfdist.keras.guards",
-         "SidecarEvaluator": "tfdist.keras.evaluator"}
+         "SidecarEvaluator": "tfdist.keras.evaluator",
+         "ShardedOptimizer": "tfdist.strategies.sharded_optimizer"}
 
-__all__ = ["SidecarEvaluator", "callbacks", "guards"]
+__all__ = ["ShardedOptimizer", "SidecarEvaluator", "callbacks", "guards"]
 
 
 def __getattr__(name):

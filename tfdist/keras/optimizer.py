@@ -14,3 +14,11 @@ def inner_optimizer(optimizer):
     while getattr(optimizer, "inner_optimizer", None) is not None:
         optimizer = optimizer.inner_optimizer
     return optimizer
+
+
+def sharded_wrapper(optimizer):
+    """The sharded optimizer wrapper (`tfdist.keras.ShardedOptimizer`, the one with
+    ``sharded_update``) at or inside ``optimizer``, or None."""
+    while optimizer is not None and not hasattr(optimizer, "sharded_update"):
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return optimizer

@@ -23,7 +23,7 @@ import re
 
 import tensorflow as tf
 
-from tfdist.keras.optimizer import inner_optimizer
+from tfdist.keras.optimizer import inner_optimizer, sharded_wrapper
 from tfdist.strategies.state import StateComponent, unique
 
 
@@ -36,7 +36,9 @@ class KerasState(StateComponent):
         self.model = model
 
     def shared_variables(self) -> list:
-        return unique((*self.model.variables, *self.model.optimizer.variables))
+        own = {id(v) for v in _sharded_variables(self.model.optimizer)}
+        return unique((*self.model.variables,
+                       *(v for v in self.model.optimizer.variables if id(v) not in own)))
 
 
 class MetricsState(StateComponent):
@@ -117,28 +119,34 @@ class FullSlot:
 
 
 class ShardedSlotsState(StateComponent):
-    """Sharded optimizer state's slots (see the module's words).
+    """Sharded optimizer state's slots (see the module's words): the slices a
+    `tfdist.strategies.sharded_optimizer.ShardedOptimizer` holds as its own variables.
 
     Args:
-        model: The Keras model (its optimizer and trainable variables).
-        make: ``make(optimizer, variables)``: the strategy's
-            `tfdist.strategies._zero.ShardedOptimizerState` of them, made when missing.
-        drop: ``drop()``: forgets the strategy's sharded states (made again for the
-            new replica count at the next ``make``).
+        model: The Keras model (its optimizer, wrapped at ``fit``).
+        strategy: The strategy (the sharded state is cut for its replica count).
         gather: ``gather(parts)``: one tensor per local replica, all-gathered whole.
     """
 
     feature = "shard_optimizer_state"
 
-    def __init__(self, model, make, drop, gather):
-        self.model, self._make, self._drop, self.gather = model, make, drop, gather
+    def __init__(self, model, strategy, gather):
+        self.model, self.strategy, self.gather = model, strategy, gather
         self.state = None
         self._full: list[FullSlot] = []
 
+    def _wrapper(self):
+        wrapper = sharded_wrapper(self.model.optimizer)
+        if wrapper is None:
+            raise ValueError("shard_optimizer_state=True needs the model's optimizer "
+                             "wrapped (fit does it). Received: "
+                             f"optimizer={type(self.model.optimizer).__name__}")
+        return wrapper
+
     def prepare(self) -> None:
         """The sharded state of the model's optimizer, made before the first step."""
-        self.state = self._make(inner_optimizer(self.model.optimizer),
-                                list(self.model.trainable_variables))
+        self.state = self._wrapper().make_state(self.strategy,
+                                                list(self.model.trainable_variables))
         if not self._full:
             kinds = len(self.slots(0)[0]) if self.state.buckets else 0
             self._full = [FullSlot(self, k, s) for k in range(len(self.state.buckets))
@@ -160,6 +168,13 @@ class ShardedSlotsState(StateComponent):
     def resize(self, old: int, new: int) -> None:
         """Makes the sharded state again, cut for ``new`` replicas (its slots are then
         assigned the committed whole slots)."""
-        self._drop()
+        self._wrapper().drop_state()
         self.state = None
         self.prepare()
+
+
+
+def _sharded_variables(optimizer) -> list:
+    """The slices a sharded optimizer wrapper holds (each replica's own), or []."""
+    wrapper = sharded_wrapper(optimizer)
+    return [] if wrapper is None else wrapper.sharded_variables()

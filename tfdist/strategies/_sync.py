@@ -16,27 +16,26 @@ cross-replica context whether this is the k-th micro-batch; only then are the su
 all-reduced through the communicator (once per k) and applied.
 
 With ``shard_optimizer_state=True`` the optimizer step is replaced too: gradients are
-reduce-scattered and each replica updates its slice (`tfdist.strategies._zero`); saves
-hold the state whole (`tfdist.strategies._zero_saving`).
+reduce-scattered and each replica updates its slice: the model's optimizer is wrapped in
+a `tfdist.strategies.sharded_optimizer.ShardedOptimizer` (which owns the slices and saves
+them whole) at ``fit`` or a load.
 """
 
 from __future__ import annotations
 
 import functools
 
+import keras
 import tensorflow as tf
 
 from tfdist._hooks import keras_optimizer
-from tfdist._hooks import zero as zero_hooks
 from tfdist.checks import check_bool
 from tfdist.comm.accounting import ByteCounter
 from tfdist.comm.communicator import Accounted, StrategyCommunicator, per_replica
 from tfdist.comm.options import CommunicationOptions
 from tfdist.keras import handoff
-from tfdist.keras.optimizer import inner_optimizer
-from tfdist.strategies import _zero as sharded
+from tfdist.keras.optimizer import inner_optimizer, sharded_wrapper
 from tfdist.strategies._fit import KerasFitMixin
-from tfdist.strategies._zero_saving import ShardedSaving
 
 
 def _local_accumulators(variables) -> list:
@@ -85,8 +84,6 @@ class SyncGradientsMixin(KerasFitMixin):
         """
         self.shard_optimizer_state = check_bool("shard_optimizer_state", shard_optimizer_state)
         self.shard_optimizer_state = shard_optimizer_state
-        self._sharded_states = {}
-        self._sharded_savings = {}
         self.communication = options
         self.communicator = communicator or Accounted(
             StrategyCommunicator(cross_device_ops), options.compression_policy,
@@ -134,17 +131,25 @@ class SyncGradientsMixin(KerasFitMixin):
             self._prepare_sharding(model)
 
     def _prepare_sharding(self, model):
-        """Before fit or a load: the optimizer checked, built without slots, and its
-        saves made whole (`tfdist.strategies._zero_saving`)."""
+        """Before fit or a load: the model's optimizer wrapped in a `ShardedOptimizer`
+        (a `LossScaleOptimizer`'s inner one, as Keras nests them)."""
+        from tfdist.strategies.sharded_optimizer import (ShardedLossScaleOptimizer,
+                                                         ShardedOptimizer)
+
         optimizer = getattr(model, "optimizer", None)
         if not self.shard_optimizer_state or optimizer is None:
             return
-        sharded.check_shardable(optimizer)
-        zero_hooks.build_without_slots(getattr(optimizer, "inner_optimizer", optimizer))
-        if id(optimizer) not in self._sharded_savings:  # saved whole
-            saving = ShardedSaving(self, model)
-            self._sharded_savings[id(saving.outer)] = saving
-            self._sharded_savings[id(saving.optimizer)] = saving
+        outer = optimizer if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else None
+        target = outer.inner_optimizer if outer is not None else optimizer
+        if isinstance(target, ShardedOptimizer):
+            return
+        with self.scope():  # its counters mirrored, as the optimizer's own
+            wrapped = ShardedOptimizer(target)
+            if outer is not None:  # the loss scale outside, as compile nests them
+                wrapped = ShardedLossScaleOptimizer(
+                    wrapped, initial_scale=outer.initial_scale,
+                    dynamic_growth_steps=outer.dynamic_growth_steps, name=outer.name)
+        model.optimizer = wrapped
 
     def keras_model_event(self, model, method, when):
         super().keras_model_event(model, method, when)
@@ -153,10 +158,6 @@ class SyncGradientsMixin(KerasFitMixin):
             optimizer = getattr(model, "optimizer", None)
             if optimizer is not None and not optimizer.built and model.trainable_variables:
                 optimizer.build(model.trainable_variables)  # no slots: loads the counters
-        saving = getattr(self, "_sharded_savings", {}).get(
-            id(getattr(model, "optimizer", None)))
-        if saving is not None and method in ("save", "save_weights") and when == "before":
-            saving.before_save()
 
     def state_components(self, model) -> list:
         """What this strategy's training state is made of (`tfdist.strategies.state`):
@@ -171,9 +172,7 @@ class SyncGradientsMixin(KerasFitMixin):
                                                       inner_optimizer(model.optimizer),
                                                       model.trainable_variables, None)))
         if self.shard_optimizer_state:
-            found.append(components.ShardedSlotsState(
-                model, self._sharded_state, self._sharded_states.clear,
-                self._gather_whole))
+            found.append(components.ShardedSlotsState(model, self, self._gather_whole))
         return found
 
     def _gather_whole(self, parts):
@@ -181,10 +180,10 @@ class SyncGradientsMixin(KerasFitMixin):
         return self.communicator.all_gather(self, per_replica(parts, always_wrap=True))
 
     def sharded_optimizer_state(self, optimizer):
-        """The `tfdist.strategies._zero.ShardedOptimizerState` of ``optimizer``, or None
-        before its first sharded step."""
-        return next((state for (opt, _), state in self._sharded_states.items()
-                     if opt == id(optimizer)), None)
+        """The `tfdist.strategies._zero.ShardedOptimizerState` of ``optimizer`` (the
+        model's, wrapped or not), or None before its first sharded step."""
+        wrapper = sharded_wrapper(optimizer)
+        return None if wrapper is None else wrapper.state
 
     def _sharded_apply(self, optimizer, apply_fn, grads, variables):
         del apply_fn
@@ -193,19 +192,8 @@ class SyncGradientsMixin(KerasFitMixin):
             args=(list(grads),))
 
     def _merge_sharded(self, optimizer, variables, distribution, grads):
-        self._sharded_state(optimizer, variables).apply(
-            distribution, self.communicator, optimizer, grads, variables)
-
-    def _sharded_state(self, optimizer, variables):
-        key = (id(optimizer), tuple(id(v) for v in variables))
-        if key not in self._sharded_states:
-            sharded.check_shardable(optimizer)
-            self._sharded_states[key] = sharded.ShardedOptimizerState(self, optimizer,
-                                                                      variables)
-            saving = self._sharded_savings.get(id(optimizer))
-            if saving is not None:
-                saving.restore_pending(self._sharded_states[key])
-        return self._sharded_states[key]
+        _wrapper_of(optimizer).sharded_update(distribution, self.communicator, grads,
+                                              variables)
 
     def _accumulate_apply(self, optimizer, apply_fn, grads, variables):
         del apply_fn
@@ -217,9 +205,10 @@ class SyncGradientsMixin(KerasFitMixin):
                              f"use_ema={optimizer.use_ema}")
         if not self.shard_optimizer_state:  # the sharded step keeps Keras' variables
             variables = [getattr(v, "value", v) for v in variables]
+        owner = inner_optimizer(optimizer)  # the key state_components uses too
         context = tf.distribute.get_replica_context()
-        context.merge_call(functools.partial(self._ensure_accumulators, optimizer, variables))
-        sums = self._accumulators[id(optimizer)]
+        context.merge_call(functools.partial(self._ensure_accumulators, owner, variables))
+        sums = self._accumulators[id(owner)]
         totals = [acc.read_value() + tf.convert_to_tensor(g) for acc, g in zip(sums, grads)]
         is_update = context.merge_call(
             functools.partial(self._merge_accumulated, optimizer, variables), args=(totals,))
@@ -238,8 +227,8 @@ class SyncGradientsMixin(KerasFitMixin):
 
         def update():
             if self.shard_optimizer_state:
-                self._sharded_state(optimizer, variables).apply(
-                    distribution, self.communicator, optimizer, list(totals), variables,
+                _wrapper_of(optimizer).sharded_update(
+                    distribution, self.communicator, list(totals), variables,
                     scale=1 / steps)
                 return tf.constant(True)
             reduced = self.communicator.all_reduce(distribution, list(totals), variables,
@@ -256,3 +245,13 @@ class SyncGradientsMixin(KerasFitMixin):
             return tf.constant(False)
 
         return tf.cond(is_update, update, skip)
+
+
+def _wrapper_of(optimizer):
+    """The `ShardedOptimizer` a sharded step runs for (refuses a bare optimizer)."""
+    wrapper = sharded_wrapper(optimizer)
+    if wrapper is None:
+        raise ValueError("shard_optimizer_state=True steps a tfdist.keras.ShardedOptimizer "
+                         "(fit wraps the model's optimizer). Received: "
+                         f"optimizer={type(optimizer).__name__}")
+    return wrapper
