@@ -1,7 +1,12 @@
 """State as components: each stateful feature declares its state once.
 
-Elastic commits, rollbacks and joiner broadcasts, ``BackupAndRestore`` and saves ask a
-strategy's components (`StateComponent`) what to copy, and nothing else. A component
+Elastic commits, rollbacks and joiner broadcasts ask a strategy's components
+(`StateComponent`) what to copy, and nothing else. Saves (``save``, ``save_weights``,
+``ModelCheckpoint``, ``BackupAndRestore``) ask them whether a save now holds the whole
+state (`StateComponent.save_refusal`); what a save writes is Keras' own save of the model
+and its optimizer, which holds every component's shared state (sharded slots through the
+`tfdist.strategies.sharded_optimizer.ShardedOptimizer` wrapper's own variables; model
+averaging averages first, so its anchors are the saved weights). A component
 says, for its feature:
 
 - which variables every member holds equal (`StateComponent.shared_variables`):
@@ -140,26 +145,6 @@ def may_reform(components: Iterable[StateComponent]) -> bool:
 def commit_point(components: Iterable[StateComponent], steps_ahead: int) -> bool:
     """Whether every component lets a commit land after ``steps_ahead`` more steps."""
     return all(c.commit_point(steps_ahead) for c in components)
-
-
-def check_save(components: Iterable[StateComponent]) -> None:
-    """Raises ValueError naming each feature whose state a save now would lose."""
-    reasons = [f"{c.feature}: {reason}" for c in components
-               for reason in [c.save_refusal()] if reason]
-    if reasons:
-        raise ValueError("a save here would lose training state: " + "; ".join(reasons))
-
-
-def committed(components: Iterable[StateComponent]) -> None:
-    """Tells every component that the state was just committed."""
-    for component in components:
-        component.committed()
-
-
-def rolled_back(components: Iterable[StateComponent]) -> None:
-    """Tells every component that the state was just put back to the last commit."""
-    for component in components:
-        component.rolled_back()
 
 
 def check_save(components: Iterable[StateComponent]) -> None:
