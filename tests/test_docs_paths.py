@@ -13,7 +13,7 @@ PAGES = sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md"]
 # Folders a cited path may start with, looked up from the checkout's root.
 ROOTED = ("tests/", "tfdist/", "scripts/", "benchmarks/", "configs/", "notebooks/", "docs/")
 # A path in backquotes (with an optional ::test and [parameters]).
-CITED = re.compile(r"`([A-Za-z0-9_./*-]+\.(?:py|md|toml|yaml|ipynb|sh|json))(?![\w.])"
+CITED = re.compile(r"`([A-Za-z0-9_./*-]+\.(?:py|md|toml|yaml|ipynb|sh|json|sbatch|png))(?![\w.])"
                    r"(?:::\s*([A-Za-z0-9_*]+)(?:\[[^\]`]*\])?)?")
 # Paths of the checkout in prose, without backquotes.
 PROSE = re.compile(r"(?<![\w/.`])((?:tests|tfdist|scripts|benchmarks|configs|notebooks|docs)/"
@@ -24,7 +24,7 @@ DOTTED = re.compile(r"`(tfdist(?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
 BARE_TEST = re.compile(r"(?<![/\w])(test_[a-z0-9_]+\.py)(?:::([A-Za-z0-9_*]+))?")
 # Names that are examples or files a run writes, not files of the checkout.
 OUTPUTS = {"report.json", "compare.json", "compare.md", "config.resolved.json",
-           "bench_status.json", "RESULTS.md", "tfdist_training_done.json", "train.py",
+           "bench_status.json", "RESULTS.md", "tfdist_training_done.json", "train.py", "report.png", "compare.png",
            "my.toml", "x.toml", "A.toml", "B.toml", "CONFIG.toml"}
 
 
@@ -46,7 +46,7 @@ def _resolve(page: str, cited: str) -> Path | None:
         return (REPO / page).parent.joinpath(cited).resolve()
     if Path(name).name in OUTPUTS or Path(name).stem.isupper():  # FILE.py: a placeholder
         return None
-    if name.startswith(ROOTED) or name in ("Makefile", "setup.cfg"):
+    if name.startswith(ROOTED) or name in ("Makefile", "setup.cfg", "Dockerfile"):
         return REPO / name
     if name.startswith("test_"):
         return REPO / "tests" / name
