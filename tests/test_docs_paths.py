@@ -3,6 +3,7 @@
 
 import ast
 import fnmatch
+import functools
 import re
 from pathlib import Path
 
@@ -39,6 +40,11 @@ def _citations() -> list[tuple[str, str, str | None]]:
     return sorted(found, key=lambda c: (c[0], c[1], c[2] or ""))
 
 
+@functools.lru_cache(maxsize=1)
+def _package_files() -> tuple[Path, ...]:
+    return tuple((REPO / "tfdist").rglob("*"))
+
+
 def _resolve(page: str, cited: str) -> Path | None:
     """The checkout file ``cited`` names, or None when it names an output or example."""
     name = cited.lstrip("./")
@@ -55,11 +61,11 @@ def _resolve(page: str, cited: str) -> Path | None:
     if name.startswith(("DIR/", "OUTPUT_DIR/", "/opt/")):
         return None
     # A path inside the package, like _hooks/keras.py, averaging/keras.py or _fit.py.
-    matches = [p for p in (REPO / "tfdist").rglob(Path(name).name)
-               if p.as_posix().endswith("/" + name)]
+    matches = [p for p in _package_files() if p.as_posix().endswith("/" + name)]
     return matches[0] if matches else REPO / "tfdist" / name
 
 
+@functools.lru_cache(maxsize=None)
 def _test_names(path: Path) -> set[str]:
     tree = ast.parse(path.read_text())
     return {node.name for node in ast.walk(tree)
@@ -137,4 +143,21 @@ def test_every_cited_module_and_name_exists():
         rest = parts[split:]
         if path is None or len(rest) > 2 or rest and not _defines(path, rest[0]):
             missing.append(f"{page}: {dotted}")
+    assert not missing, "\n".join(missing)
+
+
+# Flags of other tools the docs quote (spark-submit, docker).
+OTHER_TOOLS_FLAGS = {"--args", "--build-arg", "--conf"}
+
+
+@pytest.mark.unit
+def test_every_cited_command_line_flag_exists():
+    """A `--flag` in backquotes is one of tfdist's (cli, launcher, benchmarks, scripts)."""
+    sources = "\n".join(p.read_text() for folder in ("tfdist", "benchmarks", "scripts")
+                        for p in (REPO / folder).rglob("*.py"))
+    flags = {(page.relative_to(REPO).as_posix(), flag) for page in PAGES
+             for flag in re.findall(r"`(--[a-z][a-z-]+)", page.read_text())}
+    assert len(flags) > 10, flags
+    missing = sorted(f"{page}: {flag}" for page, flag in flags
+                     if flag not in OTHER_TOOLS_FLAGS and f'"{flag}"' not in sources)
     assert not missing, "\n".join(missing)
