@@ -29,10 +29,20 @@ OUTPUTS = {"report.json", "compare.json", "compare.md", "config.resolved.json",
            "my.toml", "x.toml", "A.toml", "B.toml", "CONFIG.toml"}
 
 
+# `::test_name` after a test file's citation: a test of the file cited last before it.
+FOLLOWING = re.compile(r"(test_[a-z0-9_]+\.py)|`::([A-Za-z0-9_]+)")
+
+
 def _citations() -> list[tuple[str, str, str | None]]:
     found = set()
     for page in PAGES:
         text = page.read_text()
+        last = None
+        for match in FOLLOWING.finditer(text):
+            if match.group(1):
+                last = match.group(1)
+            elif last is not None:
+                found.add((page.relative_to(REPO).as_posix(), last, match.group(2)))
         for pattern in (CITED, BARE_TEST, PROSE):
             for match in pattern.finditer(text):
                 test = match.group(2) if pattern.groups > 1 else None
