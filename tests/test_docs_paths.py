@@ -171,3 +171,17 @@ def test_every_cited_command_line_flag_exists():
     missing = sorted(f"{page}: {flag}" for page, flag in flags
                      if flag not in OTHER_TOOLS_FLAGS and f'"{flag}"' not in sources)
     assert not missing, "\n".join(missing)
+
+
+@pytest.mark.unit
+def test_every_cited_environment_variable_is_read_or_set_somewhere():
+    """A ``TFDIST_*`` name the docs cite appears in the package, the tests, the
+    benchmarks, the scripts or the Makefile."""
+    sources = "\n".join(p.read_text() for folder in ("tfdist", "tests", "benchmarks", "scripts")
+                        for p in (REPO / folder).rglob("*") if p.suffix in (".py", ".sh"))
+    sources += (REPO / "Makefile").read_text()
+    cited = {(page.relative_to(REPO).as_posix(), name) for page in PAGES
+             for name in re.findall(r"\bTFDIST_[A-Z_]*[A-Z]\b", page.read_text())}
+    assert len(cited) > 5, cited
+    missing = sorted(f"{page}: {name}" for page, name in cited if name not in sources)
+    assert not missing, "\n".join(missing)
