@@ -296,17 +296,25 @@ def on_set_distribution(distribution, set_keras) -> None:
 
 def distribute_dataset(distribution, dataset, keras_shard):
     """``Distribution.distribute_dataset``: Keras' sharding (``keras_shard``); with
-    several workers each one's shard goes to its replicas as it is."""
+    several workers each one's shard goes to its replicas as it is.
+
+    Keras' shard of a dataset of N global batches holds N batches on every worker when
+    every batch is full; tfdist says so (``assert_cardinality``), so that ``fit`` knows
+    its steps (with an unknown count, every worker would run one more, empty, step at
+    the end of each epoch) and a worker left with fewer batches fails with TF's error.
+    """
+    import tensorflow as tf
+
     sharded = keras_shard(dataset)
     if num_processes() == 1:
         return sharded
     strategy = strategy_for(distribution)
+    total = int(dataset.cardinality().numpy())
+    if total >= 0 and int(sharded.cardinality().numpy()) < 0:
+        sharded = sharded.apply(tf.data.experimental.assert_cardinality(total))
     local = strategy.num_replicas_in_sync // num_processes()
     if local > 1:
-        batch = sharded.element_spec
-        import tensorflow as tf
-
-        size = tf.nest.flatten(batch)[0].shape[0]
+        size = tf.nest.flatten(sharded.element_spec)[0].shape[0]
         if size is None or size % local:
             raise ValueError(f"each worker's batch must split evenly over its {local} "
                              f"replicas. Received: batch size={size}")

@@ -1,0 +1,66 @@
+"""One backend-agnostic Keras 3 script under ``keras.distribution``, shared by the in-process
+and the launched tests of tests/test_keras_distribution.py.
+
+The script has no tfdist line: ``import tfdist`` (done by the test process and by every
+``tfdist launch`` task) is all that makes it distributed.
+"""
+
+import contextlib
+
+import numpy as np
+
+from helpers import classification_data, mlp
+
+GLOBAL_BATCH = 16
+EPOCHS = 2
+
+
+def dataset(n=64):
+    """The global dataset (tf.data, batches of GLOBAL_BATCH, a fixed order)."""
+    import tensorflow as tf
+
+    x, y = classification_data(n=n)
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+
+
+def keras_script(how="set"):
+    """Trains the small MLP with Adam on `dataset` under ``DataParallel()``.
+
+    Args:
+        how: ``"set"`` (``set_distribution``), ``"scope"`` (``with d.scope():``) or
+            ``"none"`` (no distribution: the single-device reference).
+
+    Returns:
+        ``{"devices", "count", "processes", "process", "replicas", "weights", "loss"}``.
+    """
+    import keras
+
+    distribution = None if how == "none" else keras.distribution.DataParallel()
+    if how == "set":
+        keras.distribution.set_distribution(distribution)
+    scope = distribution.scope() if how == "scope" else contextlib.nullcontext()
+    try:
+        with scope:
+            model = mlp()
+            model.compile(keras.optimizers.Adam(0.01),
+                          keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            replicas = model.distribute_strategy.num_replicas_in_sync
+            model.fit(dataset(), epochs=EPOCHS, verbose=0)
+            loss = model.evaluate(dataset(), verbose=0)
+    finally:
+        if how == "set":
+            keras.distribution.set_distribution(None)
+    return {"devices": keras.distribution.list_devices(),
+            "count": keras.distribution.get_device_count(),
+            "processes": distribution.num_processes if distribution else 1,
+            "process": distribution._process_id if distribution else 0,
+            "replicas": replicas, "loss": float(loss),
+            "weights": [np.asarray(w) for w in model.get_weights()]}
+
+
+def launched_task():
+    """In each task of the 2-worker launch: initialize() from TF_CONFIG, then the script."""
+    import keras
+
+    keras.distribution.initialize()
+    return keras_script("set")
