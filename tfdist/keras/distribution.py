@@ -160,7 +160,8 @@ def _axes(layout):
 def refuse_layout(field: str, value, layout, batch: str, why: str) -> ValueError:
     """The one error for a layout tfdist cannot run (``field=value`` names what has it)."""
     return ValueError(
-        f"tfdist cannot run the layout {_axes(layout)!r} of {field} {value!r} on TensorFlow: "
+        f"tfdist cannot run the layout {_axes(layout)!r} of {field.split('.')[0]} {value!r} "
+        "on TensorFlow: "
         f"{why}. tfdist lays variables out over the batch axis {batch!r} only (fully "
         f"sharded parameters); tensor parallelism (any other mesh axis) is not implemented "
         f"yet. Received: {field}={value!r}, layout={_axes(layout)!r}")
