@@ -269,7 +269,8 @@ def _tf_device(name: str) -> str:
 
 def strategy_for(distribution):
     """The tfdist strategy that runs ``distribution`` (made once per plan)."""
-    import tfdist
+    from tfdist.strategies.mirrored import MirroredStrategy
+    from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 
     name, kwargs = strategy_plan(distribution)
     shard_filter = kwargs.get("shard_filter")
@@ -280,7 +281,8 @@ def strategy_for(distribution):
             raise ValueError("a multi-worker process runs one tfdist strategy: this "
                              "distribution needs another one than the distribution set "
                              f"before. Received: distribution={distribution!r}")
-        strategy = getattr(tfdist, name)(**kwargs)
+        strategy = {"MirroredStrategy": MirroredStrategy,
+                    "MultiWorkerMirroredStrategy": MultiWorkerMirroredStrategy}[name](**kwargs)
         _job.strategies[key] = (strategy, shard_filter)
     return _job.strategies[key][0]
 
