@@ -31,7 +31,8 @@ def keras_script(how="set"):
             ``"none"`` (no distribution: the single-device reference).
 
     Returns:
-        ``{"devices", "count", "processes", "process", "replicas", "weights", "loss"}``.
+        ``{"devices", "count", "processes", "process", "replicas", "weights", "loss",
+        "predictions"}``.
     """
     import keras
 
@@ -47,6 +48,7 @@ def keras_script(how="set"):
             replicas = model.distribute_strategy.num_replicas_in_sync
             model.fit(dataset(), epochs=EPOCHS, verbose=0)
             loss = model.evaluate(dataset(), verbose=0)
+            predictions = model.predict(dataset(), verbose=0)
     finally:
         if how == "set":
             keras.distribution.set_distribution(None)
@@ -54,7 +56,7 @@ def keras_script(how="set"):
             "count": keras.distribution.get_device_count(),
             "processes": distribution.num_processes if distribution else 1,
             "process": distribution._process_id if distribution else 0,
-            "replicas": replicas, "loss": float(loss),
+            "replicas": replicas, "loss": float(loss), "predictions": predictions,
             "weights": [np.asarray(w) for w in model.get_weights()]}
 
 

@@ -57,6 +57,7 @@ def test_data_parallel_equals_mirrored_and_one_device(logical_cpus, no_distribut
     assert_weights_close(got["weights"], reference["weights"])
     assert_weights_close(got["weights"], _mirrored_reference())
     assert got["loss"] == pytest.approx(reference["loss"], abs=1e-5)
+    np.testing.assert_allclose(got["predictions"], reference["predictions"], atol=1e-5)
 
 
 @pytest.mark.multiprocess
@@ -73,6 +74,8 @@ def test_two_workers_data_parallel_equals_one_device(logical_cpus):
         assert task["processes"] == 2 and task["replicas"] == 2
         assert_weights_close(task["weights"], reference["weights"])
         assert task["loss"] == pytest.approx(reference["loss"], abs=1e-5)
+        # Every worker gets the predictions of the whole dataset, in its order.
+        np.testing.assert_allclose(task["predictions"], reference["predictions"], atol=1e-5)
     assert_weights_close(tasks[0]["weights"], tasks[1]["weights"], atol=0)
 
 
