@@ -6,6 +6,8 @@ If one of these fails after a Keras upgrade, the hook it names must be rewritten
 
 import inspect
 
+import pytest
+
 
 def test_keras_public_functions_call_the_backend_module_by_name():
     from keras.src.distribution import distribution_lib
@@ -77,3 +79,22 @@ def test_import_tfdist_installs_the_patches():
     assert keras.distribution.set_distribution.__wrapped__ is not None
     assert Variable._initialize.__name__ == "_initialize" and "check_variable_layout" in (
         Variable._initialize.__code__.co_names)
+
+
+@pytest.mark.multiprocess
+def test_keras_imported_before_tfdist_is_patched_too():
+    """``import keras`` first: the patch lands on the loaded modules and the public
+    re-export (the other order, tfdist first, is the test process's own)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import keras, tfdist\n"
+            "from tfdist.keras import distribution as api\n"
+            "assert keras.distribution.set_distribution.__wrapped__ is not None\n"
+            "assert keras.src.backend.tensorflow.distribution_lib.process_id is api.process_id\n"
+            "print('patched', keras.distribution.list_devices())\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "KERAS_BACKEND": "tensorflow"}, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().startswith("patched ['cpu:0'")
