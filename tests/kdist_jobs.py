@@ -23,12 +23,26 @@ def dataset(n=64):
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
 
 
-def keras_script(how="set"):
+def worker_part(process, processes, n=64):
+    """This worker's own part of `dataset` (``auto_shard_dataset=False``): its slice of
+    every global batch, batched, so that the parts of batch k make global batch k."""
+    import tensorflow as tf
+
+    x, y = classification_data(n=n)
+    part = GLOBAL_BATCH // processes
+    rows = np.concatenate([np.arange(start + process * part, start + (process + 1) * part)
+                           for start in range(0, n, GLOBAL_BATCH)])
+    return tf.data.Dataset.from_tensor_slices((x[rows], y[rows])).batch(part)
+
+
+def keras_script(how="set", presharded=False):
     """Trains the small MLP with Adam on `dataset` under ``DataParallel()``.
 
     Args:
         how: ``"set"`` (``set_distribution``), ``"scope"`` (``with d.scope():``) or
             ``"none"`` (no distribution: the single-device reference).
+        presharded: Each worker passes its own part (`worker_part`) with
+            ``auto_shard_dataset=False`` instead of the global dataset.
 
     Returns:
         ``{"devices", "count", "processes", "process", "replicas", "weights", "loss",
@@ -37,6 +51,10 @@ def keras_script(how="set"):
     import keras
 
     distribution = None if how == "none" else keras.distribution.DataParallel()
+    data = dataset
+    if presharded:
+        distribution.auto_shard_dataset = False
+        data = lambda: worker_part(distribution.data_shard_id, distribution.num_processes)
     if how == "set":
         keras.distribution.set_distribution(distribution)
     scope = distribution.scope() if how == "scope" else contextlib.nullcontext()
@@ -46,23 +64,24 @@ def keras_script(how="set"):
             model.compile(keras.optimizers.Adam(0.01),
                           keras.losses.SparseCategoricalCrossentropy(from_logits=True))
             replicas = model.distribute_strategy.num_replicas_in_sync
-            model.fit(dataset(), epochs=EPOCHS, verbose=0)
-            loss = model.evaluate(dataset(), verbose=0)
-            predictions = model.predict(dataset(), verbose=0)
+            model.fit(data(), epochs=EPOCHS, verbose=0)
+            loss = model.evaluate(data(), verbose=0)
+            predictions = model.predict(data(), verbose=0)
     finally:
         if how == "set":
             keras.distribution.set_distribution(None)
     return {"devices": keras.distribution.list_devices(),
             "count": keras.distribution.get_device_count(),
             "processes": distribution.num_processes if distribution else 1,
-            "process": distribution._process_id if distribution else 0,
+            "process": distribution.data_shard_id if distribution else 0,
             "replicas": replicas, "loss": float(loss), "predictions": predictions,
             "weights": [np.asarray(w) for w in model.get_weights()]}
 
 
 def launched_task():
-    """In each task of the 2-worker launch: initialize() from TF_CONFIG, then the script."""
+    """In each task of the 2-worker launch: initialize() from TF_CONFIG, then the script
+    on the global dataset, then on each worker's own part (one strategy serves both)."""
     import keras
 
     keras.distribution.initialize()
-    return keras_script("set")
+    return {"global": keras_script("set"), "parts": keras_script("set", presharded=True)}

@@ -67,16 +67,21 @@ def test_two_workers_data_parallel_equals_one_device(logical_cpus):
 
     tasks = run_cluster(launched_task, timeout=280)
     reference = keras_script("none")
-    assert [t["process"] for t in tasks] == [0, 1]
-    for task in tasks:
-        # One CPU replica per worker, as tfdist.MultiWorkerMirroredStrategy makes them.
-        assert task["devices"] == ["cpu:0", "cpu:1"] and task["count"] == 2
-        assert task["processes"] == 2 and task["replicas"] == 2
-        assert_weights_close(task["weights"], reference["weights"])
-        assert task["loss"] == pytest.approx(reference["loss"], abs=1e-5)
-        # Every worker gets the predictions of the whole dataset, in its order.
-        np.testing.assert_allclose(task["predictions"], reference["predictions"], atol=1e-5)
-    assert_weights_close(tasks[0]["weights"], tasks[1]["weights"], atol=0)
+    # "global": every worker passes the global dataset (Keras shards it); "parts": each
+    # passes its own slice of every global batch (auto_shard_dataset=False).
+    for case in ("global", "parts"):
+        runs = [task[case] for task in tasks]
+        assert [r["process"] for r in runs] == [0, 1]
+        for run in runs:
+            # One CPU replica per worker, as tfdist.MultiWorkerMirroredStrategy makes them.
+            assert run["devices"] == ["cpu:0", "cpu:1"] and run["count"] == 2
+            assert run["processes"] == 2 and run["replicas"] == 2
+            assert_weights_close(run["weights"], reference["weights"])
+            assert run["loss"] == pytest.approx(reference["loss"], abs=1e-5)
+            # Every worker gets the predictions of the whole dataset, in its order.
+            np.testing.assert_allclose(run["predictions"], reference["predictions"],
+                                       atol=1e-5)
+        assert_weights_close(runs[0]["weights"], runs[1]["weights"], atol=0)
 
 
 def _layout_map(entries, shape=(2, 1)):
@@ -196,3 +201,20 @@ def test_initialize_from_job_addresses(logical_cpus, fresh_job):
     with pytest.raises(ValueError, match="process_id must be .* process_id=None"):
         keras.distribution.initialize("127.0.0.1:2222,127.0.0.1:2223")
     assert GLOBAL_BATCH % 2 == 0  # the launched test's batch splits over 2 workers
+
+
+def test_multi_worker_plans(logical_cpus, fresh_job):
+    import keras
+
+    keras.distribution.initialize("127.0.0.1:2222,127.0.0.1:2223", 2, 0)
+    name, kwargs = fresh_job.strategy_plan(keras.distribution.DataParallel())
+    assert name == "MultiWorkerMirroredStrategy" and set(kwargs) == {"cluster_resolver"}
+    assert kwargs["cluster_resolver"].worker == ("127.0.0.1:2222", "127.0.0.1:2223")
+    layout_map = _layout_map([(".*kernel", ("batch", None))])
+    name, kwargs = fresh_job.strategy_plan(
+        keras.distribution.ModelParallel(layout_map=layout_map))
+    assert name == "MultiWorkerMirroredStrategy" and kwargs["shard_parameters"] is True
+    assert kwargs["shard_filter"]("first/kernel") is True
+    with pytest.raises(ValueError, match=r"must hold every device .* Received: "
+                                         r"devices=\['cpu:0'\], list_devices\(\)="):
+        fresh_job.strategy_plan(keras.distribution.DataParallel(devices=["cpu:0"]))
