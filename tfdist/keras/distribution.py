@@ -4,13 +4,13 @@ strategy.
 ``import tfdist`` installs this (`tfdist._hooks.keras_distribution` patches Keras when it
 loads its distribution module); backend-agnostic Keras 3 code then needs no tfdist line:
 
-| Keras | what tfdist runs |
-|---|---|
-| ``list_devices()`` | every device of every worker (TF_CONFIG, ``tfdist launch``), worker by worker: ``cpu:0`` .. ``cpu:N-1`` |
-| ``initialize()`` | the job from TF_CONFIG, or from its ``job_addresses`` (every worker's address) |
-| ``DataParallel()`` on one process | `tfdist.MirroredStrategy` over the mesh's devices |
-| ``DataParallel()`` on several | `tfdist.MultiWorkerMirroredStrategy` (the mesh must hold every device) |
-| ``ModelParallel(layout_map)``, layouts on the batch axis | the same strategy with ``shard_parameters=True`` and a ``shard_filter`` from the layout map |
+- ``list_devices()``: every device of every worker (TF_CONFIG, ``tfdist launch``),
+  worker by worker: ``cpu:0`` .. ``cpu:N-1``;
+- ``initialize()``: the job from TF_CONFIG, or from ``job_addresses`` (every worker's);
+- ``DataParallel()``: `tfdist.MirroredStrategy` over the mesh's devices on one process,
+  `tfdist.MultiWorkerMirroredStrategy` on several (the mesh holds every device);
+- ``ModelParallel(layout_map=...)`` with layouts on the batch axis: the same strategy
+  with ``shard_parameters=True`` and a `ShardFilter` over the layout map.
 
 ``set_distribution(d)`` and ``with d.scope():`` make the strategy TF's default
 (``tf.distribute.experimental_set_strategy``): build the model after it. A layout on any
