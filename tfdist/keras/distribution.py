@@ -293,8 +293,8 @@ def on_set_distribution(distribution, set_keras) -> None:
     import tensorflow as tf
 
     strategy = None if distribution is None else strategy_for(distribution)
+    tf.distribute.experimental_set_strategy(strategy)  # raises inside a strategy's scope
     set_keras(distribution)
-    tf.distribute.experimental_set_strategy(strategy)
 
 
 def distribute_dataset(distribution, dataset, keras_shard):
