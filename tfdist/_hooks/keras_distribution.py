@@ -76,6 +76,9 @@ class _PatchingLoader(importlib.abc.Loader):
     def __init__(self, loader, load_api):
         self.loader, self.load_api = loader, load_api
 
+    def __getattr__(self, name):  # get_source, get_filename, ...: the real loader's
+        return getattr(self.loader, name)
+
     def create_module(self, spec):
         return self.loader.create_module(spec)
 
