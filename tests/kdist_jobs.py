@@ -35,7 +35,19 @@ def worker_part(process, processes, n=64):
     return tf.data.Dataset.from_tensor_slices((x[rows], y[rows])).batch(part)
 
 
-def keras_script(how="set", presharded=False):
+def batch_axis_model_parallel():
+    """``ModelParallel`` whose LayoutMap lays every kernel out on the batch axis (fully
+    sharded kernels; biases replicated), over every device."""
+    import keras
+
+    devices = keras.distribution.list_devices()
+    mesh = keras.distribution.DeviceMesh((len(devices), 1), ["batch", "model"], devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*kernel"] = ("batch", None)
+    return keras.distribution.ModelParallel(layout_map=layout_map)
+
+
+def keras_script(how="set", presharded=False, kind="data"):
     """Trains the small MLP with Adam on `dataset` under ``DataParallel()``.
 
     Args:
@@ -43,6 +55,7 @@ def keras_script(how="set", presharded=False):
             ``"none"`` (no distribution: the single-device reference).
         presharded: Each worker passes its own part (`worker_part`) with
             ``auto_shard_dataset=False`` instead of the global dataset.
+        kind: ``"data"`` (``DataParallel()``) or ``"model"`` (`batch_axis_model_parallel`).
 
     Returns:
         ``{"devices", "count", "processes", "process", "replicas", "weights", "loss",
@@ -50,7 +63,10 @@ def keras_script(how="set", presharded=False):
     """
     import keras
 
-    distribution = None if how == "none" else keras.distribution.DataParallel()
+    distribution = None
+    if how != "none":
+        distribution = (keras.distribution.DataParallel() if kind == "data"
+                        else batch_axis_model_parallel())
     data = dataset
     if presharded:
         distribution.auto_shard_dataset = False
@@ -64,6 +80,7 @@ def keras_script(how="set", presharded=False):
             model.compile(keras.optimizers.Adam(0.01),
                           keras.losses.SparseCategoricalCrossentropy(from_logits=True))
             replicas = model.distribute_strategy.num_replicas_in_sync
+            sharded = _sharded_paths(model) if kind == "model" else None
             model.fit(data(), epochs=EPOCHS, verbose=0)
             loss = model.evaluate(data(), verbose=0)
             predictions = model.predict(data(), verbose=0)
@@ -75,7 +92,16 @@ def keras_script(how="set", presharded=False):
             "processes": distribution.num_processes if distribution else 1,
             "process": distribution.data_shard_id if distribution else 0,
             "replicas": replicas, "loss": float(loss), "predictions": predictions,
+            "sharded": sharded,
             "weights": [np.asarray(w) for w in model.get_weights()]}
+
+
+def _sharded_paths(model):
+    """Paths of the model's variables stored 1/N per replica (fully sharded parameters,
+    `shard_parameters=True`)."""
+    from tfdist._hooks.fsdp import shard_of
+
+    return sorted(v.path for v in model.weights if shard_of(v) is not None)
 
 
 def launched_task():
@@ -85,3 +111,8 @@ def launched_task():
 
     keras.distribution.initialize()
     return {"global": keras_script("set"), "parts": keras_script("set", presharded=True)}
+
+
+def launched_model_parallel_task():
+    """In each task of a 2-worker launch: the script under `batch_axis_model_parallel`."""
+    return keras_script("set", kind="model")
