@@ -162,6 +162,23 @@ def test_replicated_layouts_run_as_data_parallel(logical_cpus, no_distribution):
 # Until the fully-sharded-parameters branch (issue #33 item 1) merges, the strategies
 # refuse shard_parameters= (TypeError): strict xfails, which fail once it has merged
 # (checked on a scratch merge of both branches: both pass), to become plain tests.
+def test_distribute_tensor_keeps_batch_layouts_and_refuses_others(logical_cpus,
+                                                                   no_distribution):
+    import keras
+
+    layout_map = _layout_map([])
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+    mesh = layout_map.device_mesh
+    x = keras.ops.ones((4, 3))
+    same = keras.distribution.distribute_tensor(
+        x, keras.distribution.TensorLayout(("batch", None), mesh))
+    assert same is x
+    with pytest.raises(ValueError, match=r"Received: tensor='a layer output or value', "
+                                         r"layout=\(None, 'model'\)"):
+        keras.distribution.distribute_tensor(
+            x, keras.distribution.TensorLayout((None, "model"), mesh))
+
+
 def until_fsdp(raises):
     return pytest.mark.xfail(strict=True, raises=raises,
                              reason="needs shard_parameters= (issue #33 item 1)")
