@@ -77,23 +77,43 @@ def _variable_bytes() -> int:
     return total
 
 
-def _task(engine, options, width, layers, batch, warmup, steps):
+def dense_stack(width: int, layers: int, seed: int = 0):
+    """``layers`` Dense layers of ``width`` (the benchmark's model), seeded."""
     import keras
+
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((width,))] + [
+        keras.layers.Dense(width) for _ in range(layers)])
+
+
+def random_data(width: int, rows: int):
+    """``(x, y)``: normal float32 rows, the same in every process."""
     import numpy as np
+
+    rng = np.random.default_rng(0)
+    return (rng.normal(size=(rows, width)).astype("float32"),
+            rng.normal(size=(rows, width)).astype("float32"))
+
+
+def adam():
+    """The optimizer of every run (epsilon 1e-3: a first step that does not turn
+    rounding-sized gradients into whole steps, so runs compare at 1e-5)."""
+    import keras
+
+    return keras.optimizers.Adam(1e-4, epsilon=1e-3)
+
+
+def _task(engine, options, width, layers, batch, warmup, steps, weights=False):
+    import keras
 
     import tfdist
 
     start = _rss("VmRSS")
     strategy = tfdist.MultiWorkerMirroredStrategy(engine=engine, **options)
-    rng = np.random.default_rng(0)
-    rows = batch * max(warmup, steps)
-    x = rng.normal(size=(rows, width)).astype("float32")
-    y = rng.normal(size=(rows, width)).astype("float32")
+    x, y = random_data(width, batch * max(warmup, steps))
     with strategy.scope():
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((width,))] + [
-            keras.layers.Dense(width) for _ in range(layers)])
-        model.compile(keras.optimizers.Adam(1e-4), loss="mse")
+        model = dense_stack(width, layers)
+        model.compile(adam(), loss="mse")
     times = []
 
     class StepTimes(keras.callbacks.Callback):
@@ -103,16 +123,33 @@ def _task(engine, options, width, layers, batch, warmup, steps):
         def on_train_batch_end(self, batch_index, logs=None):
             times.append(time.perf_counter() - self.t0)
 
-    model.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=warmup, verbose=0)
+    model.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=warmup, shuffle=False,
+              verbose=0)
     before = strategy.bytes_communicated
-    model.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=steps, verbose=0,
-              callbacks=[StepTimes()])
+    model.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=steps, shuffle=False,
+              verbose=0, callbacks=[StepTimes()])
     counted = (strategy.bytes_communicated - before) / steps
-    return {"rank": strategy.rank, "workers": strategy.num_replicas_in_sync,
-            "parameters": int(model.count_params()),
-            "persistent_bytes": _variable_bytes(),
-            "net_peak_rss": _rss("VmHWM") - start,
-            "step_seconds": statistics.median(times), "wire_bytes_per_step": counted}
+    result = {"rank": strategy.rank, "workers": strategy.num_replicas_in_sync,
+              "parameters": int(model.count_params()),
+              "persistent_bytes": _variable_bytes(),
+              "net_peak_rss": _rss("VmHWM") - start,
+              "step_seconds": statistics.median(times), "wire_bytes_per_step": counted}
+    if weights:
+        found = model.get_weights()  # every worker: a sharded read is a collective
+        if strategy.rank == 0:
+            result["weights"] = found
+    return result
+
+
+def reference_weights(width, layers, batch, warmup, steps) -> list:
+    """`_task`'s training in this process on one device: the weights."""
+    x, y = random_data(width, batch * max(warmup, steps))
+    model = dense_stack(width, layers)
+    model.compile(adam(), loss="mse")
+    for count in (warmup, steps):
+        model.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=count, shuffle=False,
+                  verbose=0)
+    return model.get_weights()
 
 
 def _largest(run: list) -> dict:
