@@ -146,7 +146,7 @@ def reference_weights(width, layers, batch, warmup, steps) -> list:
     x, y = random_data(width, batch * max(warmup, steps))
     model = dense_stack(width, layers)
     model.compile(adam(), loss="mse")
-    for count in (warmup, steps):
+    for count in (c for c in (warmup, steps) if c):
         model.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=count, shuffle=False,
                   verbose=0)
     return model.get_weights()
