@@ -220,6 +220,24 @@ def capped(engine: str, config: dict, cap_bytes: int) -> dict:
                               for label, value in largest.items()}}
 
 
+def goal_values(data: dict, quick: bool) -> dict:
+    """The figures docs/benchmarks.md's ``fsdp-*`` goals are checked on (`benchmarks.goals`)."""
+    if quick:
+        return {"goal_values_missing": "a --quick run (small model)"}
+    fsdp = {n: modes["shard_parameters"] for n, modes in data["ratios"].items()}
+    cap = data.get("capped")
+    return {"goal_values": {
+        "fsdp-persistent": {f"{n} workers: persistent bytes x N": r["persistent_bytes"] * int(n)
+                            for n, r in fsdp.items()},
+        "fsdp-peak": {"4 workers: net peak RSS": fsdp["4"]["net_peak_rss"]} if "4" in fsdp
+        else {},
+        "fsdp-wire": {f"{n} workers: wire bytes": r["wire_bytes"] for n, r in fsdp.items()},
+        "fsdp-step": {f"{n} workers: step time": r["step_time"] for n, r in fsdp.items()},
+        "fsdp-capacity": {"largest model, 4 sharded / 1 unsharded": None if cap is None
+                          else cap["largest_ratio"]["4 workers, shard_parameters"]},
+    }}
+
+
 def _plot(out: Path, cap: dict) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -252,6 +270,7 @@ def main(argv=None) -> dict:
 
     why = cannot_cap() if config["cap_widths"] else "--quick: no capped runs"
     data["capped"] = None if why else capped(engine, config, args.cap_mb * 2**20)
+    data.update(goal_values(data, args.quick))
     mb = 1e6
     table = [["run", "parameters (M)", "persistent (MB)", "net peak RSS (MB)", "step (ms)",
               "wire / step (MB)"]]
