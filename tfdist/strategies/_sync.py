@@ -29,6 +29,7 @@ import keras
 import tensorflow as tf
 
 from tfdist._hooks import keras_optimizer
+from tfdist._hooks.fsdp import shard_of
 from tfdist.checks import check_bool
 from tfdist.comm.accounting import ByteCounter
 from tfdist.comm.communicator import Accounted, StrategyCommunicator, per_replica
@@ -59,17 +60,19 @@ class SyncGradientsMixin(KerasFitMixin):
 
     #: Set by `_init_sync_gradients`; False for strategies that do not call it.
     shard_optimizer_state = False
+    #: `tfdist.strategies._fsdp.ParameterSharding` with ``shard_parameters=True``, else None.
+    parameter_sharding = None
 
     @property
     def save_needs_every_worker(self) -> bool:
         """Whether a save runs collectives, so that every worker must call it, as in
         stock TF's multi-worker saving: sharded optimizer state is gathered."""
-        return self.shard_optimizer_state
+        return self.shard_optimizer_state or self.parameter_sharding is not None
 
     def _init_sync_gradients(self, options: CommunicationOptions,
                              communicator: Accounted | None = None,
-                             cross_device_ops=None, shard_optimizer_state: bool = False
-                             ) -> None:
+                             cross_device_ops=None, shard_optimizer_state: bool = False,
+                             sharding: dict | None = None) -> None:
         """Sets ``communication`` and ``communicator``; call outside any scope.
 
         Args:
@@ -81,6 +84,8 @@ class SyncGradientsMixin(KerasFitMixin):
                 through ``communicator`` (`tfdist.HorovodStrategy`).
             shard_optimizer_state: Each replica keeps 1/N of the optimizer state
                 (`tfdist.strategies._zero`).
+            sharding: None, or the `tfdist.strategies._fsdp.ParameterSharding`
+                arguments (``shard_parameters=True``).
         """
         self.shard_optimizer_state = check_bool("shard_optimizer_state", shard_optimizer_state)
         self.shard_optimizer_state = shard_optimizer_state
@@ -92,6 +97,12 @@ class SyncGradientsMixin(KerasFitMixin):
         # Micro-batches seen, a host counter (created outside any scope).
         self._micro_steps = ByteCounter("tfdist_micro_steps")
         handoff.install_keras_hooks()
+        if sharding is not None:
+            from tfdist._hooks.fsdp import install_parameter_hooks
+            from tfdist.strategies._fsdp import ParameterSharding
+
+            self.parameter_sharding = ParameterSharding(self, **sharding)
+            install_parameter_hooks()
 
     @property
     def bytes_communicated(self) -> int:
@@ -103,13 +114,15 @@ class SyncGradientsMixin(KerasFitMixin):
     keras_clip_after_reduce = True  # clipping as on one device (see docs/zero.md)
 
     def keras_reduce_gradients(self, grads_and_vars, reduce):
-        present = [grad for grad, _ in grads_and_vars if grad is not None]
-        if not present:
+        if not any(grad is not None for grad, _ in grads_and_vars):
             return reduce(grads_and_vars)  # Keras' own error: no gradients at all
+        # A sharded parameter's gradient was reduce-scattered by its gather's gradient.
+        whole = [grad is not None and shard_of(var) is None for grad, var in grads_and_vars]
+        present = [grad for (grad, _), keep in zip(grads_and_vars, whole) if keep]
         reduced = iter(tf.distribute.get_replica_context().merge_call(
-            self._all_reduce_sum, args=(present,)))
-        return [(None if grad is None else next(reduced), var)
-                for grad, var in grads_and_vars]
+            self._all_reduce_sum, args=(present,)) if present else [])
+        return [(next(reduced) if keep else grad, var)
+                for (grad, var), keep in zip(grads_and_vars, whole)]
 
     def _all_reduce_sum(self, distribution, grads):
         """Cross-replica: each gradient summed over every replica, by the communicator."""

@@ -77,6 +77,34 @@ def _sync_options(communication_options, compression, accumulate_steps,
                          accumulate_steps=accumulate_steps)
 
 
+# DeepSpeed's persistence threshold (stage3_param_persistence_threshold).
+MIN_SHARD_ELEMENTS = 100_000
+
+
+def check_sharding(shard_parameters=False, min_shard_elements=MIN_SHARD_ELEMENTS,
+                   shard_filter=None, reshard_after_forward=True,
+                   shard_optimizer_state=False, accumulate_steps=1) -> dict | None:
+    """The ``shard_parameters`` arguments, checked: None when it is off, else the
+    `tfdist.strategies._fsdp.ParameterSharding` keyword arguments."""
+    check_bool("shard_parameters", shard_parameters)
+    check_int("min_shard_elements", min_shard_elements, 1)
+    check_bool("reshard_after_forward", reshard_after_forward)
+    if shard_filter is not None and not callable(shard_filter):
+        raise ValueError("shard_filter must be None or a function of a variable's path. "
+                         f"Received: shard_filter={shard_filter!r}")
+    if not shard_parameters:
+        return None
+    if shard_optimizer_state:
+        raise ValueError("shard_parameters=True shards the optimizer state with the "
+                         "parameters; drop shard_optimizer_state. Received: "
+                         "shard_optimizer_state=True")
+    if accumulate_steps and accumulate_steps > 1:
+        raise ValueError("shard_parameters=True does not combine with accumulate_steps "
+                         f"yet. Received: accumulate_steps={accumulate_steps}")
+    return dict(min_shard_elements=min_shard_elements, shard_filter=shard_filter,
+                reshard_after_forward=reshard_after_forward)
+
+
 def check_mirrored(devices=None, communication_options=None, compression=None,
                    accumulate_steps=None, shard_optimizer_state=False) -> CommunicationOptions:
     """`tfdist.MirroredStrategy`'s arguments; returns its `CommunicationOptions`."""

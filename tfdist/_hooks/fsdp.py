@@ -1,0 +1,124 @@
+"""Hooks for fully sharded parameters (`tfdist.strategies._fsdp`): where Keras makes,
+reads, writes and saves a variable's TF value.
+
+Why: Keras 3 keeps a variable's value in the private ``_value`` of
+``keras.src.backend.tensorflow.core.Variable``, made by the private ``_initialize``;
+layers read it through ``__tf_tensor__``; ``numpy``/``__array__`` (saves,
+``get_weights``) and ``_direct_assign`` (``assign``, loads) reach it directly. With
+``shard_parameters=True`` a large variable's ``_value`` is a mirrored variable holding
+each replica's *slice* (flat, padded), so these four places must make it, gather it
+(in a replica function), or gather/scatter it whole (outside one). An optimizer's slot
+made from a sharded reference (``TFOptimizer.add_variable_from_reference``) is sharded
+the same way. Nothing changes for any other variable.
+
+The strategy side is duck-typed: the running strategy's ``parameter_sharding``
+attribute (`tfdist.strategies._fsdp.ParameterSharding`) decides and creates; a sharded
+TF variable carries ``_tfdist_shard`` (`tfdist.strategies._fsdp.Shard`) with the gather
+and scatter. ``tests/test_hooks_fsdp.py`` fails loudly when a Keras upgrade removes
+what is patched here.
+"""
+
+from __future__ import annotations
+
+import threading
+
+_LIKE = threading.local()  # the sharded reference of the slot being made, if any
+
+
+def shard_of(variable):
+    """The `Shard` of a Keras or TF variable stored sharded, else None."""
+    value = getattr(variable, "_value", variable)
+    try:
+        return getattr(value, "_tfdist_shard", None)
+    except (AttributeError, ValueError):
+        return None
+
+
+def _in_replica_function() -> bool:
+    import tensorflow as tf
+
+    return tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context()
+
+
+def _in_update() -> bool:
+    """Whether this runs in ``extended.update`` for one replica (an optimizer's step).
+
+    Why: TF tells it only through the private ``get_update_replica_id``.
+    """
+    from tensorflow.python.distribute import distribute_lib
+
+    return distribute_lib.get_update_replica_id() is not None
+
+
+def install_parameter_hooks() -> None:
+    """Patches Keras' TF variable and optimizer once. Idempotent."""
+    import tensorflow as tf
+    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+    from keras.src.backend.tensorflow import core
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    cls = core.Variable
+    if getattr(cls, "_tfdist_parameter_hooks", False):
+        return
+    initialize, to_tensor = cls._initialize, cls.__tf_tensor__
+    numpy, array, direct_assign = cls.numpy, cls.__array__, cls._direct_assign
+    from_reference = TFOptimizer.add_variable_from_reference
+
+    def _initialize(self, value):
+        if not isinstance(value, tf.Variable):
+            plan = getattr(tf.distribute.get_strategy(), "parameter_sharding", None)
+            like = getattr(_LIKE, "reference", None)
+            if plan is not None and (plan.wants(self) or (
+                    like is not None and tuple(like.shape) == tuple(self._shape))):
+                self._value = plan.create(self, value)
+                return
+        initialize(self, value)
+
+    def __tf_tensor__(self, dtype=None, name=None):
+        shard = shard_of(self)
+        if shard is None or _in_update():  # an optimizer's step: this replica's slice
+            return to_tensor(self, dtype=dtype, name=name)
+        if in_symbolic_scope():  # Keras' shape inference: only the shape matters
+            value = tf.zeros(self._shape, self._dtype)
+        elif _in_replica_function():
+            value = shard.gather(self)
+        elif tf.executing_eagerly():
+            value = tf.constant(shard.full_numpy(self))
+        else:
+            value = shard.local_whole(self)
+        return tf.convert_to_tensor(self._maybe_autocast(value), dtype=dtype, name=name)
+
+    def numpy_(self):
+        shard = shard_of(self)
+        return numpy(self) if shard is None else shard.full_numpy(self)
+
+    def __array__(self, dtype=None):
+        shard = shard_of(self)
+        if shard is None:
+            return array(self, dtype)
+        value = shard.full_numpy(self)
+        return value if dtype is None else value.astype(dtype)
+
+    def _direct_assign(self, value):
+        shard = shard_of(self)
+        if shard is None:
+            return direct_assign(self, value)
+        return shard.assign_full(self, value)
+
+    def add_variable_from_reference(self, reference_variable, name=None,
+                                    initializer="zeros"):
+        previous = getattr(_LIKE, "reference", None)
+        _LIKE.reference = reference_variable if shard_of(reference_variable) else None
+        try:
+            return from_reference(self, reference_variable, name=name,
+                                  initializer=initializer)
+        finally:
+            _LIKE.reference = previous
+
+    cls._initialize = _initialize
+    cls.__tf_tensor__ = __tf_tensor__
+    cls.numpy = numpy_
+    cls.__array__ = __array__
+    cls._direct_assign = _direct_assign
+    TFOptimizer.add_variable_from_reference = add_variable_from_reference
+    cls._tfdist_parameter_hooks = True

@@ -1,0 +1,190 @@
+"""Fully sharded parameters (ZeRO-3 / FSDP) for the synchronous strategies.
+
+With ``shard_parameters=True`` every trainable floating Keras variable of at least
+``min_shard_elements`` elements (or that ``shard_filter(path)`` names) made in the
+strategy's scope is stored as 1/N per replica: its TF value is a mirrored variable of
+``ceil(size / N)`` elements whose replica r holds elements ``[r*s, (r+1)*s)`` of the
+flattened, zero-padded value (`Shard`). Keras' own optimizer then builds its slots from
+it the same way (`tfdist._hooks.fsdp`), so the optimizer state is sharded like the
+parameters and updated slice by slice (element-wise optimizers only).
+
+When a layer reads the variable in a replica function, the slices are all-gathered
+through the strategy's communicator into the whole value (`Shard.gather`); the gather's
+gradient is a reduce-scatter, so each replica receives its slice's gradient summed over
+every replica, and the strategy's gradient all-reduce leaves it out. Outside a replica
+function (``get_weights``, saves, loads) the value is gathered or scattered whole: a
+collective, so every worker takes part, as in sharded optimizer state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from tfdist.comm.communicator import per_replica, replica_ids
+from tfdist.strategies.arguments import MIN_SHARD_ELEMENTS
+
+
+@dataclasses.dataclass(eq=False)
+class Shard:
+    """How one variable is cut: ``size`` elements of ``shape`` in slices of ``slice_size``."""
+
+    plan: "ParameterSharding"
+    shape: tuple
+    size: int
+    slice_size: int
+
+    def gather(self, variable):
+        """Replica context: the whole value (all-gathered; gradient reduce-scattered)."""
+        import tensorflow as tf
+
+        value = variable._value
+        local = tf.convert_to_tensor(value)  # this replica's slice (its read is watched)
+        full = self.plan.all_gather(local)
+        return tf.reshape(full[:self.size], self.shape)
+
+    def full_numpy(self, variable):
+        """Cross-replica: the whole value as a numpy array (a collective)."""
+        import tensorflow as tf
+
+        value = variable._value
+        parts = [tf.convert_to_tensor(v) for v in value.values]
+        full = self.plan.strategy.gather(per_replica(parts, always_wrap=True), axis=0)
+        return np.asarray(full)[:self.size].reshape(self.shape)
+
+    def local_whole(self, variable):
+        """Cross-replica, in a graph: the whole value from this worker's slices (the
+        other workers' slices read as zeros: a traced function outside a replica
+        function cannot run the gather on every worker)."""
+        import tensorflow as tf
+
+        parts = [tf.convert_to_tensor(v) for v in variable._value.values]
+        ids = replica_ids(self.plan.strategy)
+        flat = tf.concat(parts, 0)
+        if len(ids) < self.plan.replicas:
+            at = ids[0] * self.slice_size
+            flat = tf.pad(flat, [[at, self.slice_size * self.plan.replicas - at
+                                  - len(ids) * self.slice_size]])
+        return tf.reshape(flat[:self.size], self.shape)
+
+    def assign_full(self, variable, value):
+        """Cross-replica: each local replica takes its slice of the whole ``value``."""
+        flat = self.pad(np.asarray(value, dtype=np.dtype(variable._value.dtype.name)))
+        for component, replica in zip(variable._value.values, replica_ids(self.plan.strategy)):
+            component.assign(flat[replica * self.slice_size:(replica + 1) * self.slice_size])
+
+    def pad(self, value):
+        flat = np.reshape(value, [-1])
+        return np.pad(flat, (0, self.slice_size * self.plan.replicas - self.size))
+
+
+class ParameterSharding:
+    """A strategy's ``parameter_sharding``: which variables are sharded, and how.
+
+    Args:
+        strategy: The strategy (its replicas and its ``communicator``).
+        min_shard_elements: Variables with fewer elements stay whole.
+        shard_filter: None, or ``f(path) -> True | False | None`` (None: the size rule).
+        reshard_after_forward: Whether a layer's gathered values are dropped after its
+            forward pass and gathered again for its backward pass.
+    """
+
+    def __init__(self, strategy, min_shard_elements=MIN_SHARD_ELEMENTS, shard_filter=None,
+                 reshard_after_forward=True):
+        self.strategy = strategy
+        self.min_shard_elements = min_shard_elements
+        self.shard_filter = shard_filter
+        self.reshard_after_forward = reshard_after_forward
+
+    @property
+    def replicas(self) -> int:
+        return self.strategy.num_replicas_in_sync
+
+    def wants(self, variable) -> bool:
+        """Whether the Keras ``variable`` being made is stored sharded."""
+        import keras
+
+        if not variable.trainable or not keras.backend.is_float_dtype(variable.dtype):
+            return False
+        if any(d is None for d in variable._shape) or not variable._shape:
+            return False
+        decided = None if self.shard_filter is None else self.shard_filter(variable.path)
+        if decided is not None:
+            if not isinstance(decided, bool):
+                raise ValueError("shard_filter must return True, False or None. Received: "
+                                 f"{decided!r} for path={variable.path!r}")
+            return decided
+        return math.prod(variable._shape) >= self.min_shard_elements
+
+    def create(self, variable, value):
+        """The mirrored slice variable of the Keras ``variable`` whose initial value is
+        ``value`` (a tensor or a function returning one). The whole initial value is
+        made once, then cut (in a multi-worker job, the chief's is broadcast first)."""
+        import tensorflow as tf
+
+        with tf.init_scope():
+            full = value() if callable(value) else value
+            full = tf.convert_to_tensor(full, dtype=variable._dtype)
+            if getattr(self.strategy, "num_workers", 1) > 1:
+                # The strategy's creator broadcasts the chief's initial value.
+                whole = tf.Variable(full, trainable=False, name="tfdist_initial_value")
+                full = tf.convert_to_tensor(whole.values[0])
+                del whole
+            size = math.prod(variable._shape)
+            shard = Shard(self, tuple(variable._shape), size,
+                          max(1, math.ceil(size / self.replicas)))
+            flat = shard.pad(full.numpy())
+            created = tf.Variable(
+                flat[:shard.slice_size], dtype=variable._dtype, trainable=variable.trainable,
+                name=variable.name,
+                aggregation=variable._map_aggregation(variable.aggregation),
+                synchronization=variable._map_synchronization(variable.synchronization))
+            for component, replica in zip(created.values, replica_ids(self.strategy)):
+                component.assign(flat[replica * shard.slice_size:
+                                      (replica + 1) * shard.slice_size])
+            created._tfdist_shard = shard
+        return created
+
+    def all_gather(self, local):
+        """Replica context: every replica's flat slice, concatenated; the gradient is
+        reduce-scattered (summed over replicas, each keeps its slice)."""
+        import tensorflow as tf
+
+        communicator = self.strategy.communicator
+
+        @tf.custom_gradient
+        def gather(part):
+            context = tf.distribute.get_replica_context()
+            full = context.merge_call(
+                lambda distribution, x: communicator.all_gather(distribution, x),
+                args=(part,))
+
+            def grad(upstream):
+                upstream = tf.convert_to_tensor(upstream)
+                context = tf.distribute.get_replica_context()
+                return context.merge_call(
+                    lambda distribution, g: communicator.reduce_scatter(
+                        distribution, [g], op="sum")[0], args=(upstream,))
+
+            return full, grad
+
+        return gather(local)
+
+
+def sharded_elements(model) -> list[int]:
+    """Per local replica: the elements of the sharded variables (model and optimizer)
+    it holds."""
+    from tfdist._hooks.fsdp import shard_of
+
+    variables = list(model.weights)
+    if getattr(model, "optimizer", None) is not None:
+        variables += list(model.optimizer.variables)
+    counts = None
+    for variable in variables:
+        if shard_of(variable) is None:
+            continue
+        sizes = [math.prod(v.shape) for v in variable._value.values]
+        counts = sizes if counts is None else [a + b for a, b in zip(counts, sizes)]
+    return counts or []
