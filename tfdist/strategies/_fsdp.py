@@ -24,6 +24,7 @@ import math
 import numpy as np
 
 from tfdist.comm.communicator import per_replica, replica_ids
+from tfdist.strategies import _zero_sparse as _sparse
 from tfdist.strategies.arguments import MIN_SHARD_ELEMENTS
 
 
@@ -40,10 +41,8 @@ class Shard:
         """Replica context: the whole value (all-gathered; gradient reduce-scattered)."""
         import tensorflow as tf
 
-        value = variable._value
-        local = tf.convert_to_tensor(value)  # this replica's slice (its read is watched)
-        full = self.plan.all_gather(local)
-        return tf.reshape(full[:self.size], self.shape)
+        local = tf.convert_to_tensor(variable._value)  # this replica's slice (watched)
+        return self.plan.all_gather(local, self)
 
     def full_numpy(self, variable):
         """Cross-replica: the whole value as a numpy array (a collective)."""
@@ -74,6 +73,11 @@ class Shard:
         flat = self.pad(np.asarray(value, dtype=np.dtype(variable._value.dtype.name)))
         for component, replica in zip(variable._value.values, replica_ids(self.plan.strategy)):
             component.assign(flat[replica * self.slice_size:(replica + 1) * self.slice_size])
+
+    def pad_tensor(self, flat):
+        import tensorflow as tf
+
+        return tf.pad(flat, [[0, self.slice_size * self.plan.replicas - self.size]])
 
     def pad(self, value):
         flat = np.reshape(value, [-1])
@@ -147,9 +151,12 @@ class ParameterSharding:
             created._tfdist_shard = shard
         return created
 
-    def all_gather(self, local):
-        """Replica context: every replica's flat slice, concatenated; the gradient is
-        reduce-scattered (summed over replicas, each keeps its slice)."""
+    def all_gather(self, local, shard):
+        """Replica context: every replica's slice of ``shard``'s variable, concatenated
+        and shaped; the gradient is reduce-scattered (summed over replicas, each keeps
+        its slice). A sparse gradient (an embedding lookup) keeps Keras' semantics, as
+        in `tfdist.strategies._zero`: each replica receives every occurrence falling in
+        its slice, as a 1-D ``tf.IndexedSlices``."""
         import tensorflow as tf
 
         communicator = self.strategy.communicator
@@ -162,15 +169,35 @@ class ParameterSharding:
                 args=(part,))
 
             def grad(upstream):
-                upstream = tf.convert_to_tensor(upstream)
                 context = tf.distribute.get_replica_context()
+                if isinstance(upstream, tf.IndexedSlices):
+                    return context.merge_call(self._scatter_sparse, args=(upstream, shard))
+                flat = shard.pad_tensor(tf.reshape(tf.convert_to_tensor(upstream), [-1]))
                 return context.merge_call(
                     lambda distribution, g: communicator.reduce_scatter(
-                        distribution, [g], op="sum")[0], args=(upstream,))
+                        distribution, [g], op="sum")[0], args=(flat,))
 
-            return full, grad
+            return tf.reshape(full[:shard.size], shard.shape), grad
 
         return gather(local)
+
+    def _scatter_sparse(self, distribution, grads, shard):
+        """Cross-replica: per local replica, the occurrences in its slice."""
+        import tensorflow as tf
+
+        local = distribution.experimental_local_results(grads)
+        dtype = local[0].values.dtype
+        pairs = [_sparse.occurrences(g, 0, shard.shape, dtype) for g in local]
+        indices, values = _sparse.gather_occurrences(distribution, self.strategy.communicator,
+                                                     pairs)
+        parts = []
+        for device, replica in zip(distribution.extended.worker_devices,
+                                   replica_ids(distribution)):
+            with tf.device(device):
+                parts.append(_sparse.slice_gradient(
+                    tf.zeros([shard.slice_size], dtype), indices, values,
+                    replica * shard.slice_size, shard.slice_size))
+        return per_replica(parts, always_wrap=True)
 
 
 def sharded_elements(model) -> list[int]:
