@@ -92,7 +92,7 @@ def install_parameter_hooks() -> None:
         shard = shard_of(self)
         return numpy(self) if shard is None else shard.full_numpy(self)
 
-    def __array__(self, dtype=None):
+    def __array__(self, dtype=None, copy=None):
         shard = shard_of(self)
         if shard is None:
             return array(self, dtype)

@@ -1,0 +1,117 @@
+"""shard_parameters=True (ZeRO-3 / FSDP): on 2 logical CPUs under MirroredStrategy and on
+2 workers under tfdist launch (both engines), a model with Embedding,
+MultiHeadAttention, Dense and Conv2D ends equal to one device with the global batch;
+each replica holds half of the sharded elements; saves hold the unsharded layout."""
+
+import numpy as np
+import pytest
+
+from fsdp_jobs import MIN_ELEMENTS, element_counts, model, train
+from helpers import assert_weights_close
+
+OPTIMIZERS = ("adam", "adamw", "sgd")
+
+
+def _check_counts(counts, whole, replicas=2):
+    assert counts, "no sharded variable"
+    for count in counts:  # half, plus padding: less than one element per variable
+        assert whole / replicas <= count <= whole / replicas + 64
+
+
+def test_sharded_parameters_match_one_device_and_save_unsharded(logical_cpus, tmp_path):
+    import keras
+    import tfdist
+    from tfdist._hooks.fsdp import shard_of
+
+    for name in OPTIMIZERS:
+        strategy = tfdist.MirroredStrategy(shard_parameters=True,
+                                           min_shard_elements=MIN_ELEMENTS)
+        got, trained = train(strategy, name)
+        ref, _ = train(None, name)
+        assert_weights_close(got, ref, atol=1e-5)
+        counts, whole = element_counts(trained)
+        assert len(counts) == 2
+        _check_counts(counts, whole)
+        for v in trained.weights:  # every kernel (Dense, Conv2D, EinsumDense) and the table
+            assert (shard_of(v) is not None) == v.path.endswith(("kernel", "embeddings"))
+    # The save holds the unsharded layout: a plain model (no strategy) loads it.
+    path = str(tmp_path / "sharded.weights.h5")
+    trained.save_weights(path)
+    plain = model()
+    plain.compile(keras.optimizers.SGD(0.1, momentum=0.9), "mse")
+    plain.optimizer.build(plain.trainable_variables)
+    plain.load_weights(path)
+    assert_weights_close([np.asarray(w) for w in plain.get_weights()], got, atol=0)
+    momenta = [np.asarray(v) for v in plain.optimizer.variables if len(v.shape)]
+    assert any(np.abs(m).max() > 0 for m in momenta)
+    # ...and loads back into a sharded model (each replica takes its slice).
+    with strategy.scope():
+        again = model(seed=5)
+    again.load_weights(path)
+    assert_weights_close([np.asarray(w) for w in again.get_weights()], got, atol=0)
+
+
+def test_shard_filter_decides_before_the_size_rule(logical_cpus):
+    import tfdist
+    from tfdist._hooks.fsdp import shard_of
+
+    strategy = tfdist.MirroredStrategy(
+        shard_parameters=True, min_shard_elements=10**9,
+        shard_filter=lambda path: True if path.endswith("kernel") else None)
+    with strategy.scope():
+        built = model()
+    sharded = {v.path for v in built.weights if shard_of(v) is not None}
+    assert sharded and all(p.endswith("kernel") for p in sharded)
+    with pytest.raises(ValueError, match="Received: 1 for path="):
+        with tfdist.MirroredStrategy(shard_parameters=True,
+                                     shard_filter=lambda path: 1).scope():
+            model()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"shard_optimizer_state": True}, "Received: shard_optimizer_state=True"),
+    ({"accumulate_steps": 2}, "Received: accumulate_steps=2"),
+    ({"min_shard_elements": 0}, "min_shard_elements"),
+    ({"shard_filter": "kernel"}, "Received: shard_filter='kernel'"),
+])
+def test_refused_arguments(logical_cpus, kwargs, message):
+    import tfdist
+
+    with pytest.raises(ValueError, match=message):
+        tfdist.MirroredStrategy(shard_parameters=True, **kwargs)
+
+
+def _check_launched(results):
+    chief, other = results
+    assert chief["chief"] and not other["chief"] and chief["replicas"] == 2
+    for name in OPTIMIZERS:
+        mine, theirs = chief[name], other[name]
+        assert_weights_close(mine["weights"], theirs["weights"], atol=0)
+        assert_weights_close(mine["weights"], chief["reference"][name], atol=1e-5)
+        for result in (mine, theirs):
+            (count,) = result["counts"]
+            _check_counts([count], result["whole"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("engine", ["tf", "horovod"])
+def test_two_workers(engine, tmp_path):
+    from helpers import require_horovod, run_cluster
+
+    from fsdp_jobs import launched_task
+
+    if engine == "horovod":
+        require_horovod()
+    results = run_cluster(launched_task, engine, timeout=280,
+                          env={"TFDIST_TEST_DIR": str(tmp_path)})
+    _check_launched(results)
+    # The chief's save loads in this plain process.
+    import keras
+
+    plain = model()
+    plain.compile(keras.optimizers.SGD(0.1, momentum=0.9), "mse")
+    plain.optimizer.build(plain.trainable_variables)
+    plain.load_weights(results[0]["saved"])
+    assert_weights_close([np.asarray(w) for w in plain.get_weights()],
+                         results[0]["sgd"]["weights"], atol=0)
