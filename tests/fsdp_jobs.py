@@ -76,3 +76,20 @@ def launched_task(engine):
     if strategy.is_chief:
         out["reference"] = {name: train(None, name)[0] for name in ("adam", "adamw", "sgd")}
     return out
+
+
+def save_and_resume(strategy, path, optimizer="adam"):
+    """1 epoch, saved; a new model (other seed) loads it and trains 1 more epoch."""
+    import keras
+
+    weights, trained = train(strategy, optimizer, epochs=1)
+    trained.save_weights(path)
+    x, y = data()
+    with strategy.scope():
+        again = model(seed=7)
+        again.compile(make_optimizer(optimizer),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        again.optimizer.build(again.trainable_variables)  # its slots, sharded, to load
+    again.load_weights(path)
+    again.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    return [np.asarray(w) for w in again.get_weights()]

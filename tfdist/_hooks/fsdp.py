@@ -34,6 +34,11 @@ def shard_of(variable):
         return None
 
 
+def tf_value(variable):
+    """The TF variable holding a Keras variable's value (its slices when sharded)."""
+    return variable._value
+
+
 def _in_replica_function() -> bool:
     import tensorflow as tf
 
@@ -68,9 +73,16 @@ def install_parameter_hooks() -> None:
         if not isinstance(value, tf.Variable):
             plan = getattr(tf.distribute.get_strategy(), "parameter_sharding", None)
             like = getattr(_LIKE, "reference", None)
-            if plan is not None and (plan.wants(self) or (
-                    like is not None and tuple(like.shape) == tuple(self._shape))):
-                self._value = plan.create(self, value)
+            # A value given (not an initializer) stays whole: Keras takes the variable's
+            # shape from the TF variable made here.
+            shape = self._shape
+            if plan is not None and shape is not None and (plan.wants(self, shape) or (
+                    like is not None and tuple(like.shape) == tuple(shape))):
+                self._value, shard = plan.create(shape, value, dict(
+                    dtype=self._dtype, trainable=self.trainable, name=self.name,
+                    aggregation=self._map_aggregation(self.aggregation),
+                    synchronization=self._map_synchronization(self.synchronization)))
+                self._value._tfdist_shard = shard
                 return
         initialize(self, value)
 
@@ -81,29 +93,29 @@ def install_parameter_hooks() -> None:
         if in_symbolic_scope():  # Keras' shape inference: only the shape matters
             value = tf.zeros(self._shape, self._dtype)
         elif _in_replica_function():
-            value = shard.gather(self)
+            value = shard.gather(self._value)
         elif tf.executing_eagerly():
-            value = tf.constant(shard.full_numpy(self))
+            value = tf.constant(shard.full_numpy(self._value))
         else:
-            value = shard.local_whole(self)
+            value = shard.local_whole(self._value)
         return tf.convert_to_tensor(self._maybe_autocast(value), dtype=dtype, name=name)
 
     def numpy_(self):
         shard = shard_of(self)
-        return numpy(self) if shard is None else shard.full_numpy(self)
+        return numpy(self) if shard is None else shard.full_numpy(self._value)
 
     def __array__(self, dtype=None, copy=None):
         shard = shard_of(self)
         if shard is None:
             return array(self, dtype)
-        value = shard.full_numpy(self)
+        value = shard.full_numpy(self._value)
         return value if dtype is None else value.astype(dtype)
 
     def _direct_assign(self, value):
         shard = shard_of(self)
         if shard is None:
             return direct_assign(self, value)
-        return shard.assign_full(self, value)
+        return shard.assign_full(self._value, value)
 
     def add_variable_from_reference(self, reference_variable, name=None,
                                     initializer="zeros"):

@@ -37,29 +37,29 @@ class Shard:
     size: int
     slice_size: int
 
-    def gather(self, variable):
-        """Replica context: the whole value (all-gathered; gradient reduce-scattered)."""
+    def gather(self, value):
+        """Replica context: the whole value of the mirrored slices ``value``
+        (all-gathered; gradient reduce-scattered)."""
         import tensorflow as tf
 
-        local = tf.convert_to_tensor(variable._value)  # this replica's slice (watched)
+        local = tf.convert_to_tensor(value)  # this replica's slice (its read is watched)
         return self.plan.all_gather(local, self)
 
-    def full_numpy(self, variable):
+    def full_numpy(self, value):
         """Cross-replica: the whole value as a numpy array (a collective)."""
         import tensorflow as tf
 
-        value = variable._value
         parts = [tf.convert_to_tensor(v) for v in value.values]
         full = self.plan.strategy.gather(per_replica(parts, always_wrap=True), axis=0)
         return np.asarray(full)[:self.size].reshape(self.shape)
 
-    def local_whole(self, variable):
+    def local_whole(self, value):
         """Cross-replica, in a graph: the whole value from this worker's slices (the
         other workers' slices read as zeros: a traced function outside a replica
         function cannot run the gather on every worker)."""
         import tensorflow as tf
 
-        parts = [tf.convert_to_tensor(v) for v in variable._value.values]
+        parts = [tf.convert_to_tensor(v) for v in value.values]
         ids = replica_ids(self.plan.strategy)
         flat = tf.concat(parts, 0)
         if len(ids) < self.plan.replicas:
@@ -68,10 +68,10 @@ class Shard:
                                   - len(ids) * self.slice_size]])
         return tf.reshape(flat[:self.size], self.shape)
 
-    def assign_full(self, variable, value):
-        """Cross-replica: each local replica takes its slice of the whole ``value``."""
-        flat = self.pad(np.asarray(value, dtype=np.dtype(variable._value.dtype.name)))
-        for component, replica in zip(variable._value.values, replica_ids(self.plan.strategy)):
+    def assign_full(self, target, value):
+        """Cross-replica: each local replica of ``target`` takes its slice of ``value``."""
+        flat = self.pad(np.asarray(value, dtype=np.dtype(target.dtype.name)))
+        for component, replica in zip(target.values, replica_ids(self.plan.strategy)):
             component.assign(flat[replica * self.slice_size:(replica + 1) * self.slice_size])
 
     def pad_tensor(self, flat):
@@ -106,13 +106,14 @@ class ParameterSharding:
     def replicas(self) -> int:
         return self.strategy.num_replicas_in_sync
 
-    def wants(self, variable) -> bool:
-        """Whether the Keras ``variable`` being made is stored sharded."""
+    def wants(self, variable, shape) -> bool:
+        """Whether the Keras ``variable`` of ``shape`` being made is stored sharded."""
         import keras
 
         if not variable.trainable or not keras.backend.is_float_dtype(variable.dtype):
             return False
-        if any(d is None for d in variable._shape) or not variable._shape:
+        shape = tuple(shape)
+        if not shape or any(d is None for d in shape):
             return False
         decided = None if self.shard_filter is None else self.shard_filter(variable.path)
         if decided is not None:
@@ -120,36 +121,36 @@ class ParameterSharding:
                 raise ValueError("shard_filter must return True, False or None. Received: "
                                  f"{decided!r} for path={variable.path!r}")
             return decided
-        return math.prod(variable._shape) >= self.min_shard_elements
+        return math.prod(shape) >= self.min_shard_elements
 
-    def create(self, variable, value):
-        """The mirrored slice variable of the Keras ``variable`` whose initial value is
-        ``value`` (a tensor or a function returning one). The whole initial value is
-        made once, then cut (in a multi-worker job, the chief's is broadcast first)."""
+    def create(self, shape, value, arguments):
+        """The mirrored slice variable of a Keras variable of ``shape`` whose initial
+        value is ``value`` (a tensor or a function returning one); ``arguments``: its
+        ``tf.Variable`` keyword arguments (dtype, trainable, name, aggregation,
+        synchronization). The whole initial value is made once, then cut (in a
+        multi-worker job, the chief's is broadcast first).
+
+        Returns:
+            ``(the mirrored slice variable, its Shard)``.
+        """
         import tensorflow as tf
 
         with tf.init_scope():
             full = value() if callable(value) else value
-            full = tf.convert_to_tensor(full, dtype=variable._dtype)
+            full = tf.convert_to_tensor(full, dtype=arguments["dtype"])
             if getattr(self.strategy, "num_workers", 1) > 1:
                 # The strategy's creator broadcasts the chief's initial value.
                 whole = tf.Variable(full, trainable=False, name="tfdist_initial_value")
                 full = tf.convert_to_tensor(whole.values[0])
                 del whole
-            size = math.prod(variable._shape)
-            shard = Shard(self, tuple(variable._shape), size,
-                          max(1, math.ceil(size / self.replicas)))
+            size = math.prod(shape)
+            shard = Shard(self, tuple(shape), size, max(1, math.ceil(size / self.replicas)))
             flat = shard.pad(full.numpy())
-            created = tf.Variable(
-                flat[:shard.slice_size], dtype=variable._dtype, trainable=variable.trainable,
-                name=variable.name,
-                aggregation=variable._map_aggregation(variable.aggregation),
-                synchronization=variable._map_synchronization(variable.synchronization))
+            created = tf.Variable(flat[:shard.slice_size], **arguments)
             for component, replica in zip(created.values, replica_ids(self.strategy)):
                 component.assign(flat[replica * shard.slice_size:
                                       (replica + 1) * shard.slice_size])
-            created._tfdist_shard = shard
-        return created
+        return created, shard
 
     def all_gather(self, local, shard):
         """Replica context: every replica's slice of ``shard``'s variable, concatenated
@@ -203,7 +204,7 @@ class ParameterSharding:
 def sharded_elements(model) -> list[int]:
     """Per local replica: the elements of the sharded variables (model and optimizer)
     it holds."""
-    from tfdist._hooks.fsdp import shard_of
+    from tfdist._hooks.fsdp import shard_of, tf_value
 
     variables = list(model.weights)
     if getattr(model, "optimizer", None) is not None:
@@ -212,6 +213,6 @@ def sharded_elements(model) -> list[int]:
     for variable in variables:
         if shard_of(variable) is None:
             continue
-        sizes = [math.prod(v.shape) for v in variable._value.values]
+        sizes = [math.prod(v.shape) for v in tf_value(variable).values]
         counts = sizes if counts is None else [a + b for a, b in zip(counts, sizes)]
     return counts or []

@@ -106,12 +106,17 @@ def check_sharding(shard_parameters=False, min_shard_elements=MIN_SHARD_ELEMENTS
 
 
 def check_mirrored(devices=None, communication_options=None, compression=None,
-                   accumulate_steps=None, shard_optimizer_state=False) -> CommunicationOptions:
+                   accumulate_steps=None, shard_optimizer_state=False,
+                   shard_parameters=False, min_shard_elements=MIN_SHARD_ELEMENTS,
+                   shard_filter=None, reshard_after_forward=True) -> CommunicationOptions:
     """`tfdist.MirroredStrategy`'s arguments; returns its `CommunicationOptions`."""
     if devices is not None:
         check_device_list(devices)
-    return _sync_options(communication_options, compression, accumulate_steps,
-                         shard_optimizer_state)
+    options = _sync_options(communication_options, compression, accumulate_steps,
+                            shard_optimizer_state)
+    check_sharding(shard_parameters, min_shard_elements, shard_filter, reshard_after_forward,
+                   shard_optimizer_state, options.accumulate_steps)
+    return options
 
 
 def check_horovod(devices=None, compression=None, communication_options=None,
@@ -126,9 +131,11 @@ def check_multi_worker(communication_options=None, startup_timeout=DEFAULT_START
                        collective_timeout=DEFAULT_COLLECTIVE_TIMEOUT,
                        heartbeat_timeout=DEFAULT_HEARTBEAT_TIMEOUT, compression=None,
                        accumulate_steps=None, engine="auto", shard_optimizer_state=False,
-                       commit_every_steps=DEFAULT_COMMIT_EVERY_STEPS) -> dict[str, Any]:
+                       commit_every_steps=DEFAULT_COMMIT_EVERY_STEPS, shard_parameters=False,
+                       min_shard_elements=MIN_SHARD_ELEMENTS, shard_filter=None,
+                       reshard_after_forward=True) -> dict[str, Any]:
     """`tfdist.MultiWorkerMirroredStrategy`'s arguments, checked: a dict of
-    ``commit_every_steps``, the three timeouts and ``options``."""
+    ``commit_every_steps``, the three timeouts, ``options`` and ``sharding``."""
     checked = dict(
         commit_every_steps=check_int("commit_every_steps", commit_every_steps, 1),
         startup_timeout=check_seconds("startup_timeout", startup_timeout),
@@ -138,9 +145,13 @@ def check_multi_worker(communication_options=None, startup_timeout=DEFAULT_START
     check_engine(engine)
     checked["options"] = _sync_options(communication_options, compression, accumulate_steps,
                                        shard_optimizer_state)
+    checked["sharding"] = check_sharding(
+        shard_parameters, min_shard_elements, shard_filter, reshard_after_forward,
+        shard_optimizer_state, checked["options"].accumulate_steps)
     check_pairs("multi_worker", check_multi_worker, dict(
         compression=compression, accumulate_steps=accumulate_steps, engine=engine,
-        shard_optimizer_state=shard_optimizer_state, commit_every_steps=commit_every_steps))
+        shard_optimizer_state=shard_optimizer_state, commit_every_steps=commit_every_steps,
+        shard_parameters=shard_parameters))
     return checked
 
 
@@ -187,6 +198,10 @@ def check_model_average(period=1, warmup_steps=0, outer_optimizer=None,
         raise ValueError("ModelAverageStrategy keeps a whole optimizer per worker; "
                          "shard_optimizer_state is for the synchronous strategies. "
                          "Received: shard_optimizer_state=True")
+    if base_kwargs.pop("shard_parameters", False):
+        raise ValueError("ModelAverageStrategy keeps whole models on every worker: "
+                         "shard_parameters is for the synchronous strategies. "
+                         "Received: shard_parameters=True")
     # accumulate_steps too: given to the base class, it would be ignored, silently.
     options = merge_options(base_kwargs.pop("communication_options", None),
                             compression=compression,

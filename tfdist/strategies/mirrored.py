@@ -89,7 +89,8 @@ class MirroredStrategy(SyncGradientsMixin, tf.distribute.MirroredStrategy):
                  shard_parameters=False, min_shard_elements=MIN_SHARD_ELEMENTS,
                  shard_filter=None, reshard_after_forward=True):
         options = check_mirrored(devices, communication_options, compression,
-                                 accumulate_steps, shard_optimizer_state)
+                                 accumulate_steps, shard_optimizer_state, shard_parameters,
+                                 min_shard_elements, shard_filter, reshard_after_forward)
         sharding = check_sharding(shard_parameters, min_shard_elements, shard_filter,
                                   reshard_after_forward, shard_optimizer_state,
                                   options.accumulate_steps)

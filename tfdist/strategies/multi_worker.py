@@ -47,7 +47,7 @@ from tfdist.strategies._elastic import DEFAULT_COMMIT_EVERY_STEPS
 from tfdist.strategies._sync import SyncGradientsMixin
 from tfdist.strategies.arguments import (DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT,
                                          DEFAULT_STARTUP_TIMEOUT, MIN_SHARD_ELEMENTS,
-                                         check_multi_worker, check_sharding)
+                                         check_multi_worker)
 
 
 # What tf.compat.v1.random.get_seed(op_seed) reports as the global seed when none was set.
@@ -154,14 +154,10 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
                  reshard_after_forward=True):
         checked = check_multi_worker(
             communication_options, startup_timeout, collective_timeout, heartbeat_timeout,
-            compression, accumulate_steps, engine, shard_optimizer_state, commit_every_steps)
+            compression, accumulate_steps, engine, shard_optimizer_state, commit_every_steps,
+            shard_parameters, min_shard_elements, shard_filter, reshard_after_forward)
         options = checked.pop("options")
-        self._sharding = check_sharding(shard_parameters, min_shard_elements, shard_filter,
-                                        reshard_after_forward, shard_optimizer_state,
-                                        options.accumulate_steps)
-        if self._sharding is not None and os.environ.get(env.ELASTIC_ADDR):
-            raise ValueError("shard_parameters=True cannot re-shard in an elastic job yet "
-                             "(tfdist launch --min-workers). Received: shard_parameters=True")
+        self._sharding = checked.pop("sharding")
         self.commit_every_steps = checked["commit_every_steps"]
         self.startup_timeout = checked["startup_timeout"]
         self.collective_timeout = checked["collective_timeout"]
