@@ -140,3 +140,32 @@ def test_sharded_parameters_with_compression(logical_cpus):
     ref, _ = train(None, "sgd")
     assert_weights_close(got, plain, atol=2e-3)
     assert max(float(np.abs(a - b).max()) for a, b in zip(got, ref)) > 0  # fp16 did act
+
+
+@pytest.mark.parametrize("case", ["mixed_float16", "clipnorm", "global_clipnorm"])
+def test_sharded_matches_unsharded_with(logical_cpus, case):
+    """Mixed precision and clipping (norms over whole variables: the slices' squares
+    are summed over the replicas) equal the unsharded run; evaluate and predict too."""
+    import keras
+    import tfdist
+
+    from fsdp_jobs import data
+
+    kwargs = {} if case == "mixed_float16" else {case: 0.05}
+    if case == "mixed_float16":
+        keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        got, sharded = train(tfdist.MirroredStrategy(
+            shard_parameters=True, min_shard_elements=MIN_ELEMENTS), "adam", **kwargs)
+        plain, unsharded = train(tfdist.MirroredStrategy(), "adam", **kwargs)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert_weights_close(got, plain, atol=1e-5)
+    if case != "mixed_float16":  # clipping acted: the unclipped run differs
+        unclipped, _ = train(None, "adam")
+        assert max(float(np.abs(a - b).max()) for a, b in zip(got, unclipped)) > 1e-3
+    x, y = data()
+    assert sharded.evaluate(x, y, batch_size=16, verbose=0) == pytest.approx(
+        unsharded.evaluate(x, y, batch_size=16, verbose=0), abs=1e-5)
+    np.testing.assert_allclose(sharded.predict(x, batch_size=16, verbose=0),
+                               unsharded.predict(x, batch_size=16, verbose=0), atol=1e-4)

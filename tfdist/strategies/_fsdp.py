@@ -201,6 +201,46 @@ class ParameterSharding:
         return per_replica(parts, always_wrap=True)
 
 
+def clip_sharded(distribution, communicator, optimizer, grads, sharded):
+    """Replica context: ``grads`` clipped as ``optimizer``'s ``clipnorm`` or
+    ``global_clipnorm`` say, over whole variables (a sharded gradient's squares are
+    summed over the replicas: one all-reduce of one value per sharded variable).
+
+    Keras clips again afterwards; on clipped gradients that is a no-op (every local
+    norm is then at most the clip).
+
+    Args:
+        grads: Per variable: its gradient (reduced, or this replica's slice of it).
+        sharded: Per variable: whether its gradient is a slice.
+    """
+    import tensorflow as tf
+
+    def squares(g):
+        g = g.values if isinstance(g, tf.IndexedSlices) else g
+        return tf.reduce_sum(tf.square(tf.cast(g, tf.float32)))
+
+    positions = [i for i, g in enumerate(grads) if g is not None]
+    local = [squares(grads[i]) for i in positions]
+    cut = [i for i, p in enumerate(positions) if sharded[p]]
+    if cut:
+        total = tf.distribute.get_replica_context().merge_call(
+            lambda d, v: communicator.all_reduce(d, [v], [None], op="sum")[0],
+            args=(tf.stack([local[i] for i in cut]),))
+        for k, i in enumerate(cut):
+            local[i] = total[k]
+    out = list(grads)
+    if optimizer.global_clipnorm:
+        clip = optimizer.global_clipnorm
+        norm = tf.sqrt(tf.add_n(local))
+        factors = [clip * tf.minimum(1.0 / norm, 1.0 / clip)] * len(positions)
+    else:
+        clip = optimizer.clipnorm
+        factors = [clip / tf.maximum(tf.sqrt(sq), clip) for sq in local]
+    for p, factor in zip(positions, factors):
+        out[p] = _sparse.scale(grads[p], tf.cast(factor, grads[p].dtype))
+    return out
+
+
 def sharded_elements(model) -> list[int]:
     """Per local replica: the elements of the sharded variables (model and optimizer)
     it holds."""

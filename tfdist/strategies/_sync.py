@@ -121,8 +121,18 @@ class SyncGradientsMixin(KerasFitMixin):
         present = [grad for (grad, _), keep in zip(grads_and_vars, whole) if keep]
         reduced = iter(tf.distribute.get_replica_context().merge_call(
             self._all_reduce_sum, args=(present,)) if present else [])
-        return [(next(reduced) if keep else grad, var)
-                for (grad, var), keep in zip(grads_and_vars, whole)]
+        out = [(next(reduced) if keep else grad, var)
+               for (grad, var), keep in zip(grads_and_vars, whole)]
+        optimizer = getattr(reduce, "args", (None,))[0]  # Keras' reduce, bound to it
+        if (self.parameter_sharding is not None and optimizer is not None
+                and (optimizer.clipnorm or optimizer.global_clipnorm)):
+            from tfdist.strategies._fsdp import clip_sharded
+
+            clipped = clip_sharded(self, self.communicator, optimizer,
+                                   [g for g, _ in out], [shard_of(v) is not None
+                                                         for _, v in out])
+            out = [(g, v) for g, (_, v) in zip(clipped, out)]
+        return out
 
     def _all_reduce_sum(self, distribution, grads):
         """Cross-replica: each gradient summed over every replica, by the communicator."""
