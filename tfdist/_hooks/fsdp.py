@@ -45,6 +45,75 @@ def _in_replica_function() -> bool:
     return tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context()
 
 
+def regather_in_backward(model) -> int:
+    """Marks each layer of ``model`` that owns a sharded variable for Keras'
+    rematerialisation (its ``call`` under ``tf.recompute_grad``): the gathered values
+    are not kept for the backward pass, the layer runs (and gathers) again there.
+    Returns the number of layers marked.
+
+    Why: Keras' public ``RematScope`` applies to layers made inside it, before tfdist
+    knows which variables are sharded (decided as they are built); the per-layer
+    switch is the private ``_remat_mode`` that ``Operation.__call__`` reads, set here
+    to tfdist's own mode. Keras' TF ``remat`` passes the call's keyword arguments
+    (``training``) to ``tf.custom_gradient``, which refuses them in a graph, so
+    ``Layer.rematerialized_call`` is patched to bind them first (`_regathered_call`),
+    and the private ``AutocastScope`` of mixed precision is entered again there.
+    Each layer's own variables are the private ``_trainable_variables``
+    (``trainable_weights`` adds its sublayers').
+    """
+    import keras
+    from keras.src.backend.common.remat import RematMode
+
+    layer_class = keras.layers.Layer
+    if not getattr(layer_class, "_tfdist_regather", False):
+        original = layer_class.rematerialized_call
+
+        def rematerialized_call(self, layer_call, *args, **kwargs):
+            if getattr(self._remat_mode, "mode", None) == _REGATHER:
+                return _regathered_call(layer_call, args, kwargs)
+            return original(self, layer_call, *args, **kwargs)
+
+        layer_class.rematerialized_call = rematerialized_call
+        layer_class._tfdist_regather = True
+    marked = 0
+    for layer in model._flatten_layers(include_self=True):
+        own = getattr(layer, "_trainable_variables", [])
+        if layer._remat_mode is None and any(shard_of(v) is not None for v in own):
+            layer._remat_mode = RematMode(_REGATHER, None, [layer.name])
+            marked += 1
+    return marked
+
+
+_REGATHER = "tfdist_regather_in_backward"
+
+
+def _regathered_call(layer_call, args, kwargs):
+    """``layer_call`` under ``tf.recompute_grad`` with its keyword arguments bound;
+    called as Keras calls it. A call with an argument that is not a floating tensor
+    (an embedding's ids) runs as it is: a lookup's gradient does not read the table
+    (nothing gathered is kept), and ``tf.recompute_grad`` would make its sparse
+    gradient dense (Keras' optimizers treat the two differently)."""
+    import tensorflow as tf
+
+    import contextlib
+
+    from keras.src.backend.common.variables import AutocastScope, get_autocast_scope
+
+    if not all(tf.is_tensor(a) and a.dtype.is_floating for a in args):
+        return layer_call
+    # The mixed-precision cast of variable reads, entered around the call by Keras, is
+    # gone when the backward pass runs the layer again: kept here.
+    autocast = get_autocast_scope()
+    dtype = None if autocast is None else autocast.dtype
+
+    def call(*tensors):
+        with AutocastScope(dtype) if dtype is not None else contextlib.nullcontext():
+            return layer_call(*tensors, **kwargs)
+
+    recomputed = tf.recompute_grad(call)
+    return lambda *a, **k: recomputed(*a)
+
+
 def _in_update() -> bool:
     """Whether this runs in ``extended.update`` for one replica (an optimizer's step).
 

@@ -152,6 +152,11 @@ class SyncGradientsMixin(KerasFitMixin):
         super().keras_check_call(model, method, arguments)
         if method == "fit":
             self._prepare_sharding(model)
+        sharding = self.parameter_sharding
+        if sharding is not None and sharding.reshard_after_forward:
+            from tfdist._hooks.fsdp import regather_in_backward
+
+            regather_in_backward(model)
 
     def _prepare_sharding(self, model):
         """Before fit or a load: the model's optimizer wrapped in a `ShardedOptimizer`
