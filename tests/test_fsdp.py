@@ -214,3 +214,32 @@ def test_reshard_after_forward_gathers_again_for_the_backward_pass(logical_cpus)
     assert len(slices) == 2  # the two kernels; the biases stay whole
     # One more gather of every kernel slice per step (float32), in each of 2 steps.
     assert counted[True] - counted[False] == 2 * 4 * sum(slices)
+
+
+def test_backup_and_restore_resumes_sharded_training(logical_cpus, tmp_path):
+    """Keras' BackupAndRestore: 1 epoch backed up, a new sharded model resumes it for
+    the 2nd epoch, equal to 2 uninterrupted epochs on one device."""
+    import keras
+    import tfdist
+
+    from fsdp_jobs import GLOBAL_BATCH, data, make_optimizer
+
+    x, y = data()
+
+    def fit(epochs, seed):
+        strategy = tfdist.MirroredStrategy(shard_parameters=True,
+                                           min_shard_elements=MIN_ELEMENTS)
+        with strategy.scope():
+            built = model(seed=seed)
+            built.compile(make_optimizer("adam"),
+                          keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"),
+                                                  delete_checkpoint=False)
+        built.fit(x, y, batch_size=GLOBAL_BATCH, epochs=epochs, shuffle=False, verbose=0,
+                  callbacks=[backup])
+        return [np.asarray(w) for w in built.get_weights()]
+
+    fit(1, seed=1)
+    resumed = fit(2, seed=7)  # other initial weights: all restored from the backup
+    ref, _ = train(None, "adam", epochs=2)
+    assert_weights_close(resumed, ref, atol=1e-5)
