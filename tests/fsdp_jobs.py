@@ -93,3 +93,31 @@ def save_and_resume(strategy, path, optimizer="adam"):
     again.load_weights(path)
     again.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
     return [np.asarray(w) for w in again.get_weights()]
+
+
+# Batches that split over 1, 2 and 3 workers.
+RESUME_N, RESUME_BATCH = 48, 12
+
+
+def resume(path, strategy=None):
+    """A new model (other seed) loads ``path`` (SGD momentum) and trains 1 epoch of
+    `RESUME_N` samples; its weights. Sharded under ``strategy``, or in a plain process."""
+    import keras
+
+    x, y = data(RESUME_N)
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        again = model(seed=7)
+        again.compile(make_optimizer("sgd"),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        again.optimizer.build(again.trainable_variables)
+    again.load_weights(path)
+    again.fit(x, y, batch_size=RESUME_BATCH, epochs=1, shuffle=False, verbose=0)
+    return [np.asarray(w) for w in again.get_weights()]
+
+
+def resume_task(path, engine):
+    """On each worker of any number: `resume`, sharded."""
+    import tfdist
+
+    return resume(path, tfdist.MultiWorkerMirroredStrategy(
+        engine=engine, shard_parameters=True, min_shard_elements=MIN_ELEMENTS))

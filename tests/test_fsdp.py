@@ -94,9 +94,12 @@ def _check_launched(results):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(500)
 @pytest.mark.parametrize("engine", ["tf", "horovod"])
 def test_two_workers(engine, tmp_path):
+    """Both engines: Adam, AdamW, SGD equal one process, half the elements per worker,
+    the chief's save loads in this process; with engine="tf" that save also resumes,
+    sharded, on 1 and on 3 workers, equal to this process resuming it."""
     from helpers import require_horovod, run_cluster
 
     from fsdp_jobs import launched_task
@@ -115,6 +118,14 @@ def test_two_workers(engine, tmp_path):
     plain.load_weights(results[0]["saved"])
     assert_weights_close([np.asarray(w) for w in plain.get_weights()],
                          results[0]["sgd"]["weights"], atol=0)
+    if engine == "tf":  # the 2-worker save resumes sharded on 1 and on 3 workers
+        from fsdp_jobs import resume, resume_task
+
+        want = resume(results[0]["saved"])  # this plain process resuming the same file
+        for workers in (1, 3):
+            for got in run_cluster(resume_task, results[0]["saved"], engine,
+                                   workers=workers, timeout=200):
+                assert_weights_close(got, want, atol=1e-5)
 
 
 def test_sharded_training_resumes_from_a_save(logical_cpus, tmp_path):
