@@ -32,7 +32,7 @@ def model(seed=1):
     return keras.Model([tokens, images], out)
 
 
-def train(strategy, optimizer, epochs=2, **opt_kwargs):
+def train(strategy, optimizer, epochs=2, batch_size=GLOBAL_BATCH, **opt_kwargs):
     """Trains `model`; returns ``(weights, model)``."""
     import keras
 
@@ -41,7 +41,7 @@ def train(strategy, optimizer, epochs=2, **opt_kwargs):
         built = model()
         built.compile(make_optimizer(optimizer, **opt_kwargs),
                       keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    built.fit(x, y, batch_size=GLOBAL_BATCH, epochs=epochs, shuffle=False, verbose=0)
+    built.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
     return [np.asarray(w) for w in built.get_weights()], built
 
 

@@ -70,7 +70,6 @@ def test_shard_filter_decides_before_the_size_rule(logical_cpus):
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"shard_optimizer_state": True}, "Received: shard_optimizer_state=True"),
-    ({"accumulate_steps": 2}, "Received: accumulate_steps=2"),
     ({"min_shard_elements": 0}, "min_shard_elements"),
     ({"shard_filter": "kernel"}, "Received: shard_filter='kernel'"),
 ])
@@ -254,3 +253,23 @@ def test_backup_and_restore_resumes_sharded_training(logical_cpus, tmp_path):
     resumed = fit(2, seed=7)  # other initial weights: all restored from the backup
     ref, _ = train(None, "adam", epochs=2)
     assert_weights_close(resumed, ref, atol=1e-5)
+
+
+def test_accumulate_steps_equals_the_unsharded_accumulation(logical_cpus):
+    """accumulate_steps=2 on half batches: the sharded slices' sums (reduce-scattered at
+    every micro-batch) and the whole variables' (all-reduced once) equal the unsharded
+    accumulation; a norm clip is refused with it."""
+    import tfdist
+
+    from fsdp_jobs import GLOBAL_BATCH
+
+    def run(**options):
+        strategy = tfdist.MirroredStrategy(accumulate_steps=2, **options)
+        return train(strategy, "adam", batch_size=GLOBAL_BATCH // 2)[0]
+
+    got = run(shard_parameters=True, min_shard_elements=MIN_ELEMENTS)
+    assert_weights_close(got, run(), atol=1e-5)
+    strategy = tfdist.MirroredStrategy(accumulate_steps=2, shard_parameters=True,
+                                       min_shard_elements=MIN_ELEMENTS)
+    with pytest.raises(ValueError, match="does not clip by norm yet. Received: clipnorm=0.1"):
+        train(strategy, "adam", batch_size=GLOBAL_BATCH // 2, clipnorm=0.1)

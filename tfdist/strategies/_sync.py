@@ -259,6 +259,12 @@ class SyncGradientsMixin(KerasFitMixin):
                     distribution, self.communicator, list(totals), variables,
                     scale=1 / steps)
                 return tf.constant(True)
+            if any(shard_of(v) is not None for v in variables):
+                grads = self._accumulated_with_slices(distribution, optimizer, totals,
+                                                      variables)
+                keras_optimizer.keras_distributed_update(optimizer, distribution, grads,
+                                                         variables)
+                return tf.constant(True)
             reduced = self.communicator.all_reduce(distribution, list(totals), variables,
                                                    op="sum")
             grads = [tf.cast(distribution.experimental_local_results(r)[0], v.dtype) / steps
@@ -273,6 +279,38 @@ class SyncGradientsMixin(KerasFitMixin):
             return tf.constant(False)
 
         return tf.cond(is_update, update, skip)
+
+    def _accumulated_with_slices(self, distribution, optimizer, totals, variables):
+        """Cross-replica, ``shard_parameters`` with ``accumulate_steps``: the summed
+        micro-batch gradients divided by k (and clipped by value); whole variables'
+        all-reduced once, sharded variables' slices (reduce-scattered at every
+        micro-batch) kept per replica."""
+        if optimizer.clipnorm or optimizer.global_clipnorm:
+            raise ValueError(
+                "shard_parameters=True with accumulate_steps does not clip by norm yet. "
+                f"Received: clipnorm={optimizer.clipnorm}, "
+                f"global_clipnorm={optimizer.global_clipnorm}")
+        steps = self.communication.accumulate_steps
+        whole = [i for i, v in enumerate(variables) if shard_of(v) is None]
+        reduced = dict(zip(whole, self.communicator.all_reduce(
+            distribution, [totals[i] for i in whole], [variables[i] for i in whole],
+            op="sum") if whole else []))
+
+        def finish(value, dtype):
+            value = tf.cast(value, dtype) / steps
+            limit = optimizer.clipvalue
+            return tf.clip_by_value(value, -limit, limit) if limit else value
+
+        grads = []
+        for i, (total, variable) in enumerate(zip(totals, variables)):
+            if i in reduced:
+                grads.append(finish(distribution.experimental_local_results(reduced[i])[0],
+                                    variable.dtype))
+            else:
+                grads.append(per_replica([finish(t, variable.dtype) for t in
+                                          distribution.experimental_local_results(total)],
+                                         always_wrap=True))
+        return grads
 
 
 def _wrapper_of(optimizer):

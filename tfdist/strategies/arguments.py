@@ -83,7 +83,7 @@ MIN_SHARD_ELEMENTS = 100_000
 
 def check_sharding(shard_parameters=False, min_shard_elements=MIN_SHARD_ELEMENTS,
                    shard_filter=None, reshard_after_forward=True,
-                   shard_optimizer_state=False, accumulate_steps=1) -> dict | None:
+                   shard_optimizer_state=False) -> dict | None:
     """The ``shard_parameters`` arguments, checked: None when it is off, else the
     `tfdist.strategies._fsdp.ParameterSharding` keyword arguments."""
     check_bool("shard_parameters", shard_parameters)
@@ -98,9 +98,6 @@ def check_sharding(shard_parameters=False, min_shard_elements=MIN_SHARD_ELEMENTS
         raise ValueError("shard_parameters=True shards the optimizer state with the "
                          "parameters; drop shard_optimizer_state. Received: "
                          "shard_optimizer_state=True")
-    if accumulate_steps and accumulate_steps > 1:
-        raise ValueError("shard_parameters=True does not combine with accumulate_steps "
-                         f"yet. Received: accumulate_steps={accumulate_steps}")
     return dict(min_shard_elements=min_shard_elements, shard_filter=shard_filter,
                 reshard_after_forward=reshard_after_forward)
 
@@ -115,7 +112,7 @@ def check_mirrored(devices=None, communication_options=None, compression=None,
     options = _sync_options(communication_options, compression, accumulate_steps,
                             shard_optimizer_state)
     check_sharding(shard_parameters, min_shard_elements, shard_filter, reshard_after_forward,
-                   shard_optimizer_state, options.accumulate_steps)
+                   shard_optimizer_state)
     return options
 
 
@@ -147,7 +144,7 @@ def check_multi_worker(communication_options=None, startup_timeout=DEFAULT_START
                                        shard_optimizer_state)
     checked["sharding"] = check_sharding(
         shard_parameters, min_shard_elements, shard_filter, reshard_after_forward,
-        shard_optimizer_state, checked["options"].accumulate_steps)
+        shard_optimizer_state)
     check_pairs("multi_worker", check_multi_worker, dict(
         compression=compression, accumulate_steps=accumulate_steps, engine=engine,
         shard_optimizer_state=shard_optimizer_state, commit_every_steps=commit_every_steps,

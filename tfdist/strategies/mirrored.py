@@ -92,8 +92,7 @@ class MirroredStrategy(SyncGradientsMixin, tf.distribute.MirroredStrategy):
                                  accumulate_steps, shard_optimizer_state, shard_parameters,
                                  min_shard_elements, shard_filter, reshard_after_forward)
         sharding = check_sharding(shard_parameters, min_shard_elements, shard_filter,
-                                  reshard_after_forward, shard_optimizer_state,
-                                  options.accumulate_steps)
+                                  reshard_after_forward, shard_optimizer_state)
         devices = validate_devices(devices) if devices is not None else default_devices()
         if cross_device_ops is None:
             cross_device_ops = default_cross_device_ops(devices)
