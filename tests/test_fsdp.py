@@ -62,6 +62,12 @@ def test_shard_filter_decides_before_the_size_rule(logical_cpus):
         built = model()
     sharded = {v.path for v in built.weights if shard_of(v) is not None}
     assert sharded and all(p.endswith("kernel") for p in sharded)
+    # Every trainable variable sharded (biases, LayerNormalization's gamma and beta,
+    # 2-element slices): still equal to one device.
+    strategy = tfdist.MirroredStrategy(shard_parameters=True, shard_filter=lambda path: True)
+    got, trained = train(strategy, "adam")
+    assert all(shard_of(v) is not None for v in trained.trainable_weights)
+    assert_weights_close(got, train(None, "adam")[0], atol=1e-5)
     with pytest.raises(ValueError, match="Received: 1 for path="):
         with tfdist.MirroredStrategy(shard_parameters=True,
                                      shard_filter=lambda path: 1).scope():
