@@ -2,8 +2,9 @@
 reads, writes and saves a variable's TF value.
 
 Why: Keras 3 keeps a variable's value in the private ``_value`` of
-``keras.src.backend.tensorflow.core.Variable``, made by the private ``_initialize``;
-layers read it through ``__tf_tensor__``; ``numpy``/``__array__`` (saves,
+``keras.src.backend.tensorflow.core.Variable``, made by the private ``_initialize``
+(called by ``_initialize_with_initializer``, which sees a constant initializer); layers
+read it through ``__tf_tensor__``; ``numpy``/``__array__`` (saves,
 ``get_weights``) and ``_direct_assign`` (``assign``, loads) reach it directly. With
 ``shard_parameters=True`` a large variable's ``_value`` is a mirrored variable holding
 each replica's *slice* (flat, padded), so these four places must make it, gather it
@@ -23,6 +24,7 @@ from __future__ import annotations
 import threading
 
 _LIKE = threading.local()  # the sharded reference of the slot being made, if any
+_FILL = threading.local()  # the constant initializer's value of the variable being made
 
 
 def shard_of(variable):
@@ -114,6 +116,22 @@ def _regathered_call(layer_call, args, kwargs):
     return lambda *a, **k: recomputed(*a)
 
 
+def _constant_of(initializer):
+    """The value of a Keras ``Zeros``/``Ones``/scalar ``Constant`` initializer, else
+    None (a sharded variable of a constant is made slice by slice, never whole)."""
+    import keras
+
+    if isinstance(initializer, keras.initializers.Zeros):
+        return 0.0
+    if isinstance(initializer, keras.initializers.Ones):
+        return 1.0
+    if isinstance(initializer, keras.initializers.Constant):
+        value = getattr(initializer, "value", None)
+        if isinstance(value, (int, float)):
+            return float(value)
+    return None
+
+
 def _in_update() -> bool:
     """Whether this runs in ``extended.update`` for one replica (an optimizer's step).
 
@@ -135,6 +153,7 @@ def install_parameter_hooks() -> None:
     if getattr(cls, "_tfdist_parameter_hooks", False):
         return
     initialize, to_tensor = cls._initialize, cls.__tf_tensor__
+    with_initializer = cls._initialize_with_initializer
     numpy, array, direct_assign = cls.numpy, cls.__array__, cls._direct_assign
     from_reference = TFOptimizer.add_variable_from_reference
 
@@ -150,10 +169,18 @@ def install_parameter_hooks() -> None:
                 self._value, shard = plan.create(shape, value, dict(
                     dtype=self._dtype, trainable=self.trainable, name=self.name,
                     aggregation=self._map_aggregation(self.aggregation),
-                    synchronization=self._map_synchronization(self.synchronization)))
+                    synchronization=self._map_synchronization(self.synchronization)),
+                    fill=getattr(_FILL, "value", None))
                 self._value._tfdist_shard = shard
                 return
         initialize(self, value)
+
+    def _initialize_with_initializer(self, initializer):
+        _FILL.value = _constant_of(initializer)
+        try:
+            return with_initializer(self, initializer)
+        finally:
+            _FILL.value = None
 
     def __tf_tensor__(self, dtype=None, name=None):
         shard = shard_of(self)
@@ -197,6 +224,7 @@ def install_parameter_hooks() -> None:
             _LIKE.reference = previous
 
     cls._initialize = _initialize
+    cls._initialize_with_initializer = _initialize_with_initializer
     cls.__tf_tensor__ = __tf_tensor__
     cls.numpy = numpy_
     cls.__array__ = __array__

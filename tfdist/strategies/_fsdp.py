@@ -123,18 +123,23 @@ class ParameterSharding:
             return decided
         return math.prod(shape) >= self.min_shard_elements
 
-    def create(self, shape, value, arguments):
+    def create(self, shape, value, arguments, fill=None):
         """The mirrored slice variable of a Keras variable of ``shape`` whose initial
         value is ``value`` (a tensor or a function returning one); ``arguments``: its
         ``tf.Variable`` keyword arguments (dtype, trainable, name, aggregation,
         synchronization). The whole initial value is made once, then cut (in a
-        multi-worker job, the chief's is broadcast first).
+        multi-worker job, the chief's is broadcast first), unless ``fill`` (a constant
+        initializer's value: optimizer slots, biases) is given: then only the slices.
 
         Returns:
             ``(the mirrored slice variable, its Shard)``.
         """
         import tensorflow as tf
 
+        size = math.prod(shape)
+        shard = Shard(self, tuple(shape), size, max(1, math.ceil(size / self.replicas)))
+        if fill is not None:
+            return self._filled(shard, fill, arguments), shard
         with tf.init_scope():
             full = value() if callable(value) else value
             full = tf.convert_to_tensor(full, dtype=arguments["dtype"])
@@ -143,14 +148,28 @@ class ParameterSharding:
                 whole = tf.Variable(full, trainable=False, name="tfdist_initial_value")
                 full = tf.convert_to_tensor(whole.values[0])
                 del whole
-            size = math.prod(shape)
-            shard = Shard(self, tuple(shape), size, max(1, math.ceil(size / self.replicas)))
             flat = shard.pad(full.numpy())
             created = tf.Variable(flat[:shard.slice_size], **arguments)
             for component, replica in zip(created.values, replica_ids(self.strategy)):
                 component.assign(flat[replica * shard.slice_size:
                                       (replica + 1) * shard.slice_size])
         return created, shard
+
+    def _filled(self, shard, fill, arguments):
+        """The slice variable of a constant ``fill`` (padding 0), never whole."""
+        import tensorflow as tf
+
+        dtype = np.dtype(tf.as_dtype(arguments["dtype"]).as_numpy_dtype)
+
+        def piece(replica):
+            at = np.arange(replica * shard.slice_size, (replica + 1) * shard.slice_size)
+            return np.where(at < shard.size, fill, 0).astype(dtype)
+
+        with tf.init_scope():
+            created = tf.Variable(piece(0), **arguments)
+            for component, replica in zip(created.values, replica_ids(self.strategy)):
+                component.assign(piece(replica))
+        return created
 
     def all_gather(self, local, shard):
         """Replica context: every replica's slice of ``shard``'s variable, concatenated
