@@ -158,45 +158,48 @@ def test_sharded_parameters_with_compression(logical_cpus):
     assert max(float(np.abs(a - b).max()) for a, b in zip(got, ref)) > 0  # fp16 did act
 
 
-@pytest.mark.parametrize("case", ["mixed_float16", "clipnorm", "global_clipnorm"])
+@pytest.mark.parametrize("case", ["mixed_float16", "mixed_bfloat16", "clipnorm",
+                                  "global_clipnorm"])
 def test_sharded_matches_unsharded_with(logical_cpus, case):
     """Mixed precision and clipping (norms over whole variables: the slices' squares
     are summed over the replicas) equal the unsharded run; evaluate and predict too.
-    Under mixed_float16 with layers run again in the backward pass
+    Under mixed precision with layers run again in the backward pass
     (reshard_after_forward=True, TF's recompute_grad) the result differs from the
     unsharded run by up to 2.5e-3: recompute_grad alone does that in float16 (the same
     layers rematerialised without sharding: 2.0e-3); with reshard_after_forward=False
-    it is equal."""
+    it is equal. mixed_bfloat16 alike (5.7e-3)."""
     import keras
     import tfdist
 
     from fsdp_jobs import data
 
-    kwargs = {} if case == "mixed_float16" else {case: 0.05}
-    if case == "mixed_float16":
-        keras.mixed_precision.set_global_policy("mixed_float16")
+    mixed = case.startswith("mixed")
+    kwargs = {} if mixed else {case: 0.05}
+    if mixed:
+        keras.mixed_precision.set_global_policy(case)
     try:
         got, sharded = train(tfdist.MirroredStrategy(
             shard_parameters=True, min_shard_elements=MIN_ELEMENTS), "adam", **kwargs)
         plain, unsharded = train(tfdist.MirroredStrategy(), "adam", **kwargs)
-        if case == "mixed_float16":
+        if mixed:
             kept, _ = train(tfdist.MirroredStrategy(
                 shard_parameters=True, min_shard_elements=MIN_ELEMENTS,
                 reshard_after_forward=False), "adam")
             assert_weights_close(kept, plain, atol=1e-5)
     finally:
         keras.mixed_precision.set_global_policy("float32")
-    assert_weights_close(got, plain, atol=5e-3 if case == "mixed_float16" else 1e-5)
-    if case != "mixed_float16":  # clipping acted: the unclipped run differs
+    # recompute_grad's own rounding in 16 bits (see above); bfloat16 keeps fewer digits.
+    tolerance = {"mixed_float16": 5e-3, "mixed_bfloat16": 1e-2}.get(case, 1e-5)
+    assert_weights_close(got, plain, atol=tolerance)
+    if not mixed:  # clipping acted: the unclipped run differs
         unclipped, _ = train(None, "adam")
         assert max(float(np.abs(a - b).max()) for a, b in zip(got, unclipped)) > 1e-3
     x, y = data()
-    tolerance = 5e-3 if case == "mixed_float16" else 1e-5
     assert sharded.evaluate(x, y, batch_size=16, verbose=0) == pytest.approx(
         unsharded.evaluate(x, y, batch_size=16, verbose=0), abs=tolerance)
     np.testing.assert_allclose(sharded.predict(x, batch_size=16, verbose=0),
                                unsharded.predict(x, batch_size=16, verbose=0),
-                               atol=max(tolerance, 1e-4))
+                               atol=max(2 * tolerance, 1e-4))  # outputs in 16 bits
 
 
 def test_reshard_after_forward_gathers_again_for_the_backward_pass(logical_cpus):
