@@ -101,7 +101,31 @@ def goal_rows(results: dict) -> tuple[list[list[str]], list[str]]:
                        analysis, data, results, rows, notes)
     _zero(goals, analysis, data, results, rows, notes)
     _elastic(goals, analysis, data, results, rows, notes)
+    _declared(goals, analysis, data, rows, notes)
     return rows, notes
+
+
+def _declared(goals, analysis, data, rows, notes):
+    """Rows for goals a section declares in its JSON: ``"goal_values": {goal id:
+    {label: value}}`` (a --quick run declares none: ``"goal_values_missing": why``)."""
+    for name, section in sorted((n, d) for n, d in data.items() if d):
+        if section.get("goal_values_missing"):
+            rows.append([f"{name}: every goal", "-", "not measured",
+                         section["goal_values_missing"]])
+        for goal_id, values in (section.get("goal_values") or {}).items():
+            goal_ = goals[goal_id]
+            missed = []
+            for label, value in values.items():
+                if value is None:
+                    rows.append([f"{name}: {label}", goal_.target, "not measured", "-"])
+                    continue
+                rows.append([f"{name}: {label}", goal_.target, f"{value:.2f}",
+                             goal_.status(value)])
+                if not goal_.is_met(value):
+                    missed.append(f"{label}: {value:.2f}")
+            if missed:
+                notes.append(f"- {goal_.what} ({'; '.join(missed)}). "
+                             + analysis.get(goal_id, ""))
 
 
 def _overhead(goal_, analysis, data, results, rows, notes):

@@ -44,6 +44,8 @@ SECTIONS = (
     ("sharded_embedding", "Sharded embedding on parameter servers: memory per process", False),
     ("zero", "Sharded optimizer state (ZeRO-2): memory, step time and bytes per worker",
      False),
+    ("fsdp", "Fully sharded parameters (ZeRO-3): memory, bytes and step time per worker",
+     False),
     ("elastic", "Elastic training: a lost worker against restart-and-resume", False),
     ("gpu", "GPU throughput", False),
 )

@@ -99,7 +99,7 @@ class _Part:
         class Part(StateComponent):
             def __init__(self, feature, shared=(), own=(), refuse=None, at=1):
                 self.feature, self.shared, self.own = feature, list(shared), list(own)
-                self.refuse, self.at, self.resized = refuse, at, []
+                self.refuse, self.at, self.resized, self.events = refuse, at, [], []
 
             def shared_variables(self):
                 return self.shared
@@ -115,6 +115,15 @@ class _Part:
 
             def commit_point(self, steps_ahead):
                 return steps_ahead % self.at == 0
+
+            def save_refusal(self):
+                return self.refuse
+
+            def committed(self):
+                self.events.append("committed")
+
+            def rolled_back(self):
+                self.events.append("rolled back")
 
         return Part(*args, **kwargs)
 
@@ -153,3 +162,26 @@ def test_a_commit_lands_only_where_every_component_lets_it():
     assert state.may_reform(parts)
     assert state.StateComponent().shared_variables() == []
     assert state.kept_when_newest(parts) == set()
+
+
+@pytest.mark.unit
+def test_a_save_is_refused_naming_each_component_that_would_lose_state():
+    from tfdist.strategies import state
+
+    free = _Part("free")
+    state.check_save([free])
+    with pytest.raises(ValueError) as refused:
+        state.check_save([free, _Part("one", refuse="sums. Received: x=1"),
+                          _Part("two", refuse="slots. Received: y=2")])
+    assert str(refused.value) == ("a save here would lose training state: one: sums. "
+                                  "Received: x=1; two: slots. Received: y=2")
+
+
+@pytest.mark.unit
+def test_commits_and_rollbacks_are_told_to_every_component():
+    from tfdist.strategies import state
+
+    parts = [_Part("a"), _Part("b")]
+    state.committed(parts)
+    state.rolled_back(parts)
+    assert [p.events for p in parts] == [["committed", "rolled back"]] * 2

@@ -72,6 +72,45 @@ def test_accumulated_training_resumes_from_a_save(logical_cpus, tmp_path):
     _resumes(tmp_path, {"accumulate_steps": 2}, 8)
 
 
+def test_a_save_inside_an_accumulation_is_refused(logical_cpus, tmp_path):
+    """accumulate_steps=2: a save after micro-step 1 names the partial sums it would
+    lose; after micro-step 2 (a boundary) it is taken. A callback saving every 3
+    batches is refused before the first step."""
+    import keras
+
+    import tfdist
+    from helpers import classification_data
+
+    from zero_jobs import _compiled
+
+    x, y = classification_data(n=64)
+    strategy = tfdist.MirroredStrategy(accumulate_steps=2)
+    saved, refused = [], []
+
+    class SaveEachBatch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            path = str(tmp_path / f"after-{batch}.weights.h5")
+            try:
+                self.model.save_weights(path)
+                saved.append(batch)
+            except ValueError as error:
+                refused.append((batch, str(error)))
+
+    model = _compiled(strategy, "adam")
+    model.fit(x, y, batch_size=8, epochs=1, steps_per_epoch=4, shuffle=False, verbose=0,
+              callbacks=[SaveEachBatch()])
+    assert saved == [1, 3]
+    assert [b for b, _ in refused] == [0, 2]
+    assert "accumulate_steps=2" in refused[0][1] and "Received: a save after micro-step 1" \
+        in refused[0][1], refused[0][1]
+    again = _compiled(strategy, "adam")
+    with pytest.raises(ValueError, match=r"Received: save_freq=3$"):
+        again.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[
+            keras.callbacks.ModelCheckpoint(str(tmp_path / "m.weights.h5"),
+                                            save_weights_only=True, save_freq=3)])
+    assert int(again.optimizer.iterations.numpy()) == 0
+
+
 def test_compressed_training_resumes_from_a_save(logical_cpus, tmp_path):
     _resumes(tmp_path, {"compression": "fp16"}, 16)
 

@@ -100,3 +100,20 @@ def test_main_job_on_the_engine_equals_one_process(tmp_path, reference, mode, en
     assert "tfdist train: wrote" in run.stdout
     for a, b in zip(_weights(tmp_path / "out"), reference, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_elastic_main_job_with_the_default_engine_equals_one_process(tmp_path, reference):
+    """``cluster.min_workers`` without ``options.engine``: "auto" picks Horovod in an
+    elastic launch, as under ``tfdist launch --min-workers``."""
+    from helpers import require_horovod
+
+    require_horovod()
+    path = tmp_path / "c.toml"
+    path.write_text(CONFIG)
+    run = _train(path, tmp_path / "out", "cluster.min_workers=1")
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    assert "joins Horovod: membership 1, rank 1 of 2" in run.stdout + run.stderr
+    for a, b in zip(_weights(tmp_path / "out"), reference, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)

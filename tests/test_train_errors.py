@@ -96,7 +96,7 @@ CSV_OK = "a,b,label\n" + "".join(f"{i},{i % 3},{i % 2}\n" for i in range(20))
     ("elastic mirrored",
      ['strategy.name="mirrored"', "cluster.min_workers=1"],
      ["job.toml: cluster.min_workers needs strategy.name = 'multi_worker' or "
-      "'model_average' with options.engine = 'horovod'",
+      "'model_average' (with options.engine = 'horovod' or 'auto'",
       "Received: strategy.name = 'mirrored'"]),
     ("elastic engine tf",
      ['strategy.name="multi_worker"', 'strategy.options.engine="tf"', "cluster.min_workers=1"],

@@ -12,6 +12,7 @@ from tfdist import devices
 from tfdist.cluster import ClusterSpec, TaskSpec
 from tfdist.comm.options import CommunicationOptions
 from tfdist.launch import LaunchError, LaunchResult, launch
+from tfdist._hooks.keras_distribution import install_when_imported as _install_keras_distribution
 from tfdist.strategies import registry as _registry
 
 # Public name -> module that defines it (the strategy registry); imported on first access.
@@ -20,6 +21,10 @@ _LAZY = _registry.public_names()
 __all__ = sorted(["ClusterSpec", "CommunicationOptions", "LaunchError", "LaunchResult",
                   "TaskSpec", "devices", "launch", *_LAZY])
 
+
+# keras.distribution on the TensorFlow backend runs through tfdist's strategies
+# (docs/keras_distribution.md): patched when Keras loads it, or now if it has.
+_install_keras_distribution(lambda: importlib.import_module("tfdist.keras.distribution"))
 
 # Subpackages loaded on first attribute access: tfdist.keras imports Keras; ray and
 # spark import their engines; tfdist.engines is the engine plug-in API.

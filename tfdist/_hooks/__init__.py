@@ -30,6 +30,10 @@ here: import the module you need.
 - ``sharded``: variables a partitioner split into shards (gradients, embedding lookup,
   shard-sized initialization, optimizer state and row blocks, saving).
   Tests: ``test_hooks_sharded.py``.
+- ``keras_distribution``: ``keras.distribution`` on the TF backend (its backend
+  functions, ``set_distribution``, ``Distribution.distribute_dataset``, the TF variable's
+  layout at creation) calling `tfdist.keras.distribution`; installed by ``import tfdist``.
+  Tests: ``test_hooks_keras_distribution.py``.
 - ``zero``: sharded optimizer state (plain per-replica variables under a strategy,
   Keras' weight-decay rule, TF's collective reduce-scatter). Tests: ``test_hooks_zero.py``.
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from tfdist.cluster import TRAINING_TASK_TYPES
+from tfdist.cluster import TRAINING_TASK_TYPES, ClusterSpec
 from tfdist.comm.communicator import StrategyCommunicator
 from tfdist.engines import peers
 from tfdist.engines.base import Engine, summary
@@ -23,28 +23,35 @@ class TFEngine(Engine):
     ``CommunicationOptions.timeout_seconds``) fails; `peer_error` then names the peers
     that stopped answering.
 
-    The strategy's overridable set-up (``_make_cluster_resolver``,
-    ``_make_communication_options``, ``_configure_coordination``, ``_create_extended``)
-    is called in that order; a subclass changes the collective
-    options in `communication_options`.
+    From its setup it makes TF's cluster resolver (`tf_cluster_resolver`), the collective
+    options (`communication_options`) and the coordination service
+    (`configure_coordination`); the strategy makes its extended from them (its
+    ``_create_extended``, the one set-up step a strategy subclass overrides).
     """
 
     def communication_options(self, options):
         """TF's ``CommunicationOptions`` for the collectives, from the strategy's
-        `tfdist.CommunicationOptions`."""
-        return options.to_tf()
+        `tfdist.CommunicationOptions`, with the setup's collective timeout when the
+        options set none."""
+        import tensorflow as tf
+
+        tf_options = options.to_tf()
+        if tf_options.timeout_seconds is None and self.setup.collective_timeout is not None:
+            tf_options = tf_options.merge(tf.distribute.experimental.CommunicationOptions(
+                timeout_seconds=self.setup.collective_timeout))
+        return tf_options
 
     serves_one_host = True
 
     def create_extended(self, strategy, cluster_resolver, options):
         import tensorflow as tf
 
-        tf_resolver = strategy._make_cluster_resolver(cluster_resolver)
-        tf_options = strategy._make_communication_options(self.communication_options(options))
+        tf_resolver = tf_cluster_resolver(cluster_resolver, self.setup.cluster)
+        tf_options = self.communication_options(options)
         if self.size > 1:
-            strategy._configure_coordination()
+            configure_coordination(self.setup)
         try:
-            return strategy._create_extended(tf_resolver, tf_options)
+            return strategy._create_extended(tf_resolver, tf_options)  # its extension point
         except tf.errors.DeadlineExceededError as error:
             raise self.startup_error(error) from error
 
@@ -112,6 +119,42 @@ class TFCommunicator(StrategyCommunicator):
         from tfdist._hooks.zero import collective_reduce_scatter
 
         return collective_reduce_scatter(distribution, tensor)
+
+
+def tf_cluster_resolver(source, cluster):
+    """The TF ``ClusterResolver`` handed to TF: ``source`` when it is one (the user's).
+
+    TF_CONFIG (``source`` None or ``"env"``) goes through TF's own resolver: TF
+    special-cases it to use every local GPU. Other sources become a
+    ``SimpleClusterResolver`` of ``cluster`` (a `tfdist.ClusterSpec`) that counts local
+    GPUs (listing physical devices does not start TF's runtime).
+    """
+    import tensorflow as tf
+
+    if source is not None and hasattr(source, "cluster_spec") and hasattr(
+            source, "task_type") and not isinstance(source, ClusterSpec):
+        return source
+    if source is None or source == "env":
+        return tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    task = cluster.task
+    gpus = len(tf.config.list_physical_devices("GPU"))
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(cluster.jobs()),
+        task_type=task.type if task else "worker", task_id=task.index if task else 0,
+        rpc_layer="grpc", num_accelerators={"GPU": gpus} if gpus else None)
+
+
+def configure_coordination(setup) -> None:
+    """Starts TF's coordination service with a registration barrier and timeouts.
+
+    Without the barrier, a worker that never starts makes the strategy's constructor
+    block forever; with it, every task fails after ``setup.startup_timeout``.
+    """
+    from tfdist._hooks import tf as tf_hooks
+
+    tf_hooks.configure_coordination_service(
+        setup.cluster.jobs(), register_timeout_seconds=setup.startup_timeout,
+        heartbeat_timeout_seconds=setup.heartbeat_timeout)
 
 
 def coordination_leader(cluster) -> str | None:

@@ -3,7 +3,8 @@
 ``tfdist.keras.callbacks`` holds `ModelCheckpoint`, `BackupAndRestore` and
 `MetricsLogger`; ``tfdist.keras.guards`` holds `StopOnNaN`; `SidecarEvaluator` evaluates the chief's checkpoints in an evaluator
 task; `ShardedOptimizer` shards an optimizer's state over the replicas; ``tfdist.keras.handoff`` is the contract between strategies and Keras
-(`KerasHandoff`). Importing this package imports nothing: ``callbacks``, ``guards`` and
+(`KerasHandoff`); ``tfdist.keras.distribution`` runs ``keras.distribution`` on TensorFlow
+(installed by ``import tfdist``; docs/keras_distribution.md). Importing this package imports nothing: ``callbacks``, ``guards`` and
 `SidecarEvaluator` (which import Keras and TensorFlow) load on first attribute access,
 so strategies can import the hand-off without an import circle.
 """

@@ -87,6 +87,15 @@ class AccumulationState(StateComponent):
         """Only at an accumulation boundary (every replica's sums are zero there)."""
         return (int(self.counter.numpy()) + steps_ahead) % self.steps == 0
 
+    def save_refusal(self) -> str | None:
+        step = int(self.counter.numpy()) % self.steps
+        if step == 0:
+            return None
+        return (f"the gradient sums of the {step} micro-step(s) taken of accumulate_steps="
+                f"{self.steps} are each replica's own and no save holds them. Save at an "
+                f"accumulation boundary (a save_freq that divides by accumulate_steps). "
+                f"Received: a save after micro-step {int(self.counter.numpy())}")
+
 
 class FullSlot:
     """One slot of one bucket of sharded optimizer state, read gathered whole (its

@@ -6,7 +6,7 @@ at each epoch's start) the wrapper copies the training state into host memory: t
 variables of the strategy's state components (``strategy.state_components(model)``,
 `tfdist.strategies.state`: the model's, optimizer's and metrics' variables, gradient
 accumulation's, sharded optimizer state's, model averaging's) and the data position
-(epoch, batch). A commit lands only where every component lets it (gradient
+(epoch, batch: `tfdist.strategies._elastic_data.DataPosition`, a component too). A commit lands only where every component lets it (gradient
 accumulation: at an accumulation boundary). The
 copy of a step that commits is read inside that step's own traced function
 (`tfdist._hooks.keras_steps.committing_train_function`), as one flat buffer per dtype,
@@ -36,6 +36,7 @@ import os
 import tensorflow as tf
 
 from tfdist.strategies import state
+from tfdist.strategies._elastic_data import DataPosition
 
 DEFAULT_COMMIT_EVERY_STEPS = 1
 
@@ -54,22 +55,18 @@ class ElasticFit:
         self.model = model
         self.member = strategy.membership()
         self.commit_every_steps = commit_every_steps
-        self.iterator: ElasticIterator | None = None
-        self.epoch = -1
+        self.position = DataPosition()
         self.calls_since_commit = 0
         self._committed_flat = None  # (_Snapshot, its flat values), unpacked when needed
         self._committed_lists = ([], [])  # (state values, metric values) once unpacked
-        self.committed_at = (0, 0)
         self.last_logs = None
         self.recoveries = 0
         self.commits = 0  # commits taken, and of them those read inside a train step
         self.fused_commits = 0
-        self.steps_lost = 0  # steps rolled back (the one in flight included)
-        self.fast_forward = 0  # a joiner's calls to pass before it trains
         self._snapshot: _Snapshot | None = None  # the variables a commit reads
         self._inner = None
         self._committing = None  # the train function whose last step commits
-        self.components = strategy.state_components(model)
+        self.components = [*strategy.state_components(model), self.position]
         self.backups: list[str] = []  # fit's BackupAndRestore directories
         self._read_elsewhere = False  # the others read this epoch's metrics already
         self._joined = False  # joined a running job: its first commit is the one it took
@@ -85,23 +82,31 @@ class ElasticFit:
         self.model.train_function = self
         self.uninstall = wrap_epoch_metrics(self.model, self.epoch_results)
 
+    @property
+    def epoch(self) -> int:
+        """The epoch being trained (`DataPosition.epoch`)."""
+        return self.position.epoch
+
+    @property
+    def steps_lost(self) -> int:
+        """Steps rolled back so far (`DataPosition.steps_lost`)."""
+        return self.position.steps_lost
+
     def __call__(self, iterator):
-        if iterator is not self.iterator:  # a new epoch
-            if self.iterator is None:
+        position = self.position
+        if iterator is not position.iterator:  # a new epoch
+            if position.iterator is None:
                 self._prepare()
                 self._snapshot_now(renew=True)
-            self.iterator, self.epoch = iterator, self.epoch + 1
-            iterator.skip(self.fast_forward)  # a joiner's first epoch: the job's position
+            position.start_epoch(iterator)  # a joiner's first epoch: the job's position
             self._check_epoch_start()
             if self._joined:  # the commit it took: no read (it may gather, alone)
                 self._joined = False
-                self.committed_at = (self.epoch, iterator.position)
-                iterator.mark()
-                self.calls_since_commit = 0
+                self._committed()
             else:
                 self.commit()
-        if self.fast_forward > 0:  # Keras' steps the job trained before this worker joined
-            self.fast_forward -= self.model.steps_per_execution
+        if position.fast_forward > 0:  # Keras' steps the job trained before it joined
+            position.fast_forward -= self.model.steps_per_execution
             return {}
         start = iterator.position
         while True:
@@ -183,8 +188,11 @@ class ElasticFit:
         """Keeps ``values`` (``snapshot``'s flat buffers) as the commit at this position."""
         self._committed_flat, self._committed_lists = (snapshot, values), None
         self.commits += 1
-        self.committed_at = (self.epoch, self.iterator.position)
-        self.iterator.mark()
+        self._committed()
+
+    def _committed(self) -> None:
+        """Every component is told: the state is committed at this position."""
+        state.committed(self.components)
         self.calls_since_commit = 0
 
     def _snapshot_now(self, renew: bool = False) -> "_Snapshot":
@@ -228,7 +236,7 @@ class ElasticFit:
         # Placeholders of the broadcast's shapes: a joiner never holds the newest commit.
         self._committed_lists = ([tf.zeros(v.shape, v.dtype)
                                   for v in self.state_variables()], [])
-        self.committed_at = (-1, -1)
+        self.position.committed_at = (-1, -1)
         found = self._newest_commit()
         if found[1] == (-1, -1):
             raise NoStateLeftError(self._no_state_left())
@@ -237,7 +245,7 @@ class ElasticFit:
             component.after_join()
         self.member.synced = True
         self._joined = True
-        self.epoch, self.fast_forward = epoch - 1, position
+        self.position.joined(epoch, position)
         return epoch
 
     def _no_state_left(self) -> str:
@@ -256,7 +264,8 @@ class ElasticFit:
         commit keeps its own values of the rules' ``own_variables``); returns its
         position. ``found``: `_newest_commit`'s answer, when asked already."""
         root, newest = found or self._newest_commit()
-        keep = (state.kept_when_newest(self.components) if self.committed_at == newest
+        keep = (state.kept_when_newest(self.components)
+                if self.position.committed_at == newest
                 else set())
         self.member.say(f"{self.member.name}: takes the state of rank {root} (epoch "
                         f"{newest[0]}, batch {newest[1]})")
@@ -275,17 +284,14 @@ class ElasticFit:
             True when the newest commit already covers the call that began at ``start``.
         """
         self.recoveries += 1
-        self.steps_lost += self.iterator.position - self.committed_at[1]
-        self.iterator.rewind()
+        state.rolled_back(self.components)
         for variable, value in zip(self.metric_variables(), self.committed_metrics):
             variable.assign(value)
         epoch, position = self._reform_and_sync()
         if epoch > self.epoch:
             self._read_elsewhere = True  # and read its metrics: not again (`epoch_results`)
             return True  # the others ended this epoch: its batches are done
-        self.iterator.skip(position - self.iterator.position)  # the others' newer steps
-        self.committed_at = (epoch, position)
-        self.iterator.mark()
+        self.position.take(epoch, position)  # the others' newer steps
         self.calls_since_commit = 0
         return position > start
 
@@ -346,8 +352,8 @@ class ElasticFit:
 
     def _newest_commit(self) -> tuple[int, tuple[int, int]]:
         """``(rank holding it, (epoch, batch))`` of the newest commit among the members."""
-        mine = tf.constant([[self.committed_at[0], self.committed_at[1], self.member.rank()]],
-                           tf.int64)
+        epoch, batch = self.position.committed_at
+        mine = tf.constant([[epoch, batch, self.member.rank()]], tf.int64)
         every = self.member.allgather(mine).numpy()
         if any(int(e) == -1 for e, _, _ in every):
             # A joiner that has not trained keeps its reads of on-read variables (the

@@ -1,6 +1,6 @@
 """The data of an elastic ``fit``: every worker reads every global batch and keeps its
 replicas' rows, so a data position is (epoch, batch) whatever the membership
-(`tfdist.strategies._elastic`)."""
+(`tfdist.strategies._elastic`). The position is a state component (`DataPosition`)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import collections
 import tensorflow as tf
 
 from tfdist._hooks import tf as tf_hooks
+from tfdist.strategies.state import StateComponent
 
 
 class ElasticDataset:
@@ -85,6 +86,63 @@ class ElasticIterator:
             return rows_of(tf.distribute.experimental.ValueContext(
                 tf_hooks.replica_id_in_sync_group(extended, 0), strategy.num_replicas_in_sync))
         return strategy.experimental_distribute_values_from_function(rows_of)
+
+
+class DataPosition(StateComponent):
+    """The elastic data position: a state component with no variables.
+
+    Its state is the epoch and the global batch of the last commit (``committed_at``),
+    which identify the commit (members agree on the newest one and take the state from
+    a member holding it), and the batches taken since, which a rollback gives back in
+    order. Every worker reads every global batch, so a position means the same for any
+    replica count: it resizes freely.
+
+    Attributes:
+        iterator: This epoch's `ElasticIterator`.
+        epoch: The epoch being trained (-1 before the first).
+        committed_at: ``(epoch, batch)`` of the last commit; ``(-1, -1)`` on a joiner
+            before it takes the job's state.
+        fast_forward: Keras' steps the job trained, this epoch, before a joiner joined.
+        steps_lost: Steps rolled back so far (the one in flight included).
+    """
+
+    feature = "the data position"
+
+    def __init__(self):
+        self.iterator: ElasticIterator | None = None
+        self.epoch = -1
+        self.committed_at = (0, 0)
+        self.fast_forward = 0
+        self.steps_lost = 0
+
+    def start_epoch(self, iterator: ElasticIterator) -> None:
+        """A new epoch's iterator: skips what the job trained before a joiner joined."""
+        self.iterator, self.epoch = iterator, self.epoch + 1
+        iterator.skip(self.fast_forward)
+
+    @property
+    def batch(self) -> int:
+        """Global batches taken this epoch."""
+        return self.iterator.position
+
+    def committed(self) -> None:
+        self.committed_at = (self.epoch, self.iterator.position)
+        self.iterator.mark()
+
+    def rolled_back(self) -> None:
+        self.steps_lost += self.iterator.position - self.committed_at[1]
+        self.iterator.rewind()
+
+    def take(self, epoch: int, batch: int) -> None:
+        """Moves to another member's newer commit in this epoch (skips its batches)."""
+        self.iterator.skip(batch - self.iterator.position)
+        self.committed_at = (epoch, batch)
+        self.iterator.mark()
+
+    def joined(self, epoch: int, batch: int) -> None:
+        """A joiner took the commit at ``(epoch, batch)``: its next epoch is ``epoch``,
+        whose first ``batch`` batches it skips."""
+        self.epoch, self.fast_forward = epoch - 1, batch
 
 
 def check_elastic_batch(batch_size, local_replicas: int, bounds: tuple[int, int]) -> None:

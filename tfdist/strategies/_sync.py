@@ -36,6 +36,7 @@ from tfdist.comm.communicator import Accounted, StrategyCommunicator, per_replic
 from tfdist.comm.options import CommunicationOptions
 from tfdist.keras import handoff
 from tfdist.keras.optimizer import inner_optimizer, sharded_wrapper
+from tfdist.strategies import state
 from tfdist.strategies._fit import KerasFitMixin
 
 
@@ -47,6 +48,19 @@ def _local_accumulators(variables) -> list:
                             aggregation=tf.VariableAggregation.SUM,
                             name="tfdist_grad_accumulator")
                 for v in variables]
+
+
+def check_save_freq(callbacks, accumulate_steps: int) -> None:
+    """Refuses, before fit runs, a callback that saves every ``save_freq`` batches
+    inside an accumulation (the partial sums are no save's: `AccumulationState`)."""
+    for callback in callbacks or ():
+        save_freq = getattr(callback, "save_freq", "epoch")
+        if isinstance(save_freq, int) and save_freq % accumulate_steps:
+            raise ValueError(
+                f"{type(callback).__name__} would save inside an accumulation of "
+                f"accumulate_steps={accumulate_steps}, whose gradient sums no save holds: "
+                f"use a save_freq that divides by {accumulate_steps}, or 'epoch'. "
+                f"Received: save_freq={save_freq}")
 
 
 class SyncGradientsMixin(KerasFitMixin):
@@ -151,6 +165,7 @@ class SyncGradientsMixin(KerasFitMixin):
     def keras_check_call(self, model, method, arguments):
         super().keras_check_call(model, method, arguments)
         if method == "fit":
+            check_save_freq(arguments.get("callbacks"), self.communication.accumulate_steps)
             self._prepare_sharding(model)
         sharding = self.parameter_sharding
         if sharding is not None and sharding.reshard_after_forward:
@@ -181,6 +196,8 @@ class SyncGradientsMixin(KerasFitMixin):
 
     def keras_model_event(self, model, method, when):
         super().keras_model_event(model, method, when)
+        if method in ("save", "save_weights") and when == "before":
+            state.check_save(self.state_components(model))
         if method == "load_weights" and when == "before" and self.shard_optimizer_state:
             self._prepare_sharding(model)
             optimizer = getattr(model, "optimizer", None)

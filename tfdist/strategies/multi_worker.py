@@ -16,16 +16,12 @@ Its tensors move through an engine object (`tfdist.engines.Engine`, chosen by
 rank/size/chief and names a failed peer; this class has no engine-specific code.
 
 Extending it (e.g. model averaging on many workers): subclass and override
-
-- `_create_extended(cluster_resolver, communication_options)` to return your own
-  subclass of `MultiWorkerExtended` (itself TF's ``CollectiveAllReduceExtended``)
-  under TF's engine;
-- `_make_communication_options(communication_options)` to change the collective
-  options (implementation, timeout);
-- `_configure_coordination()` to change the coordination service set-up.
-
-The cluster is resolved before any of these run: ``self.cluster`` (a `ClusterSpec`,
-or None when this process is the whole job) is available in all of them. Call ``super().__init__(...)`` from your ``__init__``.
+`_create_extended(cluster_resolver, communication_options)` to return your own
+subclass of `MultiWorkerExtended` (itself TF's ``CollectiveAllReduceExtended``) under
+TF's engine. The TF engine makes the cluster resolver, the collective options and the
+coordination service from its `EngineSetup` (`tfdist.engines.tf`). The cluster is
+resolved before: ``self.cluster`` (a `ClusterSpec`, or None when this process is the
+whole job) is available. Call ``super().__init__(...)`` from your ``__init__``.
 """
 
 from __future__ import annotations
@@ -226,51 +222,6 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
             raise ValueError("MultiWorkerMirroredStrategy runs on 'chief' and 'worker' "
                              f"tasks only. Received: task={cluster.task.name!r}")
         return cluster
-
-    def _make_cluster_resolver(self, source):
-        """The TF ``ClusterResolver`` handed to TF (the user's own when given).
-
-        TF_CONFIG goes through TF's own resolver: TF special-cases it to use every local
-        GPU. Other sources become a ``SimpleClusterResolver`` that counts local GPUs
-        (listing physical devices does not start TF's runtime).
-        """
-        if source is not None and hasattr(source, "cluster_spec") and hasattr(
-                source, "task_type") and not isinstance(source, ClusterSpec):
-            return source
-        if source is None or source == "env":
-            return tf.distribute.cluster_resolver.TFConfigClusterResolver()
-        task = self.cluster.task
-        gpus = len(tf.config.list_physical_devices("GPU"))
-        return tf.distribute.cluster_resolver.SimpleClusterResolver(
-            tf.train.ClusterSpec(self.cluster.jobs()),
-            task_type=task.type if task else "worker", task_id=task.index if task else 0,
-            rpc_layer="grpc", num_accelerators={"GPU": gpus} if gpus else None)
-
-    def _make_communication_options(self, options):
-        """Collective options: the user's, with ``collective_timeout`` if they set none."""
-        # The public name is a factory; its instances are of a private class.
-        options_class = type(tf.distribute.experimental.CommunicationOptions())
-        if options is None:
-            options = options_class()
-        if not isinstance(options, options_class):
-            raise ValueError("communication_options must be a "
-                             "tf.distribute.experimental.CommunicationOptions. "
-                             f"Received: {options!r}")
-        if options.timeout_seconds is None and self.collective_timeout is not None:
-            options = options.merge(tf.distribute.experimental.CommunicationOptions(
-                timeout_seconds=self.collective_timeout))
-        return options
-
-    def _configure_coordination(self):
-        """Starts TF's coordination service with a registration barrier and timeouts.
-
-        Without the barrier, a worker that never starts makes the constructor block
-        forever; with it, every task fails after ``startup_timeout``.
-        """
-        tf_hooks.configure_coordination_service(
-            self.cluster.jobs(),
-            register_timeout_seconds=self.startup_timeout,
-            heartbeat_timeout_seconds=self.heartbeat_timeout)
 
     def _create_extended(self, cluster_resolver, communication_options):
         """The ``StrategyExtended`` object: override to return your own subclass."""

@@ -1,7 +1,12 @@
 """State as components: each stateful feature declares its state once.
 
-Elastic commits, rollbacks and joiner broadcasts, ``BackupAndRestore`` and saves ask a
-strategy's components (`StateComponent`) what to copy, and nothing else. A component
+Elastic commits, rollbacks and joiner broadcasts ask a strategy's components
+(`StateComponent`) what to copy, and nothing else. Saves (``save``, ``save_weights``,
+``ModelCheckpoint``, ``BackupAndRestore``) ask them whether a save now holds the whole
+state (`StateComponent.save_refusal`); what a save writes is Keras' own save of the model
+and its optimizer, which holds every component's shared state (sharded slots through the
+`tfdist.strategies.sharded_optimizer.ShardedOptimizer` wrapper's own variables; model
+averaging averages first, so its anchors are the saved weights). A component
 says, for its feature:
 
 - which variables every member holds equal (`StateComponent.shared_variables`):
@@ -10,6 +15,12 @@ says, for its feature:
   and restored on the member, never sent;
 - how its state goes from N replicas to M (`StateComponent.resize`), or why it cannot
   (`StateComponent.resize_refusal`, asked before anything runs);
+- what happens when a commit is kept or rolled back (`StateComponent.committed`,
+  `StateComponent.rolled_back`: the elastic data position,
+  `tfdist.strategies._elastic_data.DataPosition`, marks its
+  batch or rewinds to it);
+- why a save cannot be taken now (`StateComponent.save_refusal`: inside an
+  accumulation, whose sums are each replica's own); saves hold the shared variables;
 - where a commit may land (`StateComponent.commit_point`: gradient accumulation commits
   only where its sums are zero), and when a membership change may be taken in
   (`StateComponent.may_reform`: model averaging only before an average).
@@ -69,6 +80,17 @@ class StateComponent:
         """Whether a commit may land after ``steps_ahead`` more train steps."""
         return True
 
+    def committed(self) -> None:
+        """The state was just committed here (the data position marks its batch)."""
+
+    def rolled_back(self) -> None:
+        """The state was just put back to the last commit (the data position rewinds
+        to its batch, to replay the batches since)."""
+
+    def save_refusal(self) -> str | None:
+        """Why a save now would lose state no save holds (a member's own), or None."""
+        return None
+
     def resize_refusal(self, old: int, new: int) -> str | None:
         """Why the state cannot go from ``old`` to ``new`` replicas, or None."""
         return None
@@ -123,6 +145,26 @@ def may_reform(components: Iterable[StateComponent]) -> bool:
 def commit_point(components: Iterable[StateComponent], steps_ahead: int) -> bool:
     """Whether every component lets a commit land after ``steps_ahead`` more steps."""
     return all(c.commit_point(steps_ahead) for c in components)
+
+
+def check_save(components: Iterable[StateComponent]) -> None:
+    """Raises ValueError naming each feature whose state a save now would lose."""
+    reasons = [f"{c.feature}: {reason}" for c in components
+               for reason in [c.save_refusal()] if reason]
+    if reasons:
+        raise ValueError("a save here would lose training state: " + "; ".join(reasons))
+
+
+def committed(components: Iterable[StateComponent]) -> None:
+    """Tells every component that the state was just committed."""
+    for component in components:
+        component.committed()
+
+
+def rolled_back(components: Iterable[StateComponent]) -> None:
+    """Tells every component that the state was just put back to the last commit."""
+    for component in components:
+        component.rolled_back()
 
 
 def kept_when_newest(components: Iterable[StateComponent]) -> set:

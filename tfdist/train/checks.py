@@ -182,8 +182,8 @@ def check_job(config: dict[str, Any], source: str = "<config>") -> None:
 
 def _check_elastic(config: dict[str, Any], source: str) -> None:
     """An elastic launch (``cluster.min_workers``) runs Horovod workers (synchronous or
-    model averaging), started by tfdist's launcher on one host or several
-    (docs/elastic.md)."""
+    model averaging; ``engine="auto"`` picks Horovod there), started by tfdist's
+    launcher on one host or several (docs/elastic.md)."""
     strategy, cluster = config["strategy"], config["cluster"]
     if cluster["mode"] not in ("local", "nodes"):
         raise ConfigError(f"{source}: cluster.min_workers needs cluster.mode = 'local' or "
@@ -191,13 +191,12 @@ def _check_elastic(config: dict[str, Any], source: str) -> None:
                           f"cluster.mode = {cluster['mode']!r}")
     from tfdist.strategies.pairs import ELASTIC_STRATEGIES
 
-    if strategy["name"] not in ELASTIC_STRATEGIES or \
-            strategy["options"].get("engine") != "horovod":
+    if strategy["name"] not in ELASTIC_STRATEGIES:  # the engine: `pairs.check_modes`
         raise ConfigError(
             f"{source}: cluster.min_workers needs strategy.name = 'multi_worker' or "
-            "'model_average' with options.engine = 'horovod' (docs/elastic.md). Received: "
-            f"strategy.name = {strategy['name']!r}, options.engine = "
-            f"{strategy['options'].get('engine')!r}")
+            "'model_average' (with options.engine = 'horovod' or 'auto', the default: "
+            "docs/elastic.md). Received: strategy.name = "
+            f"{strategy['name']!r}")
 
 
 def _check_environment(config: dict[str, Any], source: str) -> None:

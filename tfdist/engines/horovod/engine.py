@@ -45,6 +45,7 @@ class HorovodEngine(Engine):
         from tfdist._hooks import tf as tf_hooks
         from tfdist.devices import multi_worker_devices
         from tfdist.engines.horovod.extended import HorovodExtended
+        from tfdist.engines.tf import tf_cluster_resolver
 
         del options  # its timeout is in the setup (Gloo's timeout)
         setup = self.setup
@@ -66,7 +67,7 @@ class HorovodEngine(Engine):
         tf_hooks.assign_collective_key_base(strategy)
         extended = HorovodExtended(strategy, list(setup.devices or multi_worker_devices()))
         # The resolver TF's engine would hand to TF: stock code reads it.
-        extended.set_cluster_resolver(strategy._make_cluster_resolver(cluster_resolver))
+        extended.set_cluster_resolver(tf_cluster_resolver(cluster_resolver, setup.cluster))
         return extended
 
     def make_inner_communicator(self, name):
