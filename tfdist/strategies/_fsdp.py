@@ -148,11 +148,17 @@ class ParameterSharding:
                 whole = tf.Variable(full, trainable=False, name="tfdist_initial_value")
                 full = tf.convert_to_tensor(whole.values[0])
                 del whole
-            flat = shard.pad(full.numpy())
-            created = tf.Variable(flat[:shard.slice_size], **arguments)
+            flat = np.reshape(full.numpy(), [-1])
+            del full
+
+            def piece(replica):  # a copy of one slice (the whole is never padded)
+                part = flat[replica * shard.slice_size:(replica + 1) * shard.slice_size]
+                return np.pad(part, (0, shard.slice_size - part.size))
+
+            created = tf.Variable(piece(0), **arguments)
             for component, replica in zip(created.values, replica_ids(self.strategy)):
-                component.assign(flat[replica * shard.slice_size:
-                                      (replica + 1) * shard.slice_size])
+                component.assign(piece(replica))
+            del flat
         return created, shard
 
     def _filled(self, shard, fill, arguments):
