@@ -77,7 +77,8 @@ class Shard:
     def pad_tensor(self, flat):
         import tensorflow as tf
 
-        return tf.pad(flat, [[0, self.slice_size * self.plan.replicas - self.size]])
+        padding = self.slice_size * self.plan.replicas - self.size
+        return tf.pad(flat, [[0, padding]]) if padding else flat  # no copy when even
 
     def pad(self, value):
         flat = np.reshape(value, [-1])
