@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from helpers import assert_weights_close
-from tfdist import LaunchError
 from kdist_jobs import GLOBAL_BATCH, dataset, keras_script, launched_task
 
 
@@ -159,9 +158,6 @@ def test_replicated_layouts_run_as_data_parallel(logical_cpus, no_distribution):
     assert model.distribute_strategy.num_replicas_in_sync == 2
 
 
-# Until the fully-sharded-parameters branch (issue #33 item 1) merges, the strategies
-# refuse shard_parameters= (TypeError): strict xfails, which fail once it has merged
-# (checked on a scratch merge of both branches: both pass), to become plain tests.
 def test_distribute_tensor_keeps_batch_layouts_and_refuses_others(logical_cpus,
                                                                    no_distribution):
     import keras
@@ -179,12 +175,6 @@ def test_distribute_tensor_keeps_batch_layouts_and_refuses_others(logical_cpus,
             x, keras.distribution.TensorLayout((None, "model"), mesh))
 
 
-def until_fsdp(raises):
-    return pytest.mark.xfail(strict=True, raises=raises,
-                             reason="needs shard_parameters= (issue #33 item 1)")
-
-
-@until_fsdp(TypeError)
 def test_batch_axis_layouts_train_fully_sharded(logical_cpus, no_distribution):
     got = keras_script("set", kind="model")
     # Both kernels (the ".*kernel" layouts), no bias; layer names vary within a process.
@@ -194,7 +184,6 @@ def test_batch_axis_layouts_train_fully_sharded(logical_cpus, no_distribution):
     np.testing.assert_allclose(got["predictions"], reference["predictions"], atol=1e-5)
 
 
-@until_fsdp(LaunchError)  # the tasks' TypeError
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_two_workers_batch_axis_layouts_train_fully_sharded(logical_cpus):

@@ -29,6 +29,7 @@ import keras
 import tensorflow as tf
 
 from tfdist._hooks import keras_optimizer
+from tfdist._hooks.fsdp import shard_of
 from tfdist.checks import check_bool
 from tfdist.comm.accounting import ByteCounter
 from tfdist.comm.communicator import Accounted, StrategyCommunicator, per_replica
@@ -73,17 +74,19 @@ class SyncGradientsMixin(KerasFitMixin):
 
     #: Set by `_init_sync_gradients`; False for strategies that do not call it.
     shard_optimizer_state = False
+    #: `tfdist.strategies._fsdp.ParameterSharding` with ``shard_parameters=True``, else None.
+    parameter_sharding = None
 
     @property
     def save_needs_every_worker(self) -> bool:
         """Whether a save runs collectives, so that every worker must call it, as in
         stock TF's multi-worker saving: sharded optimizer state is gathered."""
-        return self.shard_optimizer_state
+        return self.shard_optimizer_state or self.parameter_sharding is not None
 
     def _init_sync_gradients(self, options: CommunicationOptions,
                              communicator: Accounted | None = None,
-                             cross_device_ops=None, shard_optimizer_state: bool = False
-                             ) -> None:
+                             cross_device_ops=None, shard_optimizer_state: bool = False,
+                             sharding: dict | None = None) -> None:
         """Sets ``communication`` and ``communicator``; call outside any scope.
 
         Args:
@@ -95,6 +98,8 @@ class SyncGradientsMixin(KerasFitMixin):
                 through ``communicator`` (`tfdist.HorovodStrategy`).
             shard_optimizer_state: Each replica keeps 1/N of the optimizer state
                 (`tfdist.strategies._zero`).
+            sharding: None, or the `tfdist.strategies._fsdp.ParameterSharding`
+                arguments (``shard_parameters=True``).
         """
         self.shard_optimizer_state = check_bool("shard_optimizer_state", shard_optimizer_state)
         self.shard_optimizer_state = shard_optimizer_state
@@ -106,6 +111,12 @@ class SyncGradientsMixin(KerasFitMixin):
         # Micro-batches seen, a host counter (created outside any scope).
         self._micro_steps = ByteCounter("tfdist_micro_steps")
         handoff.install_keras_hooks()
+        if sharding is not None:
+            from tfdist._hooks.fsdp import install_parameter_hooks
+            from tfdist.strategies._fsdp import ParameterSharding
+
+            self.parameter_sharding = ParameterSharding(self, **sharding)
+            install_parameter_hooks()
 
     @property
     def bytes_communicated(self) -> int:
@@ -117,13 +128,25 @@ class SyncGradientsMixin(KerasFitMixin):
     keras_clip_after_reduce = True  # clipping as on one device (see docs/zero.md)
 
     def keras_reduce_gradients(self, grads_and_vars, reduce):
-        present = [grad for grad, _ in grads_and_vars if grad is not None]
-        if not present:
+        if not any(grad is not None for grad, _ in grads_and_vars):
             return reduce(grads_and_vars)  # Keras' own error: no gradients at all
+        # A sharded parameter's gradient was reduce-scattered by its gather's gradient.
+        whole = [grad is not None and shard_of(var) is None for grad, var in grads_and_vars]
+        present = [grad for (grad, _), keep in zip(grads_and_vars, whole) if keep]
         reduced = iter(tf.distribute.get_replica_context().merge_call(
-            self._all_reduce_sum, args=(present,)))
-        return [(None if grad is None else next(reduced), var)
-                for grad, var in grads_and_vars]
+            self._all_reduce_sum, args=(present,)) if present else [])
+        out = [(next(reduced) if keep else grad, var)
+               for (grad, var), keep in zip(grads_and_vars, whole)]
+        optimizer = getattr(reduce, "args", (None,))[0]  # Keras' reduce, bound to it
+        if (self.parameter_sharding is not None and optimizer is not None
+                and (optimizer.clipnorm or optimizer.global_clipnorm)):
+            from tfdist.strategies._fsdp import clip_sharded
+
+            clipped = clip_sharded(self, self.communicator, optimizer,
+                                   [g for g, _ in out], [shard_of(v) is not None
+                                                         for _, v in out])
+            out = [(g, v) for g, (_, v) in zip(clipped, out)]
+        return out
 
     def _all_reduce_sum(self, distribution, grads):
         """Cross-replica: each gradient summed over every replica, by the communicator."""
@@ -144,6 +167,11 @@ class SyncGradientsMixin(KerasFitMixin):
         if method == "fit":
             check_save_freq(arguments.get("callbacks"), self.communication.accumulate_steps)
             self._prepare_sharding(model)
+        sharding = self.parameter_sharding
+        if sharding is not None and sharding.reshard_after_forward:
+            from tfdist._hooks.fsdp import regather_in_backward
+
+            regather_in_backward(model)
 
     def _prepare_sharding(self, model):
         """Before fit or a load: the model's optimizer wrapped in a `ShardedOptimizer`
@@ -248,6 +276,12 @@ class SyncGradientsMixin(KerasFitMixin):
                     distribution, self.communicator, list(totals), variables,
                     scale=1 / steps)
                 return tf.constant(True)
+            if any(shard_of(v) is not None for v in variables):
+                grads = self._accumulated_with_slices(distribution, optimizer, totals,
+                                                      variables)
+                keras_optimizer.keras_distributed_update(optimizer, distribution, grads,
+                                                         variables)
+                return tf.constant(True)
             reduced = self.communicator.all_reduce(distribution, list(totals), variables,
                                                    op="sum")
             grads = [tf.cast(distribution.experimental_local_results(r)[0], v.dtype) / steps
@@ -262,6 +296,38 @@ class SyncGradientsMixin(KerasFitMixin):
             return tf.constant(False)
 
         return tf.cond(is_update, update, skip)
+
+    def _accumulated_with_slices(self, distribution, optimizer, totals, variables):
+        """Cross-replica, ``shard_parameters`` with ``accumulate_steps``: the summed
+        micro-batch gradients divided by k (and clipped by value); whole variables'
+        all-reduced once, sharded variables' slices (reduce-scattered at every
+        micro-batch) kept per replica."""
+        if optimizer.clipnorm or optimizer.global_clipnorm:
+            raise ValueError(
+                "shard_parameters=True with accumulate_steps does not clip by norm yet. "
+                f"Received: clipnorm={optimizer.clipnorm}, "
+                f"global_clipnorm={optimizer.global_clipnorm}")
+        steps = self.communication.accumulate_steps
+        whole = [i for i, v in enumerate(variables) if shard_of(v) is None]
+        reduced = dict(zip(whole, self.communicator.all_reduce(
+            distribution, [totals[i] for i in whole], [variables[i] for i in whole],
+            op="sum") if whole else []))
+
+        def finish(value, dtype):
+            value = tf.cast(value, dtype) / steps
+            limit = optimizer.clipvalue
+            return tf.clip_by_value(value, -limit, limit) if limit else value
+
+        grads = []
+        for i, (total, variable) in enumerate(zip(totals, variables)):
+            if i in reduced:
+                grads.append(finish(distribution.experimental_local_results(reduced[i])[0],
+                                    variable.dtype))
+            else:
+                grads.append(per_replica([finish(t, variable.dtype) for t in
+                                          distribution.experimental_local_results(total)],
+                                         always_wrap=True))
+        return grads
 
 
 def _wrapper_of(optimizer):

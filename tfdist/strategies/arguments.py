@@ -77,13 +77,43 @@ def _sync_options(communication_options, compression, accumulate_steps,
                          accumulate_steps=accumulate_steps)
 
 
+# DeepSpeed's persistence threshold (stage3_param_persistence_threshold).
+MIN_SHARD_ELEMENTS = 100_000
+
+
+def check_sharding(shard_parameters=False, min_shard_elements=MIN_SHARD_ELEMENTS,
+                   shard_filter=None, reshard_after_forward=True,
+                   shard_optimizer_state=False) -> dict | None:
+    """The ``shard_parameters`` arguments, checked: None when it is off, else the
+    `tfdist.strategies._fsdp.ParameterSharding` keyword arguments."""
+    check_bool("shard_parameters", shard_parameters)
+    check_int("min_shard_elements", min_shard_elements, 1)
+    check_bool("reshard_after_forward", reshard_after_forward)
+    if shard_filter is not None and not callable(shard_filter):
+        raise ValueError("shard_filter must be None or a function of a variable's path. "
+                         f"Received: shard_filter={shard_filter!r}")
+    if not shard_parameters:
+        return None
+    if shard_optimizer_state:
+        raise ValueError("shard_parameters=True shards the optimizer state with the "
+                         "parameters; drop shard_optimizer_state. Received: "
+                         "shard_optimizer_state=True")
+    return dict(min_shard_elements=min_shard_elements, shard_filter=shard_filter,
+                reshard_after_forward=reshard_after_forward)
+
+
 def check_mirrored(devices=None, communication_options=None, compression=None,
-                   accumulate_steps=None, shard_optimizer_state=False) -> CommunicationOptions:
+                   accumulate_steps=None, shard_optimizer_state=False,
+                   shard_parameters=False, min_shard_elements=MIN_SHARD_ELEMENTS,
+                   shard_filter=None, reshard_after_forward=True) -> CommunicationOptions:
     """`tfdist.MirroredStrategy`'s arguments; returns its `CommunicationOptions`."""
     if devices is not None:
         check_device_list(devices)
-    return _sync_options(communication_options, compression, accumulate_steps,
-                         shard_optimizer_state)
+    options = _sync_options(communication_options, compression, accumulate_steps,
+                            shard_optimizer_state)
+    check_sharding(shard_parameters, min_shard_elements, shard_filter, reshard_after_forward,
+                   shard_optimizer_state)
+    return options
 
 
 def check_horovod(devices=None, compression=None, communication_options=None,
@@ -98,9 +128,11 @@ def check_multi_worker(communication_options=None, startup_timeout=DEFAULT_START
                        collective_timeout=DEFAULT_COLLECTIVE_TIMEOUT,
                        heartbeat_timeout=DEFAULT_HEARTBEAT_TIMEOUT, compression=None,
                        accumulate_steps=None, engine="auto", shard_optimizer_state=False,
-                       commit_every_steps=DEFAULT_COMMIT_EVERY_STEPS) -> dict[str, Any]:
+                       commit_every_steps=DEFAULT_COMMIT_EVERY_STEPS, shard_parameters=False,
+                       min_shard_elements=MIN_SHARD_ELEMENTS, shard_filter=None,
+                       reshard_after_forward=True) -> dict[str, Any]:
     """`tfdist.MultiWorkerMirroredStrategy`'s arguments, checked: a dict of
-    ``commit_every_steps``, the three timeouts and ``options``."""
+    ``commit_every_steps``, the three timeouts, ``options`` and ``sharding``."""
     checked = dict(
         commit_every_steps=check_int("commit_every_steps", commit_every_steps, 1),
         startup_timeout=check_seconds("startup_timeout", startup_timeout),
@@ -110,9 +142,13 @@ def check_multi_worker(communication_options=None, startup_timeout=DEFAULT_START
     check_engine(engine)
     checked["options"] = _sync_options(communication_options, compression, accumulate_steps,
                                        shard_optimizer_state)
+    checked["sharding"] = check_sharding(
+        shard_parameters, min_shard_elements, shard_filter, reshard_after_forward,
+        shard_optimizer_state)
     check_pairs("multi_worker", check_multi_worker, dict(
         compression=compression, accumulate_steps=accumulate_steps, engine=engine,
-        shard_optimizer_state=shard_optimizer_state, commit_every_steps=commit_every_steps))
+        shard_optimizer_state=shard_optimizer_state, commit_every_steps=commit_every_steps,
+        shard_parameters=shard_parameters))
     return checked
 
 
@@ -159,6 +195,10 @@ def check_model_average(period=1, warmup_steps=0, outer_optimizer=None,
         raise ValueError("ModelAverageStrategy keeps a whole optimizer per worker; "
                          "shard_optimizer_state is for the synchronous strategies. "
                          "Received: shard_optimizer_state=True")
+    if base_kwargs.pop("shard_parameters", False):
+        raise ValueError("ModelAverageStrategy keeps whole models on every worker: "
+                         "shard_parameters is for the synchronous strategies. "
+                         "Received: shard_parameters=True")
     # accumulate_steps too: given to the base class, it would be ignored, silently.
     options = merge_options(base_kwargs.pop("communication_options", None),
                             compression=compression,

@@ -8,7 +8,7 @@ from tfdist._hooks import tf as tf_hooks
 from tfdist.devices import (are_soft_placed_on_the_cpu, cpu_device_names, default_devices,
                             validate_devices)
 from tfdist.strategies._sync import SyncGradientsMixin
-from tfdist.strategies.arguments import check_mirrored
+from tfdist.strategies.arguments import MIN_SHARD_ELEMENTS, check_mirrored, check_sharding
 
 
 def default_cross_device_ops(devices: list[str]) -> tf.distribute.CrossDeviceOps | None:
@@ -63,6 +63,13 @@ class MirroredStrategy(SyncGradientsMixin, tf.distribute.MirroredStrategy):
         shard_optimizer_state: Each replica keeps 1/N of the optimizer state (ZeRO-2:
             gradients reduce-scattered, slices updated, weights all-gathered; see
             docs/zero.md). Element-wise Keras optimizers only.
+        shard_parameters: Each replica stores 1/N of every large trainable variable
+            and of its optimizer state (ZeRO-3 / FSDP, docs/fsdp.md).
+        min_shard_elements: With ``shard_parameters``: smaller variables stay whole.
+        shard_filter: With ``shard_parameters``: None, or ``f(path)`` returning True
+            (shard), False (keep whole) or None (the ``min_shard_elements`` rule).
+        reshard_after_forward: With ``shard_parameters``: True (gathered again for the
+            backward pass) or False (kept from the forward pass to the backward pass).
 
     Attributes:
         communicator: The `tfdist.comm.communicator.Accounted` communicator gradients
@@ -78,9 +85,14 @@ class MirroredStrategy(SyncGradientsMixin, tf.distribute.MirroredStrategy):
 
 
     def __init__(self, devices=None, cross_device_ops=None, communication_options=None,
-                 compression=None, accumulate_steps=None, shard_optimizer_state=False):
+                 compression=None, accumulate_steps=None, shard_optimizer_state=False,
+                 shard_parameters=False, min_shard_elements=MIN_SHARD_ELEMENTS,
+                 shard_filter=None, reshard_after_forward=True):
         options = check_mirrored(devices, communication_options, compression,
-                                 accumulate_steps, shard_optimizer_state)
+                                 accumulate_steps, shard_optimizer_state, shard_parameters,
+                                 min_shard_elements, shard_filter, reshard_after_forward)
+        sharding = check_sharding(shard_parameters, min_shard_elements, shard_filter,
+                                  reshard_after_forward, shard_optimizer_state)
         devices = validate_devices(devices) if devices is not None else default_devices()
         if cross_device_ops is None:
             cross_device_ops = default_cross_device_ops(devices)
@@ -90,5 +102,6 @@ class MirroredStrategy(SyncGradientsMixin, tf.distribute.MirroredStrategy):
             raise ValueError("cross_device_ops must be a tf.distribute.CrossDeviceOps, "
                              f"'collective' or None. Received: {cross_device_ops!r}")
         tf_hooks.assign_collective_key_base(self)
-        self._init_sync_gradients(options, shard_optimizer_state=shard_optimizer_state)
+        self._init_sync_gradients(options, shard_optimizer_state=shard_optimizer_state,
+                                  sharding=sharding)
         super().__init__(devices=devices, cross_device_ops=cross_device_ops)

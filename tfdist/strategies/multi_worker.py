@@ -42,7 +42,8 @@ from tfdist.engines.registry import available, engine_class, select_engine
 from tfdist.strategies._elastic import DEFAULT_COMMIT_EVERY_STEPS
 from tfdist.strategies._sync import SyncGradientsMixin
 from tfdist.strategies.arguments import (DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT,
-                                         DEFAULT_STARTUP_TIMEOUT, check_multi_worker)
+                                         DEFAULT_STARTUP_TIMEOUT, MIN_SHARD_ELEMENTS,
+                                         check_multi_worker)
 
 
 # What tf.compat.v1.random.get_seed(op_seed) reports as the global seed when none was set.
@@ -108,6 +109,13 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
         shard_optimizer_state: Each worker keeps 1/N of the optimizer state (ZeRO-2:
             gradients reduce-scattered, slices updated, weights all-gathered; see
             docs/zero.md). Element-wise Keras optimizers only.
+        shard_parameters: Each worker stores 1/N of every large trainable variable and
+            of its optimizer state (ZeRO-3 / FSDP, docs/fsdp.md); not in elastic jobs.
+        min_shard_elements: With ``shard_parameters``: smaller variables stay whole.
+        shard_filter: With ``shard_parameters``: None, or ``f(path)`` returning True
+            (shard), False (keep whole) or None (the ``min_shard_elements`` rule).
+        reshard_after_forward: With ``shard_parameters``: True (gathered again for the
+            backward pass) or False (kept from the forward pass to the backward pass).
         engine: A registered engine name (`tfdist.engines.available`): ``"tf"``
             (TF collectives: the gRPC ring on CPU, NCCL on GPU), the Horovod engine
             (Gloo on CPU; no launcher of its own needed, see docs/horovod.md), one
@@ -137,11 +145,15 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
                  collective_timeout=DEFAULT_COLLECTIVE_TIMEOUT,
                  heartbeat_timeout=DEFAULT_HEARTBEAT_TIMEOUT, compression=None,
                  accumulate_steps=None, engine="auto", shard_optimizer_state=False,
-                 commit_every_steps=DEFAULT_COMMIT_EVERY_STEPS):
+                 commit_every_steps=DEFAULT_COMMIT_EVERY_STEPS, shard_parameters=False,
+                 min_shard_elements=MIN_SHARD_ELEMENTS, shard_filter=None,
+                 reshard_after_forward=True):
         checked = check_multi_worker(
             communication_options, startup_timeout, collective_timeout, heartbeat_timeout,
-            compression, accumulate_steps, engine, shard_optimizer_state, commit_every_steps)
+            compression, accumulate_steps, engine, shard_optimizer_state, commit_every_steps,
+            shard_parameters, min_shard_elements, shard_filter, reshard_after_forward)
         options = checked.pop("options")
+        self._sharding = checked.pop("sharding")
         self.commit_every_steps = checked["commit_every_steps"]
         self.startup_timeout = checked["startup_timeout"]
         self.collective_timeout = checked["collective_timeout"]
@@ -220,7 +232,8 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
         """Sets ``communication`` and the gradient ``communicator`` (the engine's)."""
         self._init_sync_gradients(options, self._engine.make_communicator(
             options.compression_policy, ByteCounter()),
-            shard_optimizer_state=getattr(self, "_shard_optimizer_state", False))
+            shard_optimizer_state=getattr(self, "_shard_optimizer_state", False),
+            sharding=getattr(self, "_sharding", None))
 
     def _share_random_seed(self):
         """Sets the chief's random global seed on every worker when the user set none.

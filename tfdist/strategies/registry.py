@@ -79,14 +79,17 @@ _MULTI_WORKER_OPTIONS = _SYNC_OPTIONS | {"collective_timeout", "commit_every_ste
                                          "heartbeat_timeout",
                                          "startup_timeout"}
 
+_FSDP_OPTIONS = frozenset({"shard_parameters", "min_shard_elements", "shard_filter",
+                           "reshard_after_forward"})
+
 STRATEGIES: dict[str, StrategyEntry] = {entry.name: entry for entry in (
     StrategyEntry("none", None, None),
     StrategyEntry("mirrored", "MirroredStrategy", "tfdist.strategies.mirrored",
-                  options=_SYNC_OPTIONS | {"devices", "shard_optimizer_state"},
+                  options=_SYNC_OPTIONS | {"devices", "shard_optimizer_state"} | _FSDP_OPTIONS,
                   replicas=REPLICA_PER_DEVICE),
     StrategyEntry("multi_worker", "MultiWorkerMirroredStrategy",
                   "tfdist.strategies.multi_worker",
-                  options=_MULTI_WORKER_OPTIONS | {"shard_optimizer_state"},
+                  options=_MULTI_WORKER_OPTIONS | {"shard_optimizer_state"} | _FSDP_OPTIONS,
                   multi_process=True, replicas=REPLICA_PER_TASK),
     StrategyEntry("parameter_server", "ParameterServerStrategy",
                   "tfdist.strategies.parameter_server",
