@@ -86,6 +86,23 @@ def check_mirrored(devices=None, communication_options=None, compression=None,
                          shard_optimizer_state)
 
 
+def check_model_parallel(layout_map=None, devices=None, communication_options=None,
+                         compression=None) -> CommunicationOptions:
+    """`tfdist.ModelParallelStrategy`'s arguments; returns its `CommunicationOptions`."""
+    items = getattr(layout_map, "items", None)
+    keys = list(layout_map.keys()) if items is not None else []
+    if not keys or not all(isinstance(k, str) for k in keys):
+        raise ValueError("layout_map must map variable path patterns (strings) to layouts, "
+                         f"at least one. Received: layout_map={layout_map!r}")
+    if devices is not None:
+        check_device_list(devices)
+    options = merge_options(communication_options, compression=compression)
+    if options.accumulate_steps > 1:
+        raise ValueError("ModelParallelStrategy does not accumulate gradients. Received: "
+                         f"accumulate_steps={options.accumulate_steps}")
+    return options
+
+
 def check_horovod(devices=None, compression=None, communication_options=None,
                   accumulate_steps=None) -> CommunicationOptions:
     """`tfdist.HorovodStrategy`'s arguments; returns its `CommunicationOptions`."""

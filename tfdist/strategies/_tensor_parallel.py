@@ -1,0 +1,231 @@
+"""Tensor parallelism ("split weights", Megatron-LM): Dense kernels split over the
+replicas of the "model" axis, from a layout map.
+
+A variable whose layout names ``"model"`` is stored split on that axis: replica r of m
+holds slice r (`Split`; `tfdist._hooks.tensor_parallel` makes it). A Dense kernel laid
+out ``(None, "model")`` is column-parallel (each replica computes its output columns,
+its bias split alike unless the map says otherwise); ``("model", None)`` is
+row-parallel (each replica multiplies its input rows; the partial sums are added over
+the replicas, then the whole bias once). A column layer whose every consumer is a row
+layer hands it its activation still split (no gather); otherwise its output is gathered
+whole (`tfdist.strategies._tp_ops`). Any other layer with a split variable is refused
+in one error naming it and its layout.
+
+A split variable's gradient is whole on its replica (the layer saw every row), so the
+strategy does not all-reduce it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+
+from tfdist.comm.communicator import replica_ids
+from tfdist.strategies import _tp_ops as ops
+
+MODEL = "model"
+COLUMN, ROW = "column", "row"
+
+
+@dataclasses.dataclass(eq=False)
+class Split:
+    """How one variable is cut: ``full_shape`` in ``replicas`` equal slices on ``axis``."""
+
+    plan: "TensorParallel"
+    path: str
+    axis: int
+    full_shape: tuple
+    local_shape: tuple
+
+    def full_numpy(self, value):
+        """The whole value from every local replica's slice (cross-replica)."""
+        return np.concatenate([np.asarray(v) for v in value.values], axis=self.axis)
+
+    def assign_full(self, target, value):
+        """Each local replica of ``target`` takes its slice of the whole ``value``."""
+        value = np.asarray(value, dtype=np.dtype(target.dtype.name))
+        if tuple(value.shape) != self.full_shape:
+            raise ValueError(f"The value assigned to {self.path!r} must have shape "
+                             f"{list(self.full_shape)}. Received: shape={list(value.shape)}")
+        parts = np.split(value, self.plan.replicas, axis=self.axis)
+        for component, replica in zip(target.values, replica_ids(self.plan.strategy)):
+            component.assign(parts[replica])
+
+
+def layout_axes(layout) -> tuple:
+    """A layout's axis names: a tuple, or a ``keras.distribution.TensorLayout``."""
+    axes = getattr(layout, "axes", layout)
+    if not isinstance(axes, (tuple, list)) or not all(a is None or isinstance(a, str)
+                                                       for a in axes):
+        raise ValueError("A layout must be a tuple of axis names or None, or a "
+                         f"keras.distribution.TensorLayout. Received: {layout!r}")
+    return tuple(axes)
+
+
+class TensorParallel:
+    """A strategy's ``tensor_parallel``: which variables are split, and how layers run.
+
+    Args:
+        strategy: The strategy (its replicas and ``communicator``).
+        layout_map: ``{path regex: layout}`` (a dict or a
+            ``keras.distribution.LayoutMap``); a variable's layout is the one key equal
+            to its path, else the one key found in it by ``re.search``.
+    """
+
+    def __init__(self, strategy, layout_map):
+        self.strategy = strategy
+        self.rules = [(key, layout_axes(layout)) for key, layout in layout_map.items()]
+        self.kinds = {}  # layer path -> COLUMN or ROW (from its kernel)
+
+    @property
+    def replicas(self) -> int:
+        return self.strategy.num_replicas_in_sync
+
+    def layout_of(self, path: str):
+        """The layout axes the map gives ``path``, or None."""
+        for key, axes in self.rules:
+            if key == path:
+                return axes
+        found = [(key, axes) for key, axes in self.rules if re.search(key, path)]
+        if len(found) > 1:
+            raise ValueError(f"Path {path!r} matches more than one layout map key. "
+                             f"Received: keys={[key for key, _ in found]}")
+        return found[0][1] if found else None
+
+    def split_axis(self, path: str, shape: tuple, trainable: bool):
+        """The axis the variable of ``path`` and ``shape`` is split on, or None."""
+        layer, _, name = path.rpartition("/")
+        axes = self.layout_of(path)
+        if axes is None:  # a column layer's bias follows its kernel
+            if name == "bias" and self.kinds.get(layer) == COLUMN and len(shape) == 1:
+                return self._checked(path, shape, ("model",), trainable)
+            return None
+        if MODEL not in axes:
+            return None
+        axis = self._checked(path, shape, axes, trainable)
+        if name == "kernel" and len(shape) == 2:
+            self.kinds[layer] = COLUMN if axis == 1 else ROW
+        return axis
+
+    def _checked(self, path, shape, axes, trainable):
+        if len(axes) != len(shape) or axes.count(MODEL) != 1 or any(
+                a not in (None, MODEL, "batch") for a in axes):
+            raise ValueError(
+                f"The layout of {path!r} must name 'model' once and have one entry per "
+                f"axis of its shape {list(shape)}. Received: layout={axes}")
+        axis = axes.index(MODEL)
+        if not trainable or shape[axis] % self.replicas:
+            raise ValueError(
+                f"Variable {path!r} of shape {list(shape)} cannot be split on axis {axis} "
+                f"over {self.replicas} 'model' replicas (it must be trainable and that axis "
+                f"a multiple of {self.replicas}). Received: layout={axes}")
+        return axis
+
+    def create(self, path, shape, axis, value, arguments):
+        """The mirrored variable whose replica r holds slice r of the initial ``value``
+        (a tensor, or a function returning one); ``arguments``: its ``tf.Variable``
+        keyword arguments.
+
+        Returns:
+            ``(the mirrored variable, its Split)``.
+        """
+        import tensorflow as tf
+
+        with tf.init_scope():
+            full = value() if callable(value) else value
+            full = tf.convert_to_tensor(full, dtype=arguments["dtype"]).numpy()
+            parts = np.split(full, self.replicas, axis=axis)
+            created = tf.Variable(parts[0], **arguments)
+            for component, replica in zip(created.values, replica_ids(self.strategy)):
+                component.assign(parts[replica])
+        return created, Split(self, path, axis, tuple(shape), tuple(parts[0].shape))
+
+    # ---- layers ---------------------------------------------------------------------
+
+    def prepare(self, model) -> int:
+        """Makes every layer of ``model`` with a split variable run split (idempotent).
+        Returns the number of split layers."""
+        import keras
+
+        from tfdist._hooks.tensor_parallel import all_layers, consumers, output_layers, split_of
+
+        count = 0
+        outputs = {id(layer) for layer in output_layers(model)}
+        for layer in all_layers(model):
+            own = [v for v in layer.weights if split_of(v) is not None
+                   and v.path.startswith(layer.path + "/")
+                   and v.path.count("/") == layer.path.count("/") + 1]
+            if not own:
+                continue
+            kind = self.kinds.get(layer.path)
+            if type(layer) is not keras.layers.Dense or kind is None:
+                split = split_of(own[0])
+                raise ValueError(
+                    "ModelParallelStrategy splits Dense kernels (column or row) only. "
+                    f"Received: layer {layer.name!r} ({type(layer).__name__}) with "
+                    f"{own[0].path!r} laid out {self.layout_of(own[0].path)} "
+                    f"(split on axis {split.axis})")
+            if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode",
+                                                                None):
+                raise ValueError(f"ModelParallelStrategy does not split a LoRA or quantized "
+                                 f"Dense. Received: layer {layer.name!r}")
+            after = consumers(layer)
+            keep = (kind == COLUMN and bool(after) and id(layer) not in outputs
+                    and all(type(c) is keras.layers.Dense and self.kinds.get(c.path) == ROW
+                            for c in after))
+            if not getattr(layer, "_tfdist_split_call", None) == (kind, keep):
+                layer.call = _dense_call(self, layer, kind, keep)
+                layer._tfdist_split_call = (kind, keep)
+                if kind == ROW:
+                    layer.input_spec = None  # its input may arrive split
+            count += 1
+        return count
+
+
+def _dense_call(plan, layer, kind, keep_split):
+    """``layer``'s call, split as ``kind`` (COLUMN or ROW); a column output stays split
+    when ``keep_split``."""
+    import tensorflow as tf
+
+    from tfdist._hooks.tensor_parallel import in_shape_inference, in_split_call
+
+    def call(inputs, training=None):
+        del training
+        x = tf.convert_to_tensor(inputs)
+        if in_shape_inference():  # Keras' symbolic build: only the whole shape matters
+            shape = tf.concat([tf.shape(x)[:-1], [layer.units]], 0)
+            return tf.zeros(shape, layer.compute_dtype)
+        if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+            raise ValueError(
+                f"Layer {layer.name!r} is split over the 'model' axis: call the model "
+                "through the strategy's fit, evaluate or predict. Received: a call "
+                "outside a replica function")
+        communicator, m = plan.strategy.communicator, plan.replicas
+        with in_split_call():
+            kernel, bias = layer.kernel, layer.bias
+            rows = int(kernel.shape[0])
+            if kind == COLUMN:
+                if x.shape[-1] != rows:
+                    raise ValueError(f"Column-parallel layer {layer.name!r} takes every "
+                                     f"input feature ({rows}). Received: an input of "
+                                     f"shape {x.shape}")
+                y = tf.matmul(ops.gather_rows(communicator, x, m),
+                              tf.convert_to_tensor(kernel))
+                if bias is not None:
+                    y = y + tf.convert_to_tensor(bias)
+                y = layer.activation(y)
+                return y if keep_split else ops.gather_features(communicator, y, m)
+            if x.shape[-1] == rows * m:  # whole features, own rows: take own features
+                x = ops.own_block(ops.gather_rows(communicator, x, m), len(x.shape) - 1, m)
+            elif x.shape[-1] != rows:
+                raise ValueError(f"Row-parallel layer {layer.name!r} takes {rows * m} "
+                                 f"features (or its {rows}). Received: an input of shape "
+                                 f"{x.shape}")
+            y = ops.scatter_rows(communicator, tf.matmul(x, tf.convert_to_tensor(kernel)), m)
+            if bias is not None:
+                y = y + tf.convert_to_tensor(bias)
+            return layer.activation(y)
+
+    return call
