@@ -86,7 +86,7 @@ def check_mirrored(devices=None, communication_options=None, compression=None,
                          shard_optimizer_state)
 
 
-def check_model_parallel(layout_map=None, devices=None, communication_options=None,
+def check_model_parallel(layout_map, devices=None, communication_options=None,
                          compression=None) -> CommunicationOptions:
     """`tfdist.ModelParallelStrategy`'s arguments; returns its `CommunicationOptions`."""
     items = getattr(layout_map, "items", None)

@@ -1,0 +1,130 @@
+"""tfdist.ModelParallelStrategy (tensor parallelism) on 2 logical CPUs, the "model"
+axis: a column/row Dense pair, and a column layer feeding a layer that needs every
+feature, end equal to one device with the same initial weights and global batch; each
+replica holds half of the split kernels; bytes_communicated counts every collective;
+what it cannot split is refused in one error."""
+
+import math
+
+import numpy as np
+import pytest
+
+from helpers import assert_weights_close
+
+BATCH, FEATURES, HIDDEN, OUTPUTS = 8, 6, 16, 4
+PAIR = {"up/kernel": (None, "model"), "down/kernel": ("model", None)}
+
+
+def _data(n=32, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(n, FEATURES)).astype("float32"),
+            rng.normal(size=(n, OUTPUTS)).astype("float32"))
+
+
+def _pair(norm=False):
+    import keras
+
+    inputs = keras.Input((FEATURES,))
+    h = keras.layers.Dense(HIDDEN, activation="relu", name="up")(inputs)
+    if norm:  # needs every feature: the column output is gathered first
+        h = keras.layers.LayerNormalization(name="norm")(h)
+    return keras.Model(inputs, keras.layers.Dense(OUTPUTS, name="down")(h))
+
+
+def _train(strategy, build, epochs=2):
+    """Trains ``build()`` with Adam from weights seeded 1; returns (weights, model)."""
+    import contextlib
+
+    import keras
+
+    keras.utils.set_random_seed(1)
+    initial = build().get_weights()
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        model = build()
+        for variable, value in zip(model.weights, initial):
+            variable.assign(value)  # a split variable takes its slice
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+    x, y = _data()
+    model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
+    return [np.asarray(w) for w in model.get_weights()], model
+
+
+def test_column_row_pair_matches_one_device(logical_cpus):
+    import tfdist
+    from tfdist._hooks.tensor_parallel import split_of, tf_value
+
+    strategy = tfdist.ModelParallelStrategy(layout_map=PAIR)
+    got, trained = _train(strategy, _pair)
+    ref, _ = _train(None, _pair)
+    assert_weights_close(got, ref, atol=1e-5)
+    # Each replica holds half of each split kernel (and of the column layer's bias).
+    split = {v.path: v for v in trained.weights if split_of(v) is not None}
+    assert sorted(split) == ["down/kernel", "up/bias", "up/kernel"]
+    whole = sum(math.prod(split_of(v).full_shape) for v in split.values())
+    for replica in range(2):
+        held = sum(math.prod(tf_value(v).values[replica].shape) for v in split.values())
+        assert held * 2 == whole
+    # Per step, what one replica sends: its rows of x (all-gather into the column
+    # layer), the row layer's partial sums (reduce-scatter), its rows' gradient of them
+    # (all-gather), and the row layer's bias gradient (all-reduce). The input needs no
+    # gradient, so its reduce-scatter does not run.
+    rows = BATCH // 2
+    per_step = 4 * (rows * FEATURES + BATCH * OUTPUTS + rows * OUTPUTS + OUTPUTS)
+    assert strategy.bytes_communicated == per_step * 2 * (32 // BATCH)
+
+
+def test_a_layer_needing_every_feature_gets_the_gathered_activation(logical_cpus):
+    import tfdist
+
+    strategy = tfdist.ModelParallelStrategy(layout_map=PAIR)
+    got, _ = _train(strategy, lambda: _pair(norm=True), epochs=1)
+    ref, _ = _train(None, lambda: _pair(norm=True), epochs=1)
+    assert_weights_close(got, ref, atol=1e-5)
+
+
+def test_predict_and_evaluate_run_split(logical_cpus):
+    import keras
+    import tfdist
+
+    strategy = tfdist.ModelParallelStrategy(layout_map=PAIR)
+    _, trained = _train(strategy, _pair, epochs=1)
+    x, y = _data()
+    plain = _pair()
+    plain.set_weights(trained.get_weights())
+    plain.compile(keras.optimizers.Adam(0.01), "mse")
+    np.testing.assert_allclose(trained.predict(x, batch_size=BATCH, verbose=0),
+                               plain.predict(x, batch_size=BATCH, verbose=0), atol=1e-5)
+    np.testing.assert_allclose(trained.evaluate(x, y, batch_size=BATCH, verbose=0),
+                               plain.evaluate(x, y, batch_size=BATCH, verbose=0), rtol=1e-5)
+    # A direct call would read one slice: refused, not a wrong result.
+    with pytest.raises(ValueError, match="Received: a"):
+        trained(x[:BATCH])
+
+
+def test_what_it_cannot_split_is_refused(logical_cpus):
+    import keras
+    import tfdist
+
+    def embedding():
+        inputs = keras.Input((3,), dtype="int32")
+        h = keras.layers.Embedding(10, 4, name="table")(inputs)
+        return keras.Model(inputs, keras.layers.Dense(2, name="head")(h))
+
+    strategy = tfdist.ModelParallelStrategy(layout_map={"table/embeddings": (None, "model")})
+    with strategy.scope():
+        model = embedding()
+        model.compile("adam", "mse")
+    with pytest.raises(ValueError, match=r"layer 'table' \(Embedding\) with 'table/embeddings' "
+                                         r"laid out \(None, 'model'\)"):
+        model.fit(np.zeros((4, 3), "int32"), np.zeros((4, 3, 2), "float32"), verbose=0)
+    for layout, match in [(("model", "model"), "name 'model' once"),
+                          ((None, "model", None), "one entry per axis")]:
+        with pytest.raises(ValueError, match=match):
+            with tfdist.ModelParallelStrategy(layout_map={"up/kernel": layout}).scope():
+                _pair()
+    with pytest.raises(ValueError, match=r"'odd/kernel' of shape \[6, 3\] cannot be split "
+                                         r"on axis 1 over 2"):
+        with tfdist.ModelParallelStrategy(layout_map={"odd/kernel": (None, "model")}).scope():
+            keras.layers.Dense(3, name="odd").build((None, FEATURES))
+    with pytest.raises(ValueError, match="Received: layout_map={}"):
+        tfdist.ModelParallelStrategy(layout_map={})
