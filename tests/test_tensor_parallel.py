@@ -128,3 +128,18 @@ def test_what_it_cannot_split_is_refused(logical_cpus):
             keras.layers.Dense(3, name="odd").build((None, FEATURES))
     with pytest.raises(ValueError, match="Received: layout_map={}"):
         tfdist.ModelParallelStrategy(layout_map={})
+
+
+def test_compression_casts_the_reduced_payloads(logical_cpus):
+    import tfdist
+
+    plain = tfdist.ModelParallelStrategy(layout_map=PAIR)
+    exact, _ = _train(plain, _pair, epochs=1)
+    strategy = tfdist.ModelParallelStrategy(layout_map=PAIR, compression="fp16")
+    got, _ = _train(strategy, _pair, epochs=1)
+    assert_weights_close(got, exact, atol=1e-2)
+    # The partial sums and the bias gradient travel as fp16; the gathered rows do not.
+    rows, steps = BATCH // 2, 32 // BATCH
+    gathered = 4 * (rows * FEATURES + rows * OUTPUTS)
+    assert plain.bytes_communicated == steps * (gathered + 4 * (BATCH * OUTPUTS + OUTPUTS))
+    assert strategy.bytes_communicated == steps * (gathered + 2 * (BATCH * OUTPUTS + OUTPUTS))

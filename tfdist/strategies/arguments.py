@@ -87,7 +87,7 @@ def check_mirrored(devices=None, communication_options=None, compression=None,
 
 
 def check_model_parallel(layout_map, devices=None, communication_options=None,
-                         compression=None) -> CommunicationOptions:
+                         compression=None, accumulate_steps=None) -> CommunicationOptions:
     """`tfdist.ModelParallelStrategy`'s arguments; returns its `CommunicationOptions`."""
     items = getattr(layout_map, "items", None)
     keys = list(layout_map.keys()) if items is not None else []
@@ -96,7 +96,8 @@ def check_model_parallel(layout_map, devices=None, communication_options=None,
                          f"at least one. Received: layout_map={layout_map!r}")
     if devices is not None:
         check_device_list(devices)
-    options = merge_options(communication_options, compression=compression)
+    options = merge_options(communication_options, compression=compression,
+                            accumulate_steps=accumulate_steps)
     if options.accumulate_steps > 1:
         raise ValueError("ModelParallelStrategy does not accumulate gradients. Received: "
                          f"accumulate_steps={options.accumulate_steps}")

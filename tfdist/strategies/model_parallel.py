@@ -29,8 +29,10 @@ class ModelParallelStrategy(SyncGradientsMixin, tf.distribute.MirroredStrategy):
             names (``"model"`` once, else None) or a
             ``keras.distribution.TensorLayout``; or a ``keras.distribution.LayoutMap``.
         devices: Device names; default: every local GPU, or else every logical CPU.
-        communication_options, compression: As `tfdist.MirroredStrategy` (the
-            compression applies to every collective, activations included).
+        communication_options, compression: As `tfdist.MirroredStrategy`; the
+            compression casts what is all-reduced or reduce-scattered (gradients and
+            partial sums), not what is all-gathered.
+        accumulate_steps: Refused above 1 (not implemented with split variables).
 
     Attributes:
         tensor_parallel: The `tfdist.strategies._tensor_parallel.TensorParallel` plan.
@@ -45,9 +47,9 @@ class ModelParallelStrategy(SyncGradientsMixin, tf.distribute.MirroredStrategy):
     is_chief = True
 
     def __init__(self, layout_map, devices=None, communication_options=None,
-                 compression=None):
+                 compression=None, accumulate_steps=None):
         options = check_model_parallel(layout_map, devices, communication_options,
-                                       compression)
+                                       compression, accumulate_steps)
         devices = validate_devices(devices) if devices is not None else default_devices()
         tf_hooks.assign_collective_key_base(self)
         self._init_sync_gradients(options)

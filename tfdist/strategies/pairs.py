@@ -392,4 +392,14 @@ PAIRS: dict[str, dict] = {
     "multi_worker": _sync_pairs(True),
     "parameter_server": {},
     "model_average": _average_pairs(),
+    "model_parallel": {
+        frozenset({"compression", "layout_map"}): Composes(
+            (T + "test_tensor_parallel.py::test_compression_casts_the_reduced_payloads",)),
+        frozenset({"accumulate_steps", "layout_map"}): Refused(
+            "ModelParallelStrategy does not accumulate gradients",
+            {"layout_map": {"dense/kernel": (None, "model")}, "accumulate_steps": 2}),
+        frozenset({"accumulate_steps", "compression"}): Refused(
+            "ModelParallelStrategy does not accumulate gradients",
+            {"layout_map": {"dense/kernel": (None, "model")}, "accumulate_steps": 2,
+             "compression": "fp16"})},
 }
