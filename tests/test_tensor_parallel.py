@@ -143,3 +143,32 @@ def test_compression_casts_the_reduced_payloads(logical_cpus):
     gathered = 4 * (rows * FEATURES + rows * OUTPUTS)
     assert plain.bytes_communicated == steps * (gathered + 4 * (BATCH * OUTPUTS + OUTPUTS))
     assert strategy.bytes_communicated == steps * (gathered + 2 * (BATCH * OUTPUTS + OUTPUTS))
+
+
+def test_keras_model_parallel_on_a_1_x_2_mesh_matches_one_device(logical_cpus):
+    """Backend-agnostic Keras: ModelParallel over DeviceMesh((1, 2), ["batch", "model"])."""
+    import keras
+
+    import tfdist
+
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"],
+                                         keras.distribution.list_devices())
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["up/kernel"] = (None, "model")
+    layout_map["down/kernel"] = ("model", None)
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+    try:
+        keras.utils.set_random_seed(1)
+        initial = _pair().get_weights()
+        model = _pair()
+        assert isinstance(model.distribute_strategy, tfdist.ModelParallelStrategy)
+        for variable, value in zip(model.weights, initial):
+            variable.assign(value)
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+        x, y = _data()
+        model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        got = [np.asarray(w) for w in model.get_weights()]
+    finally:
+        keras.distribution.set_distribution(None)
+    ref, _ = _train(None, _pair)
+    assert_weights_close(got, ref, atol=1e-5)

@@ -148,6 +148,9 @@ def install_split_hooks() -> None:
         split.assign_full(self._value, value)
         return value
 
+    for patch, original in ((_initialize, initialize), (__tf_tensor__, to_tensor),
+                            (numpy_, numpy), (__array__, array), (assign_, assign)):
+        patch.__wrapped__ = original  # what it chains to
     cls._initialize = _initialize
     cls.__tf_tensor__ = __tf_tensor__
     cls.numpy = numpy_

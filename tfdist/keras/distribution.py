@@ -10,12 +10,15 @@ loads its distribution module); backend-agnostic Keras 3 code then needs no tfdi
 - ``DataParallel()``: `tfdist.MirroredStrategy` over the mesh's devices on one process,
   `tfdist.MultiWorkerMirroredStrategy` on several (the mesh holds every device);
 - ``ModelParallel(layout_map=...)`` with layouts on the batch axis: the same strategy
-  with ``shard_parameters=True`` and a `ShardFilter` over the layout map.
+  with ``shard_parameters=True`` and a `ShardFilter` over the layout map;
+- ``ModelParallel`` on a mesh ``(1, m)`` whose other axis ("model") has m > 1, on one
+  process: `tfdist.ModelParallelStrategy` (tensor parallelism, docs/tensor_parallel.md)
+  with the layout map's axes renamed "batch" and "model" (`model_layouts`).
 
 ``set_distribution(d)`` and ``with d.scope():`` make the strategy TF's default
-(``tf.distribute.experimental_set_strategy``): build the model after it. A layout on any
-other mesh axis (a "model" axis: tensor parallelism) is refused when its variable is
-created. In a multi-worker job each worker reads the shard of every global batch that
+(``tf.distribute.experimental_set_strategy``): build the model after it. A layout on a
+mesh axis that is neither the batch axis nor the model axis of a ``(1, m)`` mesh is
+refused when its variable is created. In a multi-worker job each worker reads the shard of every global batch that
 Keras' ``Distribution.distribute_dataset`` gives it (``auto_shard_dataset``).
 """
 
@@ -179,7 +182,8 @@ def check_variable_layout(distribution, path: str, layout) -> None:
     if not isinstance(layout, TensorLayout):
         raise refuse_layout(*what, layout, batch, "it is not a keras.distribution.TensorLayout")
     used = [axis for axis in layout.axes if axis is not None]
-    others = [axis for axis in used if axis != batch]
+    model_axis = tensor_parallel_axis(distribution)
+    others = [axis for axis in used if axis not in (batch, model_axis)]
     if others:
         raise refuse_layout(*what, layout, batch, f"it uses mesh axis {others[0]!r}")
     if used and isinstance(distribution, DataParallel):
@@ -241,12 +245,12 @@ def strategy_plan(distribution) -> tuple[str, dict]:
         raise ValueError("tfdist runs keras.distribution.DataParallel and ModelParallel. "
                          f"Received: distribution={distribution!r}")
     mesh, batch = distribution.device_mesh, _batch_axis(distribution)
-    wide = [(a, n) for a, n in zip(mesh.axis_names, mesh.shape) if a != batch and n > 1]
-    if wide:
-        raise ValueError(f"tfdist runs meshes whose only axis of size > 1 is the batch axis "
-                         f"{batch!r} (tensor parallelism is not implemented yet); axis "
-                         f"{wide[0][0]!r} has size {wide[0][1]}. Received: device_mesh={mesh}")
     devices = [str(d) for d in mesh.devices.flatten()]
+    model_axis = tensor_parallel_axis(distribution)
+    if model_axis is not None:
+        return "ModelParallelStrategy", {
+            "devices": [_tf_device(d) for d in devices],
+            "layout_map": model_layouts(layout_map_of(distribution), batch, model_axis)}
     kwargs = {}
     if isinstance(distribution, ModelParallel):
         layout_map = layout_map_of(distribution)
@@ -262,6 +266,41 @@ def strategy_plan(distribution) -> tuple[str, dict]:
     return "MultiWorkerMirroredStrategy", {"cluster_resolver": _cluster(), **kwargs}
 
 
+def tensor_parallel_axis(distribution):
+    """The mesh axis of size > 1 other than the batch axis (tensor parallelism over
+    `tfdist.ModelParallelStrategy`), or None.
+
+    Raises:
+        ValueError: a mesh tfdist cannot run that way: the batch axis of size > 1 too
+            (a data x model mesh), more than one such axis, several processes, or a
+            ``DataParallel``.
+    """
+    from keras.distribution import ModelParallel
+
+    mesh, batch = distribution.device_mesh, _batch_axis(distribution)
+    wide = [(a, n) for a, n in zip(mesh.axis_names, mesh.shape) if a != batch and n > 1]
+    if not wide:
+        return None
+    data = dict(zip(mesh.axis_names, mesh.shape)).get(batch, 1)
+    if len(wide) > 1 or data > 1 or num_processes() > 1 or not isinstance(
+            distribution, ModelParallel):
+        raise ValueError(
+            "tfdist runs a mesh axis other than the batch axis (tensor parallelism) as "
+            "ModelParallel on one process with the batch axis of size 1 (a data x model "
+            f"mesh, or several processes, is not implemented yet); axis {wide[0][0]!r} has "
+            f"size {wide[0][1]}, the batch axis {batch!r} {data}, on {num_processes()} "
+            f"process(es). Received: device_mesh={mesh}")
+    return wide[0][0]
+
+
+def model_layouts(layout_map, batch: str, model_axis: str) -> dict:
+    """A ``LayoutMap`` as `tfdist.ModelParallelStrategy` takes it: each key's axes with
+    the mesh's model axis named ``"model"`` and the batch axis ``"batch"``."""
+    names = {batch: "batch", model_axis: "model", None: None}
+    return {key: tuple(names.get(a, a) for a in _axes(layout_map[key]))
+            for key in layout_map.keys()}
+
+
 def _tf_device(name: str) -> str:
     kind, _, index = name.partition(":")
     return f"/device:{kind.upper()}:{index or 0}"
@@ -270,20 +309,25 @@ def _tf_device(name: str) -> str:
 def strategy_for(distribution):
     """The tfdist strategy that runs ``distribution`` (made once per plan)."""
     from tfdist.strategies.mirrored import MirroredStrategy
+    from tfdist.strategies.model_parallel import ModelParallelStrategy
     from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 
     name, kwargs = strategy_plan(distribution)
     shard_filter = kwargs.get("shard_filter")
-    key = (name, tuple(kwargs.get("devices", ())),
-           id(shard_filter.layout_map) if shard_filter else None)
+    keep = shard_filter
+    if name == "ModelParallelStrategy":
+        keep = layout_map_of(distribution)
+    key = (name, tuple(kwargs.get("devices", ())), id(keep.layout_map) if shard_filter
+           else (id(keep) if keep is not None else None))
     if key not in _job.strategies:
         if name == "MultiWorkerMirroredStrategy" and _job.strategies:
             raise ValueError("a multi-worker process runs one tfdist strategy: this "
                              "distribution needs another one than the distribution set "
                              f"before. Received: distribution={distribution!r}")
         strategy = {"MirroredStrategy": MirroredStrategy,
+                    "ModelParallelStrategy": ModelParallelStrategy,
                     "MultiWorkerMirroredStrategy": MultiWorkerMirroredStrategy}[name](**kwargs)
-        _job.strategies[key] = (strategy, shard_filter)
+        _job.strategies[key] = (strategy, keep)
     return _job.strategies[key][0]
 
 

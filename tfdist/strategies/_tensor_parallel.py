@@ -71,7 +71,7 @@ class TensorParallel:
         strategy: The strategy (its replicas and ``communicator``).
         layout_map: ``{path regex: layout}`` (a dict or a
             ``keras.distribution.LayoutMap``); a variable's layout is the one key equal
-            to its path, else the one key found in it by ``re.search``.
+            to its path, else the one key that ``re.fullmatch``-es it (Keras' rule).
     """
 
     def __init__(self, strategy, layout_map):
@@ -88,7 +88,7 @@ class TensorParallel:
         for key, axes in self.rules:
             if key == path:
                 return axes
-        found = [(key, axes) for key, axes in self.rules if re.search(key, path)]
+        found = [(key, axes) for key, axes in self.rules if re.fullmatch(key, path)]
         if len(found) > 1:
             raise ValueError(f"Path {path!r} matches more than one layout map key. "
                              f"Received: keys={[key for key, _ in found]}")
