@@ -172,3 +172,37 @@ def test_keras_model_parallel_on_a_1_x_2_mesh_matches_one_device(logical_cpus):
         keras.distribution.set_distribution(None)
     ref, _ = _train(None, _pair)
     assert_weights_close(got, ref, atol=1e-5)
+
+
+def test_saves_hold_the_unsharded_layout(logical_cpus, tmp_path):
+    import keras
+
+    import tfdist
+    from tfdist._hooks.tensor_parallel import split_of
+
+    strategy = tfdist.ModelParallelStrategy(layout_map=PAIR)
+    got, trained = _train(strategy, _pair, epochs=1)
+    slots = [v for v in trained.optimizer.variables if split_of(v) is not None]
+    assert len(slots) == 6  # Adam's two slots of each split variable
+    path = str(tmp_path / "split.keras")
+    trained.save(path)
+    # A plain process loads the whole weights and optimizer state...
+    plain = keras.saving.load_model(path)
+    assert_weights_close([np.asarray(w) for w in plain.get_weights()], got, atol=0)
+    split_slots = {v.path: np.asarray(v) for v in trained.optimizer.variables}
+    for variable in plain.optimizer.variables:
+        np.testing.assert_array_equal(np.asarray(variable), split_slots[variable.path])
+    # ...and continues as the split model does.
+    x, y = _data(seed=1)
+    plain.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    trained.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close([np.asarray(w) for w in trained.get_weights()],
+                         [np.asarray(w) for w in plain.get_weights()], atol=1e-5)
+    # A split model loads a plain save: each replica takes its slices.
+    weights = str(tmp_path / "plain.weights.h5")
+    plain.save_weights(weights)
+    with strategy.scope():
+        again = _pair()
+    again.load_weights(weights)
+    assert_weights_close([np.asarray(w) for w in again.get_weights()],
+                         [np.asarray(w) for w in plain.get_weights()], atol=0)

@@ -7,7 +7,9 @@ Why: Keras 3 makes a variable's TF value in the private ``_initialize`` of
 holds slice r (its Keras shape is the slice's, so the layer's own math and the
 optimizer's slots work on slices), made here. ``numpy``/``__array__`` (saves,
 ``get_weights``) read the value directly and ``assign`` (loads, ``set_weights``) checks
-the whole shape first: both are patched to gather or cut the whole value. A read of a
+the whole shape first: both are patched to gather or cut the whole value. An optimizer
+slot made from a split variable (``TFOptimizer.add_variable_from_reference``) is split
+alike, so that saves hold it whole too. A read of a
 split variable outside a split layer's call in a replica function (a plain
 ``model(x)``) would see one slice and give a wrong result: ``__tf_tensor__`` refuses it.
 Which layers consume a layer's output is the private ``_outbound_nodes``, a model's
@@ -27,6 +29,7 @@ import contextlib
 import threading
 
 _CALL = threading.local()  # set while a split layer's call runs
+_LIKE = threading.local()  # the split reference of the optimizer slot being made, if any
 
 
 def split_of(variable):
@@ -97,14 +100,23 @@ def install_split_hooks() -> None:
     import tensorflow as tf
     from keras.src.backend.common.symbolic_scope import in_symbolic_scope
     from keras.src.backend.tensorflow import core
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
     cls = core.Variable
     if getattr(cls, "_tfdist_split_hooks", False):
         return
     initialize, to_tensor = cls._initialize, cls.__tf_tensor__
     numpy, array, assign = cls.numpy, cls.__array__, cls.assign
+    from_reference = TFOptimizer.add_variable_from_reference
 
     def _initialize(self, value):
+        like = split_of(getattr(_LIKE, "reference", None))
+        if like is not None and not isinstance(value, tf.Variable):
+            # An optimizer slot of a split variable: split alike (its initial value,
+            # zeros, the same on every replica).
+            initialize(self, value)
+            self._value._tfdist_split = like.like(self.path)
+            return
         if not isinstance(value, tf.Variable) and self._shape is not None:
             plan = getattr(tf.distribute.get_strategy(), "tensor_parallel", None)
             axis = None if plan is None else plan.split_axis(self.path, tuple(self._shape),
@@ -151,6 +163,18 @@ def install_split_hooks() -> None:
     for patch, original in ((_initialize, initialize), (__tf_tensor__, to_tensor),
                             (numpy_, numpy), (__array__, array), (assign_, assign)):
         patch.__wrapped__ = original  # what it chains to
+    def add_variable_from_reference(self, reference_variable, name=None,
+                                    initializer="zeros"):
+        previous = getattr(_LIKE, "reference", None)
+        _LIKE.reference = reference_variable if split_of(reference_variable) else None
+        try:
+            return from_reference(self, reference_variable, name=name,
+                                  initializer=initializer)
+        finally:
+            _LIKE.reference = previous
+
+    add_variable_from_reference.__wrapped__ = from_reference
+    TFOptimizer.add_variable_from_reference = add_variable_from_reference
     cls._initialize = _initialize
     cls.__tf_tensor__ = __tf_tensor__
     cls.numpy = numpy_

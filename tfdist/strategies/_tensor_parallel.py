@@ -39,6 +39,10 @@ class Split:
     full_shape: tuple
     local_shape: tuple
 
+    def like(self, path: str) -> "Split":
+        """The same cut for another variable of the same shape (an optimizer slot)."""
+        return dataclasses.replace(self, path=path)
+
     def full_numpy(self, value):
         """The whole value from every local replica's slice (cross-replica)."""
         return np.concatenate([np.asarray(v) for v in value.values], axis=self.axis)
