@@ -105,18 +105,18 @@ def test_what_it_cannot_split_is_refused(logical_cpus):
     import keras
     import tfdist
 
-    def embedding():
-        inputs = keras.Input((3,), dtype="int32")
-        h = keras.layers.Embedding(10, 4, name="table")(inputs)
+    def normed():
+        inputs = keras.Input((FEATURES,))
+        h = keras.layers.LayerNormalization(name="norm")(inputs)
         return keras.Model(inputs, keras.layers.Dense(2, name="head")(h))
 
-    strategy = tfdist.ModelParallelStrategy(layout_map={"table/embeddings": (None, "model")})
+    strategy = tfdist.ModelParallelStrategy(layout_map={"norm/gamma": ("model",)})
     with strategy.scope():
-        model = embedding()
+        model = normed()
         model.compile("adam", "mse")
-    with pytest.raises(ValueError, match=r"layer 'table' \(Embedding\) with 'table/embeddings' "
-                                         r"laid out \(None, 'model'\)"):
-        model.fit(np.zeros((4, 3), "int32"), np.zeros((4, 3, 2), "float32"), verbose=0)
+    with pytest.raises(ValueError, match=r"layer 'norm' \(LayerNormalization\) with "
+                                         r"'norm/gamma' laid out \('model',\)"):
+        model.fit(np.zeros((4, FEATURES), "float32"), np.zeros((4, 2), "float32"), verbose=0)
     for layout, match in [(("model", "model"), "name 'model' once"),
                           ((None, "model", None), "one entry per axis")]:
         with pytest.raises(ValueError, match=match):
@@ -206,3 +206,46 @@ def test_saves_hold_the_unsharded_layout(logical_cpus, tmp_path):
     again.load_weights(weights)
     assert_weights_close([np.asarray(w) for w in again.get_weights()],
                          [np.asarray(w) for w in plain.get_weights()], atol=0)
+
+
+VOCAB_SIZE, DIM = 10, 8
+
+
+def _embedded(table_layout_unused=None):
+    import keras
+
+    inputs = keras.Input((3,), dtype="int32")
+    h = keras.layers.Embedding(VOCAB_SIZE, DIM, name="table")(inputs)
+    h = keras.layers.Flatten(name="flat")(h)
+    return keras.Model(inputs, keras.layers.Dense(VOCAB_SIZE, name="head")(h))
+
+
+@pytest.mark.parametrize("layouts", [
+    {"table/embeddings": ("model", None)},  # vocabulary-parallel, head replicated
+    {"table/embeddings": ("model", None), "head/kernel": (None, "model")},  # and split head
+    {"table/embeddings": (None, "model")},  # features split
+], ids=["vocab", "vocab-and-head", "features"])
+def test_split_embedding_matches_one_device(logical_cpus, layouts):
+    import keras
+
+    import tfdist
+
+    def train(strategy):
+        import contextlib
+
+        keras.utils.set_random_seed(3)
+        initial = _embedded().get_weights()
+        with strategy.scope() if strategy is not None else contextlib.nullcontext():
+            model = _embedded()
+            for variable, value in zip(model.weights, initial):
+                variable.assign(value)
+            model.compile(keras.optimizers.Adam(0.01), keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True))
+        rng = np.random.default_rng(0)
+        x = rng.integers(0, VOCAB_SIZE, size=(32, 3)).astype("int32")
+        y = rng.integers(0, VOCAB_SIZE, size=(32,)).astype("int32")
+        model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        return [np.asarray(w) for w in model.get_weights()]
+
+    assert_weights_close(train(tfdist.ModelParallelStrategy(layout_map=layouts)), train(None),
+                         atol=1e-5)

@@ -8,8 +8,11 @@ its bias split alike unless the map says otherwise); ``("model", None)`` is
 row-parallel (each replica multiplies its input rows; the partial sums are added over
 the replicas, then the whole bias once). A column layer whose every consumer is a row
 layer hands it its activation still split (no gather); otherwise its output is gathered
-whole (`tfdist.strategies._tp_ops`). Any other layer with a split variable is refused
-in one error naming it and its layout.
+whole. An Embedding table laid out ``("model", None)`` is vocabulary-parallel (each
+replica looks up the ids in its rows, the others masked to zero, and the lookups are
+summed over the replicas); ``(None, "model")`` splits its features (gathered after the
+lookup). How each runs: `tfdist.strategies._tp_layers`. Any other layer with a split
+variable is refused in one error naming it and its layout.
 
 A split variable's gradient is whole on its replica (the layer saw every row), so the
 strategy does not all-reduce it.
@@ -23,10 +26,10 @@ import re
 import numpy as np
 
 from tfdist.comm.communicator import replica_ids
-from tfdist.strategies import _tp_ops as ops
+from tfdist.strategies import _tp_layers as layers
+from tfdist.strategies._tp_layers import COLUMN, FEATURES, ROW, VOCAB
 
 MODEL = "model"
-COLUMN, ROW = "column", "row"
 
 
 @dataclasses.dataclass(eq=False)
@@ -111,6 +114,8 @@ class TensorParallel:
         axis = self._checked(path, shape, axes, trainable)
         if name == "kernel" and len(shape) == 2:
             self.kinds[layer] = COLUMN if axis == 1 else ROW
+        if name == "embeddings" and len(shape) == 2:
+            self.kinds[layer] = VOCAB if axis == 0 else FEATURES
         return axis
 
     def _checked(self, path, shape, axes, trainable):
@@ -150,7 +155,11 @@ class TensorParallel:
 
     def prepare(self, model) -> int:
         """Makes every layer of ``model`` with a split variable run split (idempotent).
-        Returns the number of split layers."""
+        Returns the number of split layers.
+
+        Raises:
+            ValueError: a layer it cannot split, naming it and its variable's layout.
+        """
         import keras
 
         from tfdist._hooks.tensor_parallel import all_layers, consumers, output_layers, split_of
@@ -164,72 +173,25 @@ class TensorParallel:
             if not own:
                 continue
             kind = self.kinds.get(layer.path)
-            if type(layer) is not keras.layers.Dense or kind is None:
+            if not layers.is_supported(layer, kind):
                 split = split_of(own[0])
                 raise ValueError(
-                    "ModelParallelStrategy splits Dense kernels (column or row) only. "
-                    f"Received: layer {layer.name!r} ({type(layer).__name__}) with "
-                    f"{own[0].path!r} laid out {self.layout_of(own[0].path)} "
-                    f"(split on axis {split.axis})")
+                    "ModelParallelStrategy splits Dense kernels (column or row) and "
+                    "Embedding tables (vocabulary or features) only. Received: layer "
+                    f"{layer.name!r} ({type(layer).__name__}) with {own[0].path!r} laid out "
+                    f"{self.layout_of(own[0].path)} (split on axis {split.axis})")
             if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode",
                                                                 None):
                 raise ValueError(f"ModelParallelStrategy does not split a LoRA or quantized "
-                                 f"Dense. Received: layer {layer.name!r}")
+                                 f"layer. Received: layer {layer.name!r}")
             after = consumers(layer)
             keep = (kind == COLUMN and bool(after) and id(layer) not in outputs
                     and all(type(c) is keras.layers.Dense and self.kinds.get(c.path) == ROW
                             for c in after))
             if not getattr(layer, "_tfdist_split_call", None) == (kind, keep):
-                layer.call = _dense_call(self, layer, kind, keep)
+                layer.call = layers.split_call(self, layer, kind, keep)
                 layer._tfdist_split_call = (kind, keep)
                 if kind == ROW:
                     layer.input_spec = None  # its input may arrive split
             count += 1
         return count
-
-
-def _dense_call(plan, layer, kind, keep_split):
-    """``layer``'s call, split as ``kind`` (COLUMN or ROW); a column output stays split
-    when ``keep_split``."""
-    import tensorflow as tf
-
-    from tfdist._hooks.tensor_parallel import in_shape_inference, in_split_call
-
-    def call(inputs, training=None):
-        del training
-        x = tf.convert_to_tensor(inputs)
-        if in_shape_inference():  # Keras' symbolic build: only the whole shape matters
-            shape = tf.concat([tf.shape(x)[:-1], [layer.units]], 0)
-            return tf.zeros(shape, layer.compute_dtype)
-        if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
-            raise ValueError(
-                f"Layer {layer.name!r} is split over the 'model' axis: call the model "
-                "through the strategy's fit, evaluate or predict. Received: a call "
-                "outside a replica function")
-        communicator, m = plan.strategy.communicator, plan.replicas
-        with in_split_call():
-            kernel, bias = layer.kernel, layer.bias
-            rows = int(kernel.shape[0])
-            if kind == COLUMN:
-                if x.shape[-1] != rows:
-                    raise ValueError(f"Column-parallel layer {layer.name!r} takes every "
-                                     f"input feature ({rows}). Received: an input of "
-                                     f"shape {x.shape}")
-                y = tf.matmul(ops.gather_rows(communicator, x, m),
-                              tf.convert_to_tensor(kernel))
-                if bias is not None:
-                    y = y + tf.convert_to_tensor(bias)
-                y = layer.activation(y)
-                return y if keep_split else ops.gather_features(communicator, y, m)
-            if x.shape[-1] == rows * m:  # whole features, own rows: take own features
-                x = ops.own_block(ops.gather_rows(communicator, x, m), len(x.shape) - 1, m)
-            elif x.shape[-1] != rows:
-                raise ValueError(f"Row-parallel layer {layer.name!r} takes {rows * m} "
-                                 f"features (or its {rows}). Received: an input of shape "
-                                 f"{x.shape}")
-            y = ops.scatter_rows(communicator, tf.matmul(x, tf.convert_to_tensor(kernel)), m)
-            if bias is not None:
-                y = y + tf.convert_to_tensor(bias)
-            return layer.activation(y)
-
-    return call
