@@ -249,3 +249,98 @@ def test_split_embedding_matches_one_device(logical_cpus, layouts):
 
     assert_weights_close(train(tfdist.ModelParallelStrategy(layout_map=layouts)), train(None),
                          atol=1e-5)
+
+
+HEADS = {"mha/(query|key|value)/kernel": (None, "model", None),
+         "mha/attention_output/kernel": ("model", None, None)}
+
+
+def _attention_block():
+    """A transformer block: attention split by heads, then a column/row feed-forward."""
+    import keras
+
+    inputs = keras.Input((4, DIM))
+    h = keras.layers.MultiHeadAttention(num_heads=4, key_dim=3, name="mha")(
+        inputs, inputs, use_causal_mask=True)
+    h = keras.layers.LayerNormalization(name="norm")(h + inputs)
+    h = keras.layers.Dense(16, activation="relu", name="up")(h)
+    h = keras.layers.Dense(DIM, name="down")(h)
+    return keras.Model(inputs, keras.layers.Dense(2, name="out")(keras.layers.Flatten()(h)))
+
+
+def test_attention_split_by_heads_matches_one_device(logical_cpus):
+    import contextlib
+
+    import keras
+
+    import tfdist
+    from tfdist._hooks.tensor_parallel import split_of
+
+    def train(strategy):
+        keras.utils.set_random_seed(4)
+        initial = _attention_block().get_weights()
+        with strategy.scope() if strategy is not None else contextlib.nullcontext():
+            model = _attention_block()
+            for variable, value in zip(model.weights, initial):
+                variable.assign(value)
+            # SGD: the key bias's true gradient is zero (a softmax ignores a shift), and
+            # Adam would blow its rounding noise up to steps of the learning rate.
+            model.compile(keras.optimizers.SGD(0.1), "mse")
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(32, 4, DIM)).astype("float32")
+        y = rng.normal(size=(32, 2)).astype("float32")
+        model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        return [np.asarray(w) for w in model.get_weights()], model
+
+    got, trained = train(tfdist.ModelParallelStrategy(layout_map={**HEADS, **PAIR}))
+    ref, _ = train(None)
+    assert_weights_close(got, ref, atol=1e-5)
+    split = sorted(v.path for v in trained.weights if split_of(v) is not None)
+    assert split == ["down/kernel", "mha/attention_output/kernel", "mha/key/bias",
+                     "mha/key/kernel", "mha/query/bias", "mha/query/kernel", "mha/value/bias",
+                     "mha/value/kernel", "up/bias", "up/kernel"]
+
+
+def test_einsum_dense_column_output_gathered_and_attention_refusals(logical_cpus):
+    import contextlib
+
+    import keras
+
+    import tfdist
+
+    def einsum_model():
+        inputs = keras.Input((4, DIM))
+        h = keras.layers.EinsumDense("abc,cd->abd", (4, 6), bias_axes="d", name="proj")(inputs)
+        return keras.Model(inputs, keras.layers.Dense(2, name="out")(h))
+
+    def train(strategy, build, layouts=None):
+        keras.utils.set_random_seed(5)
+        initial = build().get_weights()
+        with strategy.scope() if strategy is not None else contextlib.nullcontext():
+            model = build()
+            for variable, value in zip(model.weights, initial):
+                variable.assign(value)
+            model.compile(keras.optimizers.Adam(0.01), "mse")
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(16, 4, DIM)).astype("float32")
+        model.fit(x, rng.normal(size=(16, 4, 2)).astype("float32"), batch_size=BATCH,
+                  shuffle=False, verbose=0)
+        return [np.asarray(w) for w in model.get_weights()]
+
+    layouts = {"proj/kernel": (None, "model")}
+    assert_weights_close(train(tfdist.ModelParallelStrategy(layout_map=layouts), einsum_model),
+                         train(None, einsum_model), atol=1e-5)
+
+    def masked():
+        inputs = keras.Input((4, DIM))
+        h = keras.layers.MultiHeadAttention(num_heads=4, key_dim=3, name="mha")(
+            inputs, inputs, attention_mask=keras.ops.ones((1, 4, 4), "bool"))
+        return keras.Model(inputs, keras.layers.Dense(2, name="out")(h))
+
+    with pytest.raises(ValueError, match=r"'mha' split by heads takes no mask but "
+                                         r"use_causal_mask .* Received: 1 mask"):
+        train(tfdist.ModelParallelStrategy(layout_map=HEADS), masked)
+    with pytest.raises(ValueError, match=r"Received: 'mha/attention_output/kernel' laid out "
+                                         r"None"):
+        half = {"mha/(query|key|value)/kernel": (None, "model", None)}
+        train(tfdist.ModelParallelStrategy(layout_map=half), masked)

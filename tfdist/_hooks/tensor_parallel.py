@@ -14,7 +14,8 @@ split variable outside a split layer's call in a replica function (a plain
 ``model(x)``) would see one slice and give a wrong result: ``__tf_tensor__`` refuses it.
 Which layers consume a layer's output is the private ``_outbound_nodes``, a model's
 layers its private ``_flatten_layers``, and which layer made an output its private
-``_keras_history``.
+``_keras_history``; a tensor's Keras mask its private ``get_keras_mask``; a
+MultiHeadAttention's projections its private ``_query_dense`` (etc.).
 ``tests/test_tensor_parallel.py`` fails loudly when a Keras upgrade removes these.
 Nothing changes for any other variable.
 
@@ -76,6 +77,22 @@ def output_layers(model) -> list:
         if history is not None:
             found.append(history[0])
     return found
+
+
+def attention_parts(layer) -> dict:
+    """A MultiHeadAttention's projection layers that exist, by role: ``query``,
+    ``key``, ``value``, ``gate``, ``output`` (Keras keeps them private)."""
+    names = {"query": "_query_dense", "key": "_key_dense", "value": "_value_dense",
+             "gate": "_gate_dense", "output": "_output_dense"}
+    found = {role: getattr(layer, name, None) for role, name in names.items()}
+    return {role: part for role, part in found.items() if part is not None}
+
+
+def keras_mask_of(tensor):
+    """The Keras mask a tensor carries, or None (Keras keeps it private)."""
+    from keras.src import backend
+
+    return backend.get_keras_mask(tensor)
 
 
 def in_shape_inference() -> bool:

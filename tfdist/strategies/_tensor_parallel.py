@@ -84,7 +84,8 @@ class TensorParallel:
     def __init__(self, strategy, layout_map):
         self.strategy = strategy
         self.rules = [(key, layout_axes(layout)) for key, layout in layout_map.items()]
-        self.kinds = {}  # layer path -> COLUMN or ROW (from its kernel)
+        self.kinds = {}  # layer path -> COLUMN, ROW, VOCAB or FEATURES
+        self.kernels = {}  # layer path -> (its kernel's split axis, the kernel's rank)
 
     @property
     def replicas(self) -> int:
@@ -105,15 +106,20 @@ class TensorParallel:
         """The axis the variable of ``path`` and ``shape`` is split on, or None."""
         layer, _, name = path.rpartition("/")
         axes = self.layout_of(path)
-        if axes is None:  # a column layer's bias follows its kernel
-            if name == "bias" and self.kinds.get(layer) == COLUMN and len(shape) == 1:
-                return self._checked(path, shape, ("model",), trainable)
+        if axes is None:  # a column layer's bias follows its kernel's output axis
+            kernel = self.kernels.get(layer)
+            if name == "bias" and self.kinds.get(layer) == COLUMN and kernel is not None:
+                at = kernel[0] - (kernel[1] - len(shape))
+                if 0 <= at < len(shape):
+                    return self._checked(path, shape, tuple(
+                        MODEL if i == at else None for i in range(len(shape))), trainable)
             return None
         if MODEL not in axes:
             return None
         axis = self._checked(path, shape, axes, trainable)
-        if name == "kernel" and len(shape) == 2:
-            self.kinds[layer] = COLUMN if axis == 1 else ROW
+        if name == "kernel" and len(shape) >= 2:
+            self.kinds[layer] = ROW if axis == 0 else COLUMN
+            self.kernels[layer] = (axis, len(shape))
         if name == "embeddings" and len(shape) == 2:
             self.kinds[layer] = VOCAB if axis == 0 else FEATURES
         return axis
@@ -166,6 +172,16 @@ class TensorParallel:
 
         count = 0
         outputs = {id(layer) for layer in output_layers(model)}
+        inside = {}  # a split attention's projections -> whether their output stays split
+        for layer in all_layers(model):
+            if layers.is_attention(layer):
+                split = layers.attention_projections(layer)
+                if any(split_of(v) is not None for sub in split for v in sub.weights):
+                    for sub, keep in layers.check_attention(self, layer).items():
+                        inside[id(sub)] = keep
+                    if getattr(layer, "_tfdist_split_call", None) is None:
+                        layer.call = layers.attention_call(layer)
+                        layer._tfdist_split_call = "heads"
         for layer in all_layers(model):
             own = [v for v in layer.weights if split_of(v) is not None
                    and v.path.startswith(layer.path + "/")
@@ -176,18 +192,20 @@ class TensorParallel:
             if not layers.is_supported(layer, kind):
                 split = split_of(own[0])
                 raise ValueError(
-                    "ModelParallelStrategy splits Dense kernels (column or row) and "
-                    "Embedding tables (vocabulary or features) only. Received: layer "
-                    f"{layer.name!r} ({type(layer).__name__}) with {own[0].path!r} laid out "
+                    "ModelParallelStrategy splits Dense and EinsumDense kernels (column or "
+                    "row), MultiHeadAttention by heads and Embedding tables (vocabulary or "
+                    f"features) only. Received: layer {layer.name!r} "
+                    f"({type(layer).__name__}) with {own[0].path!r} laid out "
                     f"{self.layout_of(own[0].path)} (split on axis {split.axis})")
             if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode",
                                                                 None):
                 raise ValueError(f"ModelParallelStrategy does not split a LoRA or quantized "
                                  f"layer. Received: layer {layer.name!r}")
             after = consumers(layer)
-            keep = (kind == COLUMN and bool(after) and id(layer) not in outputs
-                    and all(type(c) is keras.layers.Dense and self.kinds.get(c.path) == ROW
-                            for c in after))
+            keep = inside.get(id(layer), (
+                kind == COLUMN and bool(after) and id(layer) not in outputs
+                and all(type(c) is keras.layers.Dense and self.kinds.get(c.path) == ROW
+                        for c in after)))
             if not getattr(layer, "_tfdist_split_call", None) == (kind, keep):
                 layer.call = layers.split_call(self, layer, kind, keep)
                 layer._tfdist_split_call = (kind, keep)

@@ -14,9 +14,101 @@ def is_supported(layer, kind) -> bool:
     """Whether ``layer`` (its exact class) runs split as ``kind``."""
     import keras
 
+    if type(layer) is keras.layers.EinsumDense and kind in (COLUMN, ROW):
+        return einsum_axes(layer, kind) is not None
     return (type(layer), kind) in {
         (keras.layers.Dense, COLUMN), (keras.layers.Dense, ROW),
         (keras.layers.Embedding, VOCAB), (keras.layers.Embedding, FEATURES)}
+
+
+def _axis_in(spec: str, letter: str):
+    """The axis of ``letter`` in one einsum operand ``spec`` (negative after ``...``)."""
+    if "..." in spec:
+        before, after = spec.split("...")
+        if letter in after:
+            return after.index(letter) - len(after)
+        return before.index(letter) if letter in before else None
+    return spec.index(letter) if letter in spec else None
+
+
+def einsum_axes(layer, kind):
+    """For an EinsumDense whose kernel is split as ``kind``: the axis of its output
+    (COLUMN) or input (ROW) that the kernel's split letter indexes, or None when that
+    letter is not an output-only (COLUMN) or input-only (ROW) letter."""
+    from tfdist._hooks.tensor_parallel import split_of
+
+    split = split_of(layer.kernel)
+    operands, output = layer.equation.replace(" ", "").split("->")
+    inputs, kernel = operands.split(",")
+    letter = kernel.replace("...", "")[split.axis]
+    at_input, at_output = _axis_in(inputs, letter), _axis_in(output, letter)
+    if kind == COLUMN and at_output is not None and at_input is None:
+        return at_output
+    if kind == ROW and at_input is not None and at_output is None:
+        return at_input
+    return None
+
+
+def is_attention(layer) -> bool:
+    import keras
+
+    return type(layer) is keras.layers.MultiHeadAttention
+
+
+def attention_projections(layer) -> list:
+    """A MultiHeadAttention's projection layers that exist."""
+    from tfdist._hooks.tensor_parallel import attention_parts
+
+    return list(attention_parts(layer).values())
+
+
+def check_attention(plan, layer) -> dict:
+    """``{projection: keep its output split}`` for a MultiHeadAttention split by heads.
+
+    Raises:
+        ValueError: its query, key, value (and gate) kernels are not all split by heads
+            and its output kernel on its heads.
+    """
+    from tfdist._hooks.tensor_parallel import attention_parts, split_of
+
+    found = {}
+    output = attention_parts(layer).get("output")
+    for sub in attention_projections(layer):
+        split = split_of(sub.kernel)
+        want = 0 if sub is output else 1
+        if split is None or split.axis != want:
+            raise ValueError(
+                f"MultiHeadAttention {layer.name!r} splits by heads when its query, key, "
+                "value (and gate) kernels are laid out (None, 'model', None) and its "
+                "attention_output kernel ('model', None, None). Received: "
+                f"{sub.kernel.path!r} laid out {plan.layout_of(sub.kernel.path)}")
+        found[sub] = sub is not output
+    return found
+
+
+def attention_call(layer):
+    """A MultiHeadAttention's call split by heads: its own code, on this replica's heads
+    (its projections gather the rows and scatter them back)."""
+    original = type(layer).call
+
+    def call(query, value, key=None, query_mask=None, value_mask=None, key_mask=None,
+             attention_mask=None, return_attention_scores=False, training=None,
+             use_causal_mask=False):
+        from tfdist._hooks.tensor_parallel import in_shape_inference, keras_mask_of
+
+        masks = [m for m in (query_mask, value_mask, key_mask, attention_mask,
+                             keras_mask_of(query), keras_mask_of(value),
+                             None if key is None else keras_mask_of(key)) if m is not None]
+        if not in_shape_inference() and (masks or return_attention_scores):
+            raise ValueError(
+                f"MultiHeadAttention {layer.name!r} split by heads takes no mask but "
+                "use_causal_mask and returns no attention scores (not implemented). "
+                f"Received: {len(masks)} mask(s), "
+                f"return_attention_scores={return_attention_scores}")
+        return original(layer, query, value, key=key, return_attention_scores=False,
+                        training=training, use_causal_mask=use_causal_mask)
+
+    return call
 
 
 def split_call(plan, layer, kind, keep_split):
@@ -26,7 +118,11 @@ def split_call(plan, layer, kind, keep_split):
 
     from tfdist._hooks.tensor_parallel import in_shape_inference, in_split_call
 
+    import keras
+
     run = {COLUMN: _column, ROW: _row, VOCAB: _vocab, FEATURES: _features}[kind]
+    if type(layer) is keras.layers.EinsumDense:
+        run = _einsum_column if kind == COLUMN else _einsum_row
 
     def call(inputs, *args, **kwargs):
         x = tf.convert_to_tensor(inputs)
@@ -108,3 +204,35 @@ def _features(communicator, m, layer, x, keep_split):
     ids = ops.gather_rows(communicator, _ids(x), m)
     found = tf.gather(tf.convert_to_tensor(layer.embeddings), ids)
     return tf.cast(ops.gather_features(communicator, found, m), layer.compute_dtype)
+
+
+def _einsum_column(communicator, m, layer, x, keep_split):
+    """Every row through this replica's output slice (EinsumDense's own call)."""
+    y = type(layer).call(layer, ops.gather_rows(communicator, x, m))
+    if keep_split:
+        return y
+    return ops.gather_features(communicator, y, m, einsum_axes(layer, COLUMN))
+
+
+def _einsum_row(communicator, m, layer, x, keep_split):
+    """This replica's input slice through its kernel rows, summed over the replicas."""
+    import tensorflow as tf
+
+    axis = einsum_axes(layer, ROW)
+    local = int(layer.kernel.shape[split_axis(layer)])
+    if x.shape[axis] == local * m:  # whole, own rows: every row, own slice
+        x = ops.own_block(ops.gather_rows(communicator, x, m), axis % len(x.shape), m)
+    elif x.shape[axis] != local:
+        raise ValueError(f"Row-parallel layer {layer.name!r} takes {local * m} (or its "
+                         f"{local}) on axis {axis}. Received: an input of shape {x.shape}")
+    y = tf.einsum(layer.equation, x, tf.convert_to_tensor(layer.kernel))
+    y = ops.scatter_rows(communicator, y, m)
+    if layer.bias is not None:
+        y = y + tf.convert_to_tensor(layer.bias)
+    return y if layer.activation is None else layer.activation(y)
+
+
+def split_axis(layer) -> int:
+    from tfdist._hooks.tensor_parallel import split_of
+
+    return split_of(layer.kernel).axis

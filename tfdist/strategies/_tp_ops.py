@@ -94,32 +94,38 @@ def scatter_rows(communicator, x, replicas):
     return op(x)
 
 
-def _move_last_first(x):
+def _move_to_front(x, axis):
     import tensorflow as tf
 
     rank = len(x.shape)
-    return tf.transpose(x, [rank - 1] + list(range(rank - 1)))
+    axis %= rank
+    return tf.transpose(x, [axis] + [i for i in range(rank) if i != axis])
 
 
-def _move_first_last(x):
+def _move_from_front(x, axis):
     import tensorflow as tf
 
     rank = len(x.shape)
-    return tf.transpose(x, list(range(1, rank)) + [0])
+    axis %= rank
+    order = list(range(1, rank))
+    order.insert(axis, 0)
+    return tf.transpose(x, order)
 
 
-def gather_features(communicator, x, replicas):
-    """Every row's whole last axis from its slices over the replicas, then this
-    replica's rows; gradient: the rows gathered, this replica's features kept."""
+def gather_features(communicator, x, replicas, axis=-1):
+    """Every row's whole ``axis`` from its slices over the replicas, then this
+    replica's rows; gradient: the rows gathered, this replica's slice of ``axis`` kept."""
     import tensorflow as tf
+
+    axis %= len(x.shape)
 
     @tf.custom_gradient
     def op(x):
-        whole = _move_first_last(_all_gather(communicator, _move_last_first(x)))
+        whole = _move_from_front(_all_gather(communicator, _move_to_front(x, axis)), axis)
 
         def grad(dy):
             rows = _all_gather(communicator, tf.convert_to_tensor(dy))
-            return own_block(rows, len(x.shape) - 1, replicas)
+            return own_block(rows, axis, replicas)
 
         return own_block(whole, 0, replicas), grad
 
