@@ -62,13 +62,14 @@ class Split:
 
 
 def layout_axes(layout) -> tuple:
-    """A layout's axis names: a tuple, or a ``keras.distribution.TensorLayout``."""
+    """A layout's axis names: a tuple (``""`` for None), or a
+    ``keras.distribution.TensorLayout``."""
     axes = getattr(layout, "axes", layout)
     if not isinstance(axes, (tuple, list)) or not all(a is None or isinstance(a, str)
                                                        for a in axes):
         raise ValueError("A layout must be a tuple of axis names or None, or a "
                          f"keras.distribution.TensorLayout. Received: {layout!r}")
-    return tuple(axes)
+    return tuple(a or None for a in axes)  # '': None (a TOML config has no null)
 
 
 class TensorParallel:

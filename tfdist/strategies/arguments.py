@@ -94,6 +94,13 @@ def check_model_parallel(layout_map, devices=None, communication_options=None,
     if not keys or not all(isinstance(k, str) for k in keys):
         raise ValueError("layout_map must map variable path patterns (strings) to layouts, "
                          f"at least one. Received: layout_map={layout_map!r}")
+    for key in keys:
+        axes = getattr(layout_map[key], "axes", layout_map[key])
+        if not isinstance(axes, (tuple, list)) or not all(
+                a is None or isinstance(a, str) for a in axes):
+            raise ValueError(f"layout_map[{key!r}] must be a tuple of mesh axis names or None "
+                             "('' in a TOML config), or a keras.distribution.TensorLayout. "
+                             f"Received: layout_map={layout_map!r}")
     if devices is not None:
         check_device_list(devices)
     options = merge_options(communication_options, compression=compression,
