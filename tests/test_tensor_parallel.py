@@ -126,6 +126,12 @@ def test_what_it_cannot_split_is_refused(logical_cpus):
                                          r"on axis 1 over 2"):
         with tfdist.ModelParallelStrategy(layout_map={"odd/kernel": (None, "model")}).scope():
             keras.layers.Dense(3, name="odd").build((None, FEATURES))
+    strategy = tfdist.ModelParallelStrategy(layout_map=PAIR)
+    with strategy.scope():
+        clipped = _pair()
+        clipped.compile(keras.optimizers.Adam(global_clipnorm=1.0), "mse")
+    with pytest.raises(ValueError, match="Received: global_clipnorm=1.0"):
+        clipped.fit(*_data(), batch_size=BATCH, verbose=0)
     with pytest.raises(ValueError, match="Received: layout_map={}"):
         tfdist.ModelParallelStrategy(layout_map={})
 
@@ -344,3 +350,18 @@ def test_einsum_dense_column_output_gathered_and_attention_refusals(logical_cpus
                                          r"None"):
         half = {"mha/(query|key|value)/kernel": (None, "model", None)}
         train(tfdist.ModelParallelStrategy(layout_map=half), masked)
+
+
+def test_mixed_precision_matches_one_device(logical_cpus):
+    import keras
+
+    import tfdist
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        got, trained = _train(tfdist.ModelParallelStrategy(layout_map=PAIR), _pair, epochs=1)
+        ref, _ = _train(None, _pair, epochs=1)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert isinstance(trained.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert_weights_close(got, ref, atol=1e-4)  # float16 activations on both sides

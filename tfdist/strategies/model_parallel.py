@@ -59,6 +59,12 @@ class ModelParallelStrategy(SyncGradientsMixin, tf.distribute.MirroredStrategy):
 
     def keras_check_call(self, model, method, arguments):
         super().keras_check_call(model, method, arguments)
+        optimizer = getattr(model, "optimizer", None)
+        for name in ("clipnorm", "global_clipnorm"):
+            if method == "fit" and getattr(optimizer, name, None):
+                # Each replica would see only its slices of the split gradients.
+                raise ValueError(f"ModelParallelStrategy does not clip by norm yet. "
+                                 f"Received: {name}={getattr(optimizer, name)}")
         self.tensor_parallel.prepare(model)
 
     def keras_reduce_gradients(self, grads_and_vars, reduce):
