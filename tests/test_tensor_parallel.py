@@ -2,7 +2,9 @@
 axis: a column/row Dense pair, and a column layer feeding a layer that needs every
 feature, end equal to one device with the same initial weights and global batch; each
 replica holds half of the split kernels; bytes_communicated counts every collective;
-what it cannot split is refused in one error."""
+what it cannot split is refused in one error. Also a Keras ModelParallel on a (1, 2)
+mesh, Embedding and MultiHeadAttention splits, saves, and 2 workers under tfdist
+launch (MultiWorkerModelParallelStrategy)."""
 
 import math
 
@@ -11,42 +13,11 @@ import pytest
 
 from helpers import assert_weights_close
 
-BATCH, FEATURES, HIDDEN, OUTPUTS = 8, 6, 16, 4
-PAIR = {"up/kernel": (None, "model"), "down/kernel": ("model", None)}
-
-
-def _data(n=32, seed=0):
-    rng = np.random.default_rng(seed)
-    return (rng.normal(size=(n, FEATURES)).astype("float32"),
-            rng.normal(size=(n, OUTPUTS)).astype("float32"))
-
-
-def _pair(norm=False):
-    import keras
-
-    inputs = keras.Input((FEATURES,))
-    h = keras.layers.Dense(HIDDEN, activation="relu", name="up")(inputs)
-    if norm:  # needs every feature: the column output is gathered first
-        h = keras.layers.LayerNormalization(name="norm")(h)
-    return keras.Model(inputs, keras.layers.Dense(OUTPUTS, name="down")(h))
-
-
-def _train(strategy, build, epochs=2):
-    """Trains ``build()`` with Adam from weights seeded 1; returns (weights, model)."""
-    import contextlib
-
-    import keras
-
-    keras.utils.set_random_seed(1)
-    initial = build().get_weights()
-    with strategy.scope() if strategy is not None else contextlib.nullcontext():
-        model = build()
-        for variable, value in zip(model.weights, initial):
-            variable.assign(value)  # a split variable takes its slice
-        model.compile(keras.optimizers.Adam(0.01), "mse")
-    x, y = _data()
-    model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
-    return [np.asarray(w) for w in model.get_weights()], model
+from tp_jobs import (BATCH, DIM, FEATURES, HEADS, OUTPUTS, PAIR, attention_block,
+                     attention_data)
+from tp_jobs import data as _data
+from tp_jobs import pair as _pair
+from tp_jobs import train as _train
 
 
 def test_column_row_pair_matches_one_device(logical_cpus):
@@ -214,10 +185,10 @@ def test_saves_hold_the_unsharded_layout(logical_cpus, tmp_path):
                          [np.asarray(w) for w in plain.get_weights()], atol=0)
 
 
-VOCAB_SIZE, DIM = 10, 8
+VOCAB_SIZE = 10
 
 
-def _embedded(table_layout_unused=None):
+def _embedded():
     import keras
 
     inputs = keras.Input((3,), dtype="int32")
@@ -257,46 +228,13 @@ def test_split_embedding_matches_one_device(logical_cpus, layouts):
                          atol=1e-5)
 
 
-HEADS = {"mha/(query|key|value)/kernel": (None, "model", None),
-         "mha/attention_output/kernel": ("model", None, None)}
-
-
-def _attention_block():
-    """A transformer block: attention split by heads, then a column/row feed-forward."""
-    import keras
-
-    inputs = keras.Input((4, DIM))
-    h = keras.layers.MultiHeadAttention(num_heads=4, key_dim=3, name="mha")(
-        inputs, inputs, use_causal_mask=True)
-    h = keras.layers.LayerNormalization(name="norm")(h + inputs)
-    h = keras.layers.Dense(16, activation="relu", name="up")(h)
-    h = keras.layers.Dense(DIM, name="down")(h)
-    return keras.Model(inputs, keras.layers.Dense(2, name="out")(keras.layers.Flatten()(h)))
-
-
 def test_attention_split_by_heads_matches_one_device(logical_cpus):
-    import contextlib
-
-    import keras
-
     import tfdist
     from tfdist._hooks.tensor_parallel import split_of
 
     def train(strategy):
-        keras.utils.set_random_seed(4)
-        initial = _attention_block().get_weights()
-        with strategy.scope() if strategy is not None else contextlib.nullcontext():
-            model = _attention_block()
-            for variable, value in zip(model.weights, initial):
-                variable.assign(value)
-            # SGD: the key bias's true gradient is zero (a softmax ignores a shift), and
-            # Adam would blow its rounding noise up to steps of the learning rate.
-            model.compile(keras.optimizers.SGD(0.1), "mse")
-        rng = np.random.default_rng(0)
-        x = rng.normal(size=(32, 4, DIM)).astype("float32")
-        y = rng.normal(size=(32, 2)).astype("float32")
-        model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-        return [np.asarray(w) for w in model.get_weights()], model
+        x, y = attention_data()
+        return _train(strategy, attention_block, optimizer="sgd", x=x, y=y)
 
     got, trained = train(tfdist.ModelParallelStrategy(layout_map={**HEADS, **PAIR}))
     ref, _ = train(None)
@@ -365,3 +303,24 @@ def test_mixed_precision_matches_one_device(logical_cpus):
         keras.mixed_precision.set_global_policy("float32")
     assert isinstance(trained.optimizer, keras.optimizers.LossScaleOptimizer)
     assert_weights_close(got, ref, atol=1e-4)  # float16 activations on both sides
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_two_workers_split_the_model_axis_across_processes():
+    """2 workers of one replica each (engine "tf"): the pair and the attention block end
+    equal to one process and on both workers; each holds half of the split elements."""
+    from helpers import run_cluster
+
+    from tp_jobs import launched_task
+
+    chief, other = run_cluster(launched_task, timeout=280)
+    assert chief["chief"] and not other["chief"] and chief["replicas"] == 2
+    for name in ("pair", "attention"):
+        assert_weights_close(chief[name], other[name], atol=0)
+        assert_weights_close(chief[name], chief["reference"][name], atol=1e-5)
+    for result in (chief, other):
+        assert result["held"] * 2 == result["whole"]
+    rows = BATCH // 2  # as on one host: the same collectives, across the processes
+    per_step = 4 * (rows * FEATURES + BATCH * OUTPUTS + rows * OUTPUTS + OUTPUTS)
+    assert chief["bytes"] == other["bytes"] == per_step * 2 * (32 // BATCH)

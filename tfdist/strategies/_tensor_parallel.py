@@ -25,7 +25,7 @@ import re
 
 import numpy as np
 
-from tfdist.comm.communicator import replica_ids
+from tfdist.comm.communicator import per_replica, replica_ids
 from tfdist.strategies import _tp_layers as layers
 from tfdist.strategies._tp_layers import COLUMN, FEATURES, ROW, VOCAB
 
@@ -47,8 +47,16 @@ class Split:
         return dataclasses.replace(self, path=path)
 
     def full_numpy(self, value):
-        """The whole value from every local replica's slice (cross-replica)."""
-        return np.concatenate([np.asarray(v) for v in value.values], axis=self.axis)
+        """The whole value from every replica's slice (cross-replica; with several
+        workers an all-gather, so every worker must call it)."""
+        strategy = self.plan.strategy
+        if getattr(strategy, "num_workers", 1) == 1:
+            return np.concatenate([np.asarray(v) for v in value.values], axis=self.axis)
+        import tensorflow as tf
+
+        parts = [tf.convert_to_tensor(v) for v in value.values]
+        return np.asarray(strategy.gather(per_replica(parts, always_wrap=True),
+                                          axis=self.axis))
 
     def assign_full(self, target, value):
         """Each local replica of ``target`` takes its slice of the whole ``value``."""
@@ -151,7 +159,13 @@ class TensorParallel:
 
         with tf.init_scope():
             full = value() if callable(value) else value
-            full = tf.convert_to_tensor(full, dtype=arguments["dtype"]).numpy()
+            full = tf.convert_to_tensor(full, dtype=arguments["dtype"])
+            if getattr(self.strategy, "num_workers", 1) > 1:
+                # The strategy's creator broadcasts the chief's initial value.
+                whole = tf.Variable(full, trainable=False, name="tfdist_initial_value")
+                full = tf.convert_to_tensor(whole.values[0])
+                del whole
+            full = full.numpy()
             parts = np.split(full, self.replicas, axis=axis)
             created = tf.Variable(parts[0], **arguments)
             for component, replica in zip(created.values, replica_ids(self.strategy)):

@@ -1,10 +1,14 @@
-"""Tensor parallelism on one host: Dense kernels split over the local replicas, which
-form the "model" axis (docs/tensor_parallel.md)."""
+"""Tensor parallelism: weights split over the replicas, which form the "model" axis
+(docs/tensor_parallel.md): one host (`ModelParallelStrategy`) or every worker
+(`MultiWorkerModelParallelStrategy`)."""
 
 from __future__ import annotations
 
+import os
+
 import tensorflow as tf
 
+from tfdist import env
 from tfdist._hooks import tf as tf_hooks
 from tfdist._hooks.tensor_parallel import install_split_hooks, split_of
 from tfdist.devices import default_devices, validate_devices
@@ -12,10 +16,42 @@ from tfdist.strategies._sync import SyncGradientsMixin
 from tfdist.strategies._tensor_parallel import TensorParallel
 from tfdist.strategies.arguments import check_model_parallel
 from tfdist.strategies.mirrored import default_cross_device_ops
+from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 
 
-class ModelParallelStrategy(SyncGradientsMixin, tf.distribute.MirroredStrategy):
-    """Megatron-style tensor parallelism for Keras Dense layers, from a layout map.
+class TensorParallelMixin:
+    """Mixed into a synchronous strategy: variables split by a layout map, split layers'
+    calls, and no gradient all-reduce for split variables. Call
+    `_init_tensor_parallel` at the end of ``__init__``."""
+
+    def _init_tensor_parallel(self, layout_map) -> None:
+        self.tensor_parallel = TensorParallel(self, layout_map)
+        install_split_hooks()
+
+    def keras_check_call(self, model, method, arguments):
+        super().keras_check_call(model, method, arguments)
+        optimizer = getattr(model, "optimizer", None)
+        for name in ("clipnorm", "global_clipnorm"):
+            if method == "fit" and getattr(optimizer, name, None):
+                # Each replica would see only its slices of the split gradients.
+                raise ValueError(f"ModelParallelStrategy does not clip by norm yet. "
+                                 f"Received: {name}={getattr(optimizer, name)}")
+        self.tensor_parallel.prepare(model)
+
+    def keras_reduce_gradients(self, grads_and_vars, reduce):
+        # A split variable's gradient is already whole on its replica.
+        kept = [(None, v) if split_of(v) is not None else (g, v) for g, v in grads_and_vars]
+        if not any(g is not None for g, _ in kept):
+            return list(grads_and_vars)
+        reduced = super().keras_reduce_gradients(kept, reduce)
+        return [(g, v) if split_of(v) is not None else (r, v)
+                for (g, v), (r, _) in zip(grads_and_vars, reduced)]
+
+
+class ModelParallelStrategy(TensorParallelMixin, SyncGradientsMixin,
+                            tf.distribute.MirroredStrategy):
+    """Megatron-style tensor parallelism for Keras Dense, EinsumDense,
+    MultiHeadAttention and Embedding layers, from a layout map (one host).
 
     Every local replica is one shard of the "model" axis. A Dense kernel laid out
     ``(None, "model")`` is column-parallel (each replica holds and computes its output
@@ -54,24 +90,29 @@ class ModelParallelStrategy(SyncGradientsMixin, tf.distribute.MirroredStrategy):
         tf_hooks.assign_collective_key_base(self)
         self._init_sync_gradients(options)
         super().__init__(devices=devices, cross_device_ops=default_cross_device_ops(devices))
-        self.tensor_parallel = TensorParallel(self, layout_map)
-        install_split_hooks()
+        self._init_tensor_parallel(layout_map)
 
-    def keras_check_call(self, model, method, arguments):
-        super().keras_check_call(model, method, arguments)
-        optimizer = getattr(model, "optimizer", None)
-        for name in ("clipnorm", "global_clipnorm"):
-            if method == "fit" and getattr(optimizer, name, None):
-                # Each replica would see only its slices of the split gradients.
-                raise ValueError(f"ModelParallelStrategy does not clip by norm yet. "
-                                 f"Received: {name}={getattr(optimizer, name)}")
-        self.tensor_parallel.prepare(model)
 
-    def keras_reduce_gradients(self, grads_and_vars, reduce):
-        # A split variable's gradient is already whole on its replica.
-        kept = [(None, v) if split_of(v) is not None else (g, v) for g, v in grads_and_vars]
-        if not any(g is not None for g, _ in kept):
-            return list(grads_and_vars)
-        reduced = super().keras_reduce_gradients(kept, reduce)
-        return [(g, v) if split_of(v) is not None else (r, v)
-                for (g, v), (r, _) in zip(grads_and_vars, reduced)]
+class MultiWorkerModelParallelStrategy(TensorParallelMixin, MultiWorkerMirroredStrategy):
+    """`ModelParallelStrategy` over every replica of every worker (TF_CONFIG, ``tfdist
+    launch``): the "model" axis spans the processes.
+
+    Args:
+        layout_map: As `ModelParallelStrategy`.
+        **kwargs: `tfdist.MultiWorkerMirroredStrategy`'s arguments
+            (``shard_optimizer_state`` and ``accumulate_steps`` refused).
+
+    Raises:
+        ValueError: in an elastic job (the split variables cannot re-form).
+    """
+
+    def __init__(self, layout_map, **kwargs):
+        check_model_parallel(layout_map, accumulate_steps=kwargs.get("accumulate_steps"))
+        if kwargs.get("shard_optimizer_state"):
+            raise ValueError("MultiWorkerModelParallelStrategy does not shard optimizer "
+                             "state. Received: shard_optimizer_state=True")
+        if os.environ.get(env.ELASTIC_ADDR):
+            raise ValueError("An elastic job cannot re-form split variables over a new "
+                             "number of workers. Received: tfdist launch --min-workers")
+        super().__init__(**kwargs)
+        self._init_tensor_parallel(layout_map)

@@ -1,0 +1,92 @@
+"""Tensor-parallel runs shared by tests/test_tensor_parallel.py, in process and launched:
+a column/row Dense pair and an attention block split by heads."""
+
+import contextlib
+
+import numpy as np
+
+BATCH, FEATURES, HIDDEN, OUTPUTS, DIM = 8, 6, 16, 4, 8
+PAIR = {"up/kernel": (None, "model"), "down/kernel": ("model", None)}
+HEADS = {"mha/(query|key|value)/kernel": (None, "model", None),
+         "mha/attention_output/kernel": ("model", None, None)}
+
+
+def data(n=32, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(n, FEATURES)).astype("float32"),
+            rng.normal(size=(n, OUTPUTS)).astype("float32"))
+
+
+def pair(norm=False):
+    import keras
+
+    inputs = keras.Input((FEATURES,))
+    h = keras.layers.Dense(HIDDEN, activation="relu", name="up")(inputs)
+    if norm:  # needs every feature: the column output is gathered first
+        h = keras.layers.LayerNormalization(name="norm")(h)
+    return keras.Model(inputs, keras.layers.Dense(OUTPUTS, name="down")(h))
+
+
+def attention_block():
+    """A transformer block: attention split by heads, then a column/row feed-forward."""
+    import keras
+
+    inputs = keras.Input((4, DIM))
+    h = keras.layers.MultiHeadAttention(num_heads=4, key_dim=3, name="mha")(
+        inputs, inputs, use_causal_mask=True)
+    h = keras.layers.LayerNormalization(name="norm")(h + inputs)
+    h = keras.layers.Dense(16, activation="relu", name="up")(h)
+    h = keras.layers.Dense(DIM, name="down")(h)
+    return keras.Model(inputs, keras.layers.Dense(2, name="out")(keras.layers.Flatten()(h)))
+
+
+def train(strategy, build, epochs=2, optimizer="adam", x=None, y=None):
+    """Trains ``build()`` from weights seeded 1 with the global batch ``BATCH``;
+    returns ``(weights, model)``."""
+    import keras
+
+    keras.utils.set_random_seed(1)
+    initial = build().get_weights()
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        model = build()
+        for variable, value in zip(model.weights, initial):
+            variable.assign(value)  # a split variable takes its slice
+        # SGD for attention: the key bias's true gradient is zero (a softmax ignores a
+        # shift), and Adam would blow its rounding noise up to learning-rate steps.
+        model.compile(keras.optimizers.Adam(0.01) if optimizer == "adam"
+                      else keras.optimizers.SGD(0.1), "mse")
+    if x is None:
+        x, y = data()
+    model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
+    return [np.asarray(w) for w in model.get_weights()], model
+
+
+def attention_data():
+    rng = np.random.default_rng(0)
+    return (rng.normal(size=(32, 4, DIM)).astype("float32"),
+            rng.normal(size=(32, 2)).astype("float32"))
+
+
+def launched_task():
+    """On each of 2 workers (one replica each, the "model" axis across them): the pair
+    and the attention block; what each holds; the bytes; and (chief) the references."""
+    import tfdist
+    from tfdist._hooks.tensor_parallel import split_of, tf_value
+    from tfdist.strategies.model_parallel import MultiWorkerModelParallelStrategy
+
+    strategy = MultiWorkerModelParallelStrategy(layout_map={**PAIR, **HEADS}, engine="tf")
+    out = {"chief": strategy.is_chief, "replicas": strategy.num_replicas_in_sync}
+    weights, trained = train(strategy, pair)
+    split = [v for v in trained.weights if split_of(v) is not None]
+    out["pair"] = weights
+    out["held"] = sum(int(np.prod(tf_value(v).values[0].shape)) for v in split)
+    out["whole"] = sum(int(np.prod(split_of(v).full_shape)) for v in split)
+    out["bytes"] = strategy.bytes_communicated
+    x, y = attention_data()
+    out["attention"] = train(strategy, attention_block, optimizer="sgd", x=x, y=y)[0]
+    if strategy.is_chief:
+        out["reference"] = {"pair": train(None, pair)[0],
+                            "attention": train(None, attention_block, optimizer="sgd",
+                                               x=x, y=y)[0]}
+    del tfdist
+    return out
