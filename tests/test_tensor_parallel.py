@@ -307,14 +307,17 @@ def test_mixed_precision_matches_one_device(logical_cpus):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_two_workers_split_the_model_axis_across_processes():
-    """2 workers of one replica each (engine "tf"): the pair and the attention block end
+@pytest.mark.parametrize("engine", ["tf", pytest.param("horovod", marks=pytest.mark.horovod)])
+def test_two_workers_split_the_model_axis_across_processes(engine):
+    """2 workers of one replica each, both engines: the pair and the attention block end
     equal to one process and on both workers; each holds half of the split elements."""
-    from helpers import run_cluster
+    from helpers import require_horovod, run_cluster
 
     from tp_jobs import launched_task
 
-    chief, other = run_cluster(launched_task, timeout=280)
+    if engine == "horovod":
+        require_horovod()
+    chief, other = run_cluster(launched_task, engine, timeout=280)
     assert chief["chief"] and not other["chief"] and chief["replicas"] == 2
     for name in ("pair", "attention"):
         assert_weights_close(chief[name], other[name], atol=0)

@@ -67,14 +67,14 @@ def attention_data():
             rng.normal(size=(32, 2)).astype("float32"))
 
 
-def launched_task():
+def launched_task(engine):
     """On each of 2 workers (one replica each, the "model" axis across them): the pair
     and the attention block; what each holds; the bytes; and (chief) the references."""
     import tfdist
     from tfdist._hooks.tensor_parallel import split_of, tf_value
     from tfdist.strategies.model_parallel import MultiWorkerModelParallelStrategy
 
-    strategy = MultiWorkerModelParallelStrategy(layout_map={**PAIR, **HEADS}, engine="tf")
+    strategy = MultiWorkerModelParallelStrategy(layout_map={**PAIR, **HEADS}, engine=engine)
     out = {"chief": strategy.is_chief, "replicas": strategy.num_replicas_in_sync}
     weights, trained = train(strategy, pair)
     split = [v for v in trained.weights if split_of(v) is not None]
