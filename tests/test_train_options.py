@@ -55,7 +55,9 @@ BAD = {
 }
 # What each strategy needs around it for its config to be valid.
 CLUSTER = {"parameter_server": ["cluster.chief=true", "cluster.ps=1"],
-           "model_parallel": ['strategy.options.layout_map={"dense/kernel" = ["", "model"]}']}
+           "model_parallel": ['strategy.options.layout_map={"dense/kernel" = ["", "model"]}'],
+           "multi_worker_model_parallel": [
+               'strategy.options.layout_map={"dense/kernel" = ["", "model"]}']}
 CASES = [(name, option) for name, entry in registry.STRATEGIES.items() if entry.class_name
          for option in sorted(registry.option_names(name))]
 

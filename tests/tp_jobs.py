@@ -72,9 +72,8 @@ def launched_task(engine):
     and the attention block; what each holds; the bytes; and (chief) the references."""
     import tfdist
     from tfdist._hooks.tensor_parallel import split_of, tf_value
-    from tfdist.strategies.model_parallel import MultiWorkerModelParallelStrategy
 
-    strategy = MultiWorkerModelParallelStrategy(layout_map={**PAIR, **HEADS}, engine=engine)
+    strategy = tfdist.MultiWorkerModelParallelStrategy(layout_map={**PAIR, **HEADS}, engine=engine)
     out = {"chief": strategy.is_chief, "replicas": strategy.num_replicas_in_sync}
     weights, trained = train(strategy, pair)
     split = [v for v in trained.weights if split_of(v) is not None]
@@ -88,5 +87,4 @@ def launched_task(engine):
         out["reference"] = {"pair": train(None, pair)[0],
                             "attention": train(None, attention_block, optimizer="sgd",
                                                x=x, y=y)[0]}
-    del tfdist
     return out

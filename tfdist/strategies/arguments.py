@@ -111,6 +111,20 @@ def check_model_parallel(layout_map, devices=None, communication_options=None,
     return options
 
 
+def check_multi_worker_model_parallel(layout_map, **kwargs) -> dict[str, Any]:
+    """`tfdist.MultiWorkerModelParallelStrategy`'s arguments: its ``layout_map`` and
+    those it passes on to `tfdist.MultiWorkerMirroredStrategy`; returns those."""
+    check_model_parallel(layout_map, accumulate_steps=kwargs.get("accumulate_steps"),
+                         communication_options=kwargs.get("communication_options"))
+    if kwargs.get("shard_optimizer_state"):
+        raise ValueError("MultiWorkerModelParallelStrategy does not shard optimizer state. "
+                         "Received: shard_optimizer_state=True")
+    check_multi_worker(**kwargs)
+    check_pairs("multi_worker_model_parallel", check_multi_worker_model_parallel,
+                dict(kwargs, layout_map=layout_map))
+    return dict(kwargs)
+
+
 def check_horovod(devices=None, compression=None, communication_options=None,
                   accumulate_steps=None) -> CommunicationOptions:
     """`tfdist.HorovodStrategy`'s arguments; returns its `CommunicationOptions`."""

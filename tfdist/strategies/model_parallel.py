@@ -14,7 +14,7 @@ from tfdist._hooks.tensor_parallel import install_split_hooks, split_of
 from tfdist.devices import default_devices, validate_devices
 from tfdist.strategies._sync import SyncGradientsMixin
 from tfdist.strategies._tensor_parallel import TensorParallel
-from tfdist.strategies.arguments import check_model_parallel
+from tfdist.strategies.arguments import check_model_parallel, check_multi_worker_model_parallel
 from tfdist.strategies.mirrored import default_cross_device_ops
 from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 
@@ -107,10 +107,7 @@ class MultiWorkerModelParallelStrategy(TensorParallelMixin, MultiWorkerMirroredS
     """
 
     def __init__(self, layout_map, **kwargs):
-        check_model_parallel(layout_map, accumulate_steps=kwargs.get("accumulate_steps"))
-        if kwargs.get("shard_optimizer_state"):
-            raise ValueError("MultiWorkerModelParallelStrategy does not shard optimizer "
-                             "state. Received: shard_optimizer_state=True")
+        kwargs = check_multi_worker_model_parallel(layout_map, **kwargs)
         if os.environ.get(env.ELASTIC_ADDR):
             raise ValueError("An elastic job cannot re-form split variables over a new "
                              "number of workers. Received: tfdist launch --min-workers")
