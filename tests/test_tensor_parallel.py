@@ -13,8 +13,8 @@ import pytest
 
 from helpers import assert_weights_close
 
-from tp_jobs import (BATCH, DIM, FEATURES, HEADS, OUTPUTS, PAIR, attention_block,
-                     attention_data)
+from tp_jobs import (BATCH, DIM, FEATURES, HEAD, HEADS, OUTPUTS, PAIR, attention_block,
+                     attention_data, hybrid_cnn, image_data)
 from tp_jobs import data as _data
 from tp_jobs import pair as _pair
 from tp_jobs import train as _train
@@ -319,7 +319,7 @@ def test_two_workers_split_the_model_axis_across_processes(engine):
         require_horovod()
     chief, other = run_cluster(launched_task, engine, timeout=280)
     assert chief["chief"] and not other["chief"] and chief["replicas"] == 2
-    for name in ("pair", "attention"):
+    for name in ("pair", "attention", "hybrid"):
         assert_weights_close(chief[name], other[name], atol=0)
         assert_weights_close(chief[name], chief["reference"][name], atol=1e-5)
     for result in (chief, other):
@@ -327,3 +327,18 @@ def test_two_workers_split_the_model_axis_across_processes(engine):
     rows = BATCH // 2  # as on one host: the same collectives, across the processes
     per_step = 4 * (rows * FEATURES + BATCH * OUTPUTS + rows * OUTPUTS + OUTPUTS)
     assert chief["bytes"] == other["bytes"] == per_step * 2 * (32 // BATCH)
+
+
+def test_hybrid_cnn_matches_one_device(logical_cpus):
+    """The seeds' hybrid: the convolutions data-parallel over the replicas (each its rows
+    of the batch, gradients all-reduced), the fully-connected head split over "model"."""
+    import tfdist
+    from tfdist._hooks.tensor_parallel import split_of
+
+    x, y = image_data()
+    strategy = tfdist.ModelParallelStrategy(layout_map=HEAD)
+    got, trained = _train(strategy, hybrid_cnn, x=x, y=y)
+    ref, _ = _train(None, hybrid_cnn, x=x, y=y)
+    assert_weights_close(got, ref, atol=1e-5)
+    split = sorted(v.path for v in trained.weights if split_of(v) is not None)
+    assert split == ["head_down/kernel", "head_up/bias", "head_up/kernel"]

@@ -40,6 +40,29 @@ def attention_block():
     return keras.Model(inputs, keras.layers.Dense(2, name="out")(keras.layers.Flatten()(h)))
 
 
+HEAD = {"head_up/kernel": (None, "model"), "head_down/kernel": ("model", None)}
+
+
+def hybrid_cnn():
+    """The seeds' hybrid: convolutions data-parallel, a wide fully-connected head split."""
+    import keras
+
+    inputs = keras.Input((8, 8, 1))
+    h = keras.layers.Conv2D(4, 3, activation="relu", name="conv1")(inputs)
+    h = keras.layers.MaxPooling2D(name="pool")(h)
+    h = keras.layers.Conv2D(8, 3, activation="relu", name="conv2")(h)
+    h = keras.layers.Flatten(name="flat")(h)
+    h = keras.layers.Dense(64, activation="relu", name="head_up")(h)
+    h = keras.layers.Dense(32, activation="relu", name="head_down")(h)
+    return keras.Model(inputs, keras.layers.Dense(OUTPUTS, name="logits")(h))
+
+
+def image_data(n=32):
+    rng = np.random.default_rng(2)
+    return (rng.normal(size=(n, 8, 8, 1)).astype("float32"),
+            rng.normal(size=(n, OUTPUTS)).astype("float32"))
+
+
 def train(strategy, build, epochs=2, optimizer="adam", x=None, y=None):
     """Trains ``build()`` from weights seeded 1 with the global batch ``BATCH``;
     returns ``(weights, model)``."""
@@ -68,12 +91,14 @@ def attention_data():
 
 
 def launched_task(engine):
-    """On each of 2 workers (one replica each, the "model" axis across them): the pair
-    and the attention block; what each holds; the bytes; and (chief) the references."""
+    """On each of 2 workers (one replica each, the "model" axis across them): the pair,
+    the attention block and the hybrid CNN; what each holds; the bytes; and (chief) the
+    references."""
     import tfdist
     from tfdist._hooks.tensor_parallel import split_of, tf_value
 
-    strategy = tfdist.MultiWorkerModelParallelStrategy(layout_map={**PAIR, **HEADS}, engine=engine)
+    strategy = tfdist.MultiWorkerModelParallelStrategy(layout_map={**PAIR, **HEADS, **HEAD},
+                                                       engine=engine)
     out = {"chief": strategy.is_chief, "replicas": strategy.num_replicas_in_sync}
     weights, trained = train(strategy, pair)
     split = [v for v in trained.weights if split_of(v) is not None]
@@ -83,8 +108,11 @@ def launched_task(engine):
     out["bytes"] = strategy.bytes_communicated
     x, y = attention_data()
     out["attention"] = train(strategy, attention_block, optimizer="sgd", x=x, y=y)[0]
+    images, labels = image_data()
+    out["hybrid"] = train(strategy, hybrid_cnn, x=images, y=labels)[0]
     if strategy.is_chief:
         out["reference"] = {"pair": train(None, pair)[0],
                             "attention": train(None, attention_block, optimizer="sgd",
-                                               x=x, y=y)[0]}
+                                               x=x, y=y)[0],
+                            "hybrid": train(None, hybrid_cnn, x=images, y=labels)[0]}
     return out
