@@ -165,9 +165,9 @@ def refuse_layout(field: str, value, layout, batch: str, why: str) -> ValueError
     return ValueError(
         f"tfdist cannot run the layout {_axes(layout)!r} of {field.split('.')[0]} {value!r} "
         "on TensorFlow: "
-        f"{why}. tfdist lays variables out over the batch axis {batch!r} only (fully "
-        f"sharded parameters); tensor parallelism (any other mesh axis) is not implemented "
-        f"yet. Received: {field}={value!r}, layout={_axes(layout)!r}")
+        f"{why}. tfdist lays variables out over the batch axis {batch!r} (fully sharded "
+        f"parameters) or over the other axis of a (1, m) mesh, m > 1 (tensor "
+        f"parallelism). Received: {field}={value!r}, layout={_axes(layout)!r}")
 
 
 def check_variable_layout(distribution, path: str, layout) -> None:
