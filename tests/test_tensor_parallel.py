@@ -342,3 +342,17 @@ def test_hybrid_cnn_matches_one_device(logical_cpus):
     assert_weights_close(got, ref, atol=1e-5)
     split = sorted(v.path for v in trained.weights if split_of(v) is not None)
     assert split == ["head_down/kernel", "head_up/bias", "head_up/kernel"]
+
+
+def test_multi_worker_refusals_before_joining(monkeypatch):
+    import tfdist
+    from tfdist import env
+
+    with pytest.raises(ValueError, match="Received: shard_optimizer_state=True"):
+        tfdist.MultiWorkerModelParallelStrategy(layout_map=PAIR, shard_optimizer_state=True)
+    with pytest.raises(ValueError, match="Received: accumulate_steps=2"):
+        tfdist.MultiWorkerModelParallelStrategy(layout_map=PAIR, accumulate_steps=2)
+    monkeypatch.setenv(env.ELASTIC_ADDR, "127.0.0.1:1")
+    with pytest.raises(ValueError, match="cannot re-form split variables.*Received: tfdist "
+                                         "launch --min-workers"):
+        tfdist.MultiWorkerModelParallelStrategy(layout_map=PAIR)
