@@ -356,3 +356,23 @@ def test_multi_worker_refusals_before_joining(monkeypatch):
     with pytest.raises(ValueError, match="cannot re-form split variables.*Received: tfdist "
                                          "launch --min-workers"):
         tfdist.MultiWorkerModelParallelStrategy(layout_map=PAIR)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_two_workers_keras_model_parallel_on_a_1_x_2_mesh():
+    """Backend-agnostic Keras under tfdist launch: each worker one device of the mesh,
+    reading its rows of each global batch (the bytes show b = B/2 rows gathered)."""
+    from helpers import run_cluster
+
+    from tp_jobs import keras_launched_task
+
+    results = run_cluster(keras_launched_task, timeout=280)
+    reference, _ = _train(None, _pair)
+    for result in results:
+        assert result["strategy"] == "MultiWorkerModelParallelStrategy"
+        assert result["devices"] == ["cpu:0", "cpu:1"]
+        assert_weights_close(result["weights"], reference, atol=1e-5)
+        rows = BATCH // 2
+        per_step = 4 * (rows * FEATURES + BATCH * OUTPUTS + rows * OUTPUTS + OUTPUTS)
+        assert result["bytes"] == per_step * 2 * (32 // BATCH)

@@ -116,3 +116,34 @@ def launched_task(engine):
                                                x=x, y=y)[0],
                             "hybrid": train(None, hybrid_cnn, x=images, y=labels)[0]}
     return out
+
+
+def keras_launched_task():
+    """Backend-agnostic Keras on each of 2 workers: ModelParallel over a (1, 2) mesh of
+    every device, the pair trained on a tf.data dataset of global batches."""
+    import keras
+    import tensorflow as tf
+
+    keras.distribution.initialize()
+    devices = keras.distribution.list_devices()
+    mesh = keras.distribution.DeviceMesh((1, len(devices)), ["batch", "model"], devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    for key, axes in PAIR.items():
+        layout_map[key] = axes
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+    try:
+        keras.utils.set_random_seed(1)
+        initial = pair().get_weights()
+        model = pair()
+        for variable, value in zip(model.weights, initial):
+            variable.assign(value)
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+        x, y = data()
+        model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH), epochs=2,
+                  verbose=0)
+        weights = [np.asarray(w) for w in model.get_weights()]
+        strategy = model.distribute_strategy
+    finally:
+        keras.distribution.set_distribution(None)
+    return {"strategy": type(strategy).__name__, "weights": weights, "devices": devices,
+            "bytes": strategy.bytes_communicated}

@@ -248,9 +248,13 @@ def strategy_plan(distribution) -> tuple[str, dict]:
     devices = [str(d) for d in mesh.devices.flatten()]
     model_axis = tensor_parallel_axis(distribution)
     if model_axis is not None:
-        return "ModelParallelStrategy", {
-            "devices": [_tf_device(d) for d in devices],
-            "layout_map": model_layouts(layout_map_of(distribution), batch, model_axis)}
+        layouts = model_layouts(layout_map_of(distribution), batch, model_axis)
+        if num_processes() == 1:
+            return "ModelParallelStrategy", {"devices": [_tf_device(d) for d in devices],
+                                             "layout_map": layouts}
+        _check_every_device(devices)
+        return "MultiWorkerModelParallelStrategy", {"cluster_resolver": _cluster(),
+                                                    "layout_map": layouts}
     kwargs = {}
     if isinstance(distribution, ModelParallel):
         layout_map = layout_map_of(distribution)
@@ -258,12 +262,16 @@ def strategy_plan(distribution) -> tuple[str, dict]:
             kwargs = {"shard_parameters": True, "shard_filter": ShardFilter(layout_map, batch)}
     if num_processes() == 1:
         return "MirroredStrategy", {"devices": [_tf_device(d) for d in devices], **kwargs}
+    _check_every_device(devices)
+    return "MultiWorkerMirroredStrategy", {"cluster_resolver": _cluster(), **kwargs}
+
+
+def _check_every_device(devices) -> None:
     everything = list_devices(devices[0].split(":")[0])
     if sorted(devices) != sorted(everything):
         raise ValueError("a multi-worker mesh must hold every device of every worker "
                          f"(keras.distribution.list_devices()). Received: devices={devices}, "
                          f"list_devices()={everything}")
-    return "MultiWorkerMirroredStrategy", {"cluster_resolver": _cluster(), **kwargs}
 
 
 def tensor_parallel_axis(distribution):
@@ -282,14 +290,12 @@ def tensor_parallel_axis(distribution):
     if not wide:
         return None
     data = dict(zip(mesh.axis_names, mesh.shape)).get(batch, 1)
-    if len(wide) > 1 or data > 1 or num_processes() > 1 or not isinstance(
-            distribution, ModelParallel):
+    if len(wide) > 1 or data > 1 or not isinstance(distribution, ModelParallel):
         raise ValueError(
             "tfdist runs a mesh axis other than the batch axis (tensor parallelism) as "
-            "ModelParallel on one process with the batch axis of size 1 (a data x model "
-            f"mesh, or several processes, is not implemented yet); axis {wide[0][0]!r} has "
-            f"size {wide[0][1]}, the batch axis {batch!r} {data}, on {num_processes()} "
-            f"process(es). Received: device_mesh={mesh}")
+            "ModelParallel with the batch axis of size 1 (a data x model mesh is not "
+            f"implemented yet); axis {wide[0][0]!r} has size {wide[0][1]}, the batch axis "
+            f"{batch!r} {data}. Received: device_mesh={mesh}")
     return wide[0][0]
 
 
@@ -301,6 +307,24 @@ def model_layouts(layout_map, batch: str, model_axis: str) -> dict:
             for key in layout_map.keys()}
 
 
+def _worker_rows(workers: int, index: int):
+    """A ``Dataset.map`` function: worker ``index``'s block of rows of each global batch
+    (an error for a batch that does not split evenly over the workers)."""
+    import tensorflow as tf
+
+    def cut(x):
+        size = tf.shape(x)[0]
+        tf.debugging.assert_equal(size % workers, 0, message=(
+            f"each global batch must split evenly over the {workers} workers"))
+        part = size // workers
+        return x[index * part:(index + 1) * part]
+
+    def rows(*elements):
+        return tf.nest.map_structure(cut, elements if len(elements) > 1 else elements[0])
+
+    return rows
+
+
 def _tf_device(name: str) -> str:
     kind, _, index = name.partition(":")
     return f"/device:{kind.upper()}:{index or 0}"
@@ -309,23 +333,25 @@ def _tf_device(name: str) -> str:
 def strategy_for(distribution):
     """The tfdist strategy that runs ``distribution`` (made once per plan)."""
     from tfdist.strategies.mirrored import MirroredStrategy
-    from tfdist.strategies.model_parallel import ModelParallelStrategy
+    from tfdist.strategies.model_parallel import (ModelParallelStrategy,
+                                                  MultiWorkerModelParallelStrategy)
     from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 
     name, kwargs = strategy_plan(distribution)
     shard_filter = kwargs.get("shard_filter")
     keep = shard_filter
-    if name == "ModelParallelStrategy":
+    if name in ("ModelParallelStrategy", "MultiWorkerModelParallelStrategy"):
         keep = layout_map_of(distribution)
     key = (name, tuple(kwargs.get("devices", ())), id(keep.layout_map) if shard_filter
            else (id(keep) if keep is not None else None))
     if key not in _job.strategies:
-        if name == "MultiWorkerMirroredStrategy" and _job.strategies:
+        if name.startswith("MultiWorker") and _job.strategies:
             raise ValueError("a multi-worker process runs one tfdist strategy: this "
                              "distribution needs another one than the distribution set "
                              f"before. Received: distribution={distribution!r}")
         strategy = {"MirroredStrategy": MirroredStrategy,
                     "ModelParallelStrategy": ModelParallelStrategy,
+                    "MultiWorkerModelParallelStrategy": MultiWorkerModelParallelStrategy,
                     "MultiWorkerMirroredStrategy": MultiWorkerMirroredStrategy}[name](**kwargs)
         _job.strategies[key] = (strategy, keep)
     return _job.strategies[key][0]
@@ -356,6 +382,10 @@ def distribute_dataset(distribution, dataset, keras_shard):
     if num_processes() == 1:
         return sharded
     strategy = strategy_for(distribution)
+    if getattr(strategy, "tensor_parallel", None) is not None:
+        # Keras gives every process the whole global batch (one model replica); tensor
+        # parallelism wants each replica's own rows: this worker's slice of each batch.
+        sharded = sharded.map(_worker_rows(num_processes(), process_id()))
     total = int(dataset.cardinality().numpy())
     if total >= 0 and int(sharded.cardinality().numpy()) < 0:
         sharded = sharded.apply(tf.data.experimental.assert_cardinality(total))

@@ -99,6 +99,7 @@ class MultiWorkerModelParallelStrategy(TensorParallelMixin, MultiWorkerMirroredS
 
     Args:
         layout_map: As `ModelParallelStrategy`.
+        cluster_resolver: As `tfdist.MultiWorkerMirroredStrategy`.
         **kwargs: `tfdist.MultiWorkerMirroredStrategy`'s arguments
             (``shard_optimizer_state`` and ``accumulate_steps`` refused).
 
@@ -106,8 +107,9 @@ class MultiWorkerModelParallelStrategy(TensorParallelMixin, MultiWorkerMirroredS
         ValueError: in an elastic job (the split variables cannot re-form).
     """
 
-    def __init__(self, layout_map, **kwargs):
+    def __init__(self, layout_map, cluster_resolver=None, **kwargs):
         kwargs = check_multi_worker_model_parallel(layout_map, **kwargs)
+        kwargs["cluster_resolver"] = cluster_resolver
         if os.environ.get(env.ELASTIC_ADDR):
             raise ValueError("An elastic job cannot re-form split variables over a new "
                              "number of workers. Received: tfdist launch --min-workers")
