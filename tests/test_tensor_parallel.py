@@ -308,16 +308,31 @@ def test_mixed_precision_matches_one_device(logical_cpus):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("engine", ["tf", pytest.param("horovod", marks=pytest.mark.horovod)])
-def test_two_workers_split_the_model_axis_across_processes(engine):
-    """2 workers of one replica each, both engines: the pair and the attention block end
-    equal to one process and on both workers; each holds half of the split elements."""
+def test_two_workers_split_the_model_axis_across_processes(engine, tmp_path):
+    """2 workers of one replica each, both engines: the pair, the attention block and
+    the hybrid CNN end equal to one process and on both workers; each holds half of the
+    split elements; the chief's save loads in a plain process and on one host's 2
+    replicas."""
+    import keras
+
+    import tfdist
     from helpers import require_horovod, run_cluster
+    from tfdist._hooks.tensor_parallel import split_of
 
     from tp_jobs import launched_task
 
     if engine == "horovod":
         require_horovod()
-    chief, other = run_cluster(launched_task, engine, timeout=280)
+    chief, other = run_cluster(launched_task, engine, timeout=280,
+                               env={"TFDIST_TEST_DIR": str(tmp_path)})
+    plain = keras.saving.load_model(chief["saved"])
+    assert_weights_close([np.asarray(w) for w in plain.get_weights()], chief["hybrid"],
+                         atol=0)
+    with tfdist.ModelParallelStrategy(layout_map=HEAD).scope():
+        split = keras.saving.load_model(chief["saved"])
+    assert split_of(split.get_layer("head_up").kernel) is not None
+    assert_weights_close([np.asarray(w) for w in split.get_weights()], chief["hybrid"],
+                         atol=0)
     assert chief["chief"] and not other["chief"] and chief["replicas"] == 2
     for name in ("pair", "attention", "hybrid"):
         assert_weights_close(chief[name], other[name], atol=0)

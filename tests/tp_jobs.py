@@ -2,6 +2,7 @@
 a column/row Dense pair and an attention block split by heads."""
 
 import contextlib
+import os
 
 import numpy as np
 
@@ -109,7 +110,10 @@ def launched_task(engine):
     x, y = attention_data()
     out["attention"] = train(strategy, attention_block, optimizer="sgd", x=x, y=y)[0]
     images, labels = image_data()
-    out["hybrid"] = train(strategy, hybrid_cnn, x=images, y=labels)[0]
+    out["hybrid"], hybrid = train(strategy, hybrid_cnn, x=images, y=labels)
+    path = os.path.join(os.environ["TFDIST_TEST_DIR"], f"hybrid_{strategy.rank}.keras")
+    hybrid.save(path)  # every worker: gathering the slices is a collective
+    out["saved"] = path
     if strategy.is_chief:
         out["reference"] = {"pair": train(None, pair)[0],
                             "attention": train(None, attention_block, optimizer="sgd",
