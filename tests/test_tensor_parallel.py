@@ -236,9 +236,19 @@ def test_attention_split_by_heads_matches_one_device(logical_cpus):
         x, y = attention_data()
         return _train(strategy, attention_block, optimizer="sgd", x=x, y=y)
 
-    got, trained = train(tfdist.ModelParallelStrategy(layout_map={**HEADS, **PAIR}))
+    strategy = tfdist.ModelParallelStrategy(layout_map={**HEADS, **PAIR})
+    got, trained = train(strategy)
     ref, _ = train(None)
     assert_weights_close(got, ref, atol=1e-5)
+    # Per step, in floats of one replica (b = 4 of B = 8 rows, 4 tokens of DIM = 8): the
+    # attention's input rows gathered once for query, key and value (b*4*DIM), its
+    # output's partial sums reduce-scattered (B*4*DIM) and their gradient's rows
+    # gathered (b*4*DIM); the same three for the feed-forward pair, plus the pair's
+    # input gradient reduce-scattered (B*4*DIM); and the 98 replicated weights' gradients
+    # all-reduced (output bias, norm, down bias, the last Dense).
+    b, rows = BATCH // 2, 4 * DIM
+    per_step = 2 * (b * rows + BATCH * rows + b * rows) + BATCH * rows + 98
+    assert strategy.bytes_communicated == 4 * per_step * 2 * (32 // BATCH)
     split = sorted(v.path for v in trained.weights if split_of(v) is not None)
     assert split == ["down/kernel", "mha/attention_output/kernel", "mha/key/bias",
                      "mha/key/kernel", "mha/query/bias", "mha/query/kernel", "mha/value/bias",

@@ -194,8 +194,9 @@ class TensorParallel:
                 if any(split_of(v) is not None for sub in split for v in sub.weights):
                     for sub, keep in layers.check_attention(self, layer).items():
                         inside[id(sub)] = keep
+                        sub._tfdist_rows_gathered = keep  # the attention gathers them
                     if getattr(layer, "_tfdist_split_call", None) is None:
-                        layer.call = layers.attention_call(layer)
+                        layer.call = layers.attention_call(self, layer)
                         layer._tfdist_split_call = "heads"
         for layer in all_layers(model):
             own = [v for v in layer.weights if split_of(v) is not None

@@ -86,9 +86,10 @@ def check_attention(plan, layer) -> dict:
     return found
 
 
-def attention_call(layer):
-    """A MultiHeadAttention's call split by heads: its own code, on this replica's heads
-    (its projections gather the rows and scatter them back)."""
+def attention_call(plan, layer):
+    """A MultiHeadAttention's call split by heads: its own code on every row (its query,
+    value and key gathered once each: once in all for a self-attention) and on this
+    replica's heads; its output projection scatters the rows back."""
     original = type(layer).call
 
     def call(query, value, key=None, query_mask=None, value_mask=None, key_mask=None,
@@ -105,6 +106,17 @@ def attention_call(layer):
                 "use_causal_mask and returns no attention scores (not implemented). "
                 f"Received: {len(masks)} mask(s), "
                 f"return_attention_scores={return_attention_scores}")
+        if not in_shape_inference():
+            communicator, m = plan.strategy.communicator, plan.replicas
+            gathered = {}
+
+            def rows(x):
+                if id(x) not in gathered:
+                    gathered[id(x)] = ops.gather_rows(communicator, x, m)
+                return gathered[id(x)]
+
+            query, value = rows(query), rows(value)
+            key = None if key is None else rows(key)
         return original(layer, query, value, key=key, return_attention_scores=False,
                         training=training, use_causal_mask=use_causal_mask)
 
@@ -207,8 +219,11 @@ def _features(communicator, m, layer, x, keep_split):
 
 
 def _einsum_column(communicator, m, layer, x, keep_split):
-    """Every row through this replica's output slice (EinsumDense's own call)."""
-    y = type(layer).call(layer, ops.gather_rows(communicator, x, m))
+    """Every row through this replica's output slice (EinsumDense's own call); the rows
+    of an attention's projection arrive gathered already."""
+    if not getattr(layer, "_tfdist_rows_gathered", False):
+        x = ops.gather_rows(communicator, x, m)
+    y = type(layer).call(layer, x)
     if keep_split:
         return y
     return ops.gather_features(communicator, y, m, einsum_axes(layer, COLUMN))
