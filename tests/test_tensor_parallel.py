@@ -45,12 +45,30 @@ def test_column_row_pair_matches_one_device(logical_cpus):
 
 
 def test_a_layer_needing_every_feature_gets_the_gathered_activation(logical_cpus):
+    import keras
+
     import tfdist
 
+    # Element-wise layers between the pair take the split activation: no gather, the
+    # bytes of the bare pair.
+    def between():
+        return [keras.layers.Activation("gelu"), keras.layers.LeakyReLU(0.1)]
+
     strategy = tfdist.ModelParallelStrategy(layout_map=PAIR)
-    got, _ = _train(strategy, lambda: _pair(norm=True), epochs=1)
-    ref, _ = _train(None, lambda: _pair(norm=True), epochs=1)
+    got, _ = _train(strategy, lambda: _pair(between=between), epochs=1)
+    ref, _ = _train(None, lambda: _pair(between=between), epochs=1)
     assert_weights_close(got, ref, atol=1e-5)
+    rows = BATCH // 2
+    per_step = 4 * (rows * FEATURES + BATCH * OUTPUTS + rows * OUTPUTS + OUTPUTS)
+    assert strategy.bytes_communicated == per_step * (32 // BATCH)
+    # A normalisation (or a softmax over the features) needs them all: gathered first.
+    for build in (lambda: _pair(norm=True),
+                  lambda: _pair(between=lambda: [keras.layers.Activation("softmax")])):
+        strategy = tfdist.ModelParallelStrategy(layout_map=PAIR)
+        got, _ = _train(strategy, build, epochs=1)
+        ref, _ = _train(None, build, epochs=1)
+        assert_weights_close(got, ref, atol=1e-5)
+        assert strategy.bytes_communicated > per_step * (32 // BATCH)
 
 
 def test_predict_and_evaluate_run_split(logical_cpus):

@@ -181,9 +181,7 @@ class TensorParallel:
         Raises:
             ValueError: a layer it cannot split, naming it and its variable's layout.
         """
-        import keras
-
-        from tfdist._hooks.tensor_parallel import all_layers, consumers, output_layers, split_of
+        from tfdist._hooks.tensor_parallel import all_layers, output_layers, split_of
 
         count = 0
         outputs = {id(layer) for layer in output_layers(model)}
@@ -217,11 +215,8 @@ class TensorParallel:
                                                                 None):
                 raise ValueError(f"ModelParallelStrategy does not split a LoRA or quantized "
                                  f"layer. Received: layer {layer.name!r}")
-            after = consumers(layer)
-            keep = inside.get(id(layer), (
-                kind == COLUMN and bool(after) and id(layer) not in outputs
-                and all(type(c) is keras.layers.Dense and self.kinds.get(c.path) == ROW
-                        for c in after)))
+            keep = inside.get(id(layer), kind == COLUMN and self._feeds_rows_only(
+                layer, outputs))
             if not getattr(layer, "_tfdist_split_call", None) == (kind, keep):
                 layer.call = layers.split_call(self, layer, kind, keep)
                 layer._tfdist_split_call = (kind, keep)
@@ -229,3 +224,21 @@ class TensorParallel:
                     layer.input_spec = None  # its input may arrive split
             count += 1
         return count
+
+    def _feeds_rows_only(self, layer, outputs) -> bool:
+        """Whether every path out of ``layer`` reaches a row-parallel Dense through
+        element-wise layers only (so its output may stay split)."""
+        import keras
+
+        from tfdist._hooks.tensor_parallel import consumers
+
+        after = consumers(layer)
+        if not after or id(layer) in outputs:
+            return False
+        for consumer in after:
+            if type(consumer) is keras.layers.Dense and self.kinds.get(consumer.path) == ROW:
+                continue
+            if not (layers.is_elementwise(consumer)
+                    and self._feeds_rows_only(consumer, outputs)):
+                return False
+        return True

@@ -21,6 +21,17 @@ def is_supported(layer, kind) -> bool:
         (keras.layers.Embedding, VOCAB), (keras.layers.Embedding, FEATURES)}
 
 
+def is_elementwise(layer) -> bool:
+    """Whether ``layer`` (its exact class) works on each feature alone, without weights:
+    it may take a split activation as it is."""
+    import keras
+
+    if type(layer) is keras.layers.Activation:
+        return layer.activation not in (keras.activations.softmax,
+                                        keras.activations.log_softmax)
+    return type(layer) in (keras.layers.ReLU, keras.layers.LeakyReLU, keras.layers.ELU)
+
+
 def _axis_in(spec: str, letter: str):
     """The axis of ``letter`` in one einsum operand ``spec`` (negative after ``...``)."""
     if "..." in spec:
