@@ -119,6 +119,9 @@ def check_multi_worker_model_parallel(layout_map, **kwargs) -> dict[str, Any]:
     if kwargs.get("shard_optimizer_state"):
         raise ValueError("MultiWorkerModelParallelStrategy does not shard optimizer state. "
                          "Received: shard_optimizer_state=True")
+    if kwargs.get("shard_parameters"):  # fully sharded parameters (issue #33)
+        raise ValueError("MultiWorkerModelParallelStrategy does not shard parameters over "
+                         "the batch axis yet. Received: shard_parameters=True")
     check_multi_worker(**kwargs)
     check_pairs("multi_worker_model_parallel", check_multi_worker_model_parallel,
                 dict(kwargs, layout_map=layout_map))

@@ -405,7 +405,10 @@ _NO_ACCUMULATION = Refused("ModelParallelStrategy does not accumulate gradients"
 ALONE = {"multi_worker_model_parallel": {
     "accumulate_steps": _NO_ACCUMULATION,
     "shard_optimizer_state": Refused("does not shard optimizer state",
-                                     {"layout_map": _SPLIT, "shard_optimizer_state": True})},
+                                     {"layout_map": _SPLIT, "shard_optimizer_state": True}),
+    # An option of multi_worker once fully sharded parameters (issue #33) are merged.
+    "shard_parameters": Refused("does not shard parameters over the batch axis yet",
+                                {"layout_map": _SPLIT, "shard_parameters": True})},
     "model_average": {
     "accumulate_steps": Refused("accumulate_steps is for the synchronous strategies",
                                 {"accumulate_steps": 2}),
