@@ -118,14 +118,34 @@ def test_model_axis_layout_is_refused_naming_the_variable(logical_cpus, no_distr
     assert "first/kernel" not in message and "mesh axis 'model'" in message
 
 
-def test_a_mesh_with_a_model_axis_is_refused(logical_cpus, no_distribution):
+def test_a_data_x_model_mesh_is_refused(logical_cpus, no_distribution):
     import keras
 
-    layout_map = _layout_map([], shape=(1, 2))
-    with pytest.raises(ValueError, match=r"axis 'model' has size 2\. Received: device_mesh="):
+    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"],
+                                         [f"cpu:{i}" for i in range(4)])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    with pytest.raises(ValueError, match=r"axis 'model' has size 2, the batch axis 'batch' "
+                                         r"2\. Received: device_mesh="):
         keras.distribution.set_distribution(
             keras.distribution.ModelParallel(layout_map=layout_map))
     assert keras.distribution.distribution() is None
+
+
+def test_a_model_axis_runs_as_model_parallel_strategy(logical_cpus, no_distribution):
+    import keras
+
+    import tfdist
+    from tfdist.keras.distribution import strategy_plan
+
+    layout_map = _layout_map([("first/kernel", (None, "model")), (".*kernel", ("model", None))],
+                             shape=(1, 2))
+    name, kwargs = strategy_plan(keras.distribution.ModelParallel(layout_map=layout_map))
+    assert name == "ModelParallelStrategy"
+    assert kwargs["layout_map"] == {"first/kernel": (None, "model"),
+                                    ".*kernel": ("model", None)}
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+    model = _two_dense()
+    assert isinstance(model.distribute_strategy, tfdist.ModelParallelStrategy)
 
 
 def test_layout_map_matching_exact_key_before_regex(logical_cpus):

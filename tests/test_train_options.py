@@ -55,9 +55,13 @@ BAD = {
     "period": ("0", "Received: period=0"),
     "sync_delay": ("8", "Received: sync_delay=8"),
     "warmup_steps": ("-1", "Received: warmup_steps=-1"),
+    "layout_map": ("{}", "must map variable path patterns"),
 }
 # What each strategy needs around it for its config to be valid.
-CLUSTER = {"parameter_server": ["cluster.chief=true", "cluster.ps=1"]}
+CLUSTER = {"parameter_server": ["cluster.chief=true", "cluster.ps=1"],
+           "model_parallel": ['strategy.options.layout_map={"dense/kernel" = ["", "model"]}'],
+           "multi_worker_model_parallel": [
+               'strategy.options.layout_map={"dense/kernel" = ["", "model"]}']}
 CASES = [(name, option) for name, entry in registry.STRATEGIES.items() if entry.class_name
          for option in sorted(registry.option_names(name))]
 

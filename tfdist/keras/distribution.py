@@ -10,12 +10,15 @@ loads its distribution module); backend-agnostic Keras 3 code then needs no tfdi
 - ``DataParallel()``: `tfdist.MirroredStrategy` over the mesh's devices on one process,
   `tfdist.MultiWorkerMirroredStrategy` on several (the mesh holds every device);
 - ``ModelParallel(layout_map=...)`` with layouts on the batch axis: the same strategy
-  with ``shard_parameters=True`` and a `ShardFilter` over the layout map.
+  with ``shard_parameters=True`` and a `ShardFilter` over the layout map;
+- ``ModelParallel`` on a mesh ``(1, m)`` whose other axis ("model") has m > 1, on one
+  process: `tfdist.ModelParallelStrategy` (tensor parallelism, docs/tensor_parallel.md)
+  with the layout map's axes renamed "batch" and "model" (`model_layouts`).
 
 ``set_distribution(d)`` and ``with d.scope():`` make the strategy TF's default
-(``tf.distribute.experimental_set_strategy``): build the model after it. A layout on any
-other mesh axis (a "model" axis: tensor parallelism) is refused when its variable is
-created. In a multi-worker job each worker reads the shard of every global batch that
+(``tf.distribute.experimental_set_strategy``): build the model after it. A layout on a
+mesh axis that is neither the batch axis nor the model axis of a ``(1, m)`` mesh is
+refused when its variable is created. In a multi-worker job each worker reads the shard of every global batch that
 Keras' ``Distribution.distribute_dataset`` gives it (``auto_shard_dataset``).
 """
 
@@ -162,9 +165,9 @@ def refuse_layout(field: str, value, layout, batch: str, why: str) -> ValueError
     return ValueError(
         f"tfdist cannot run the layout {_axes(layout)!r} of {field.split('.')[0]} {value!r} "
         "on TensorFlow: "
-        f"{why}. tfdist lays variables out over the batch axis {batch!r} only (fully "
-        f"sharded parameters); tensor parallelism (any other mesh axis) is not implemented "
-        f"yet. Received: {field}={value!r}, layout={_axes(layout)!r}")
+        f"{why}. tfdist lays variables out over the batch axis {batch!r} (fully sharded "
+        f"parameters) or over the other axis of a (1, m) mesh, m > 1 (tensor "
+        f"parallelism). Received: {field}={value!r}, layout={_axes(layout)!r}")
 
 
 def check_variable_layout(distribution, path: str, layout) -> None:
@@ -179,7 +182,8 @@ def check_variable_layout(distribution, path: str, layout) -> None:
     if not isinstance(layout, TensorLayout):
         raise refuse_layout(*what, layout, batch, "it is not a keras.distribution.TensorLayout")
     used = [axis for axis in layout.axes if axis is not None]
-    others = [axis for axis in used if axis != batch]
+    model_axis = tensor_parallel_axis(distribution)
+    others = [axis for axis in used if axis not in (batch, model_axis)]
     if others:
         raise refuse_layout(*what, layout, batch, f"it uses mesh axis {others[0]!r}")
     if used and isinstance(distribution, DataParallel):
@@ -241,12 +245,16 @@ def strategy_plan(distribution) -> tuple[str, dict]:
         raise ValueError("tfdist runs keras.distribution.DataParallel and ModelParallel. "
                          f"Received: distribution={distribution!r}")
     mesh, batch = distribution.device_mesh, _batch_axis(distribution)
-    wide = [(a, n) for a, n in zip(mesh.axis_names, mesh.shape) if a != batch and n > 1]
-    if wide:
-        raise ValueError(f"tfdist runs meshes whose only axis of size > 1 is the batch axis "
-                         f"{batch!r} (tensor parallelism is not implemented yet); axis "
-                         f"{wide[0][0]!r} has size {wide[0][1]}. Received: device_mesh={mesh}")
     devices = [str(d) for d in mesh.devices.flatten()]
+    model_axis = tensor_parallel_axis(distribution)
+    if model_axis is not None:
+        layouts = model_layouts(layout_map_of(distribution), batch, model_axis)
+        if num_processes() == 1:
+            return "ModelParallelStrategy", {"devices": [_tf_device(d) for d in devices],
+                                             "layout_map": layouts}
+        _check_every_device(devices)
+        return "MultiWorkerModelParallelStrategy", {"cluster_resolver": _cluster(),
+                                                    "layout_map": layouts}
     kwargs = {}
     if isinstance(distribution, ModelParallel):
         layout_map = layout_map_of(distribution)
@@ -254,12 +262,67 @@ def strategy_plan(distribution) -> tuple[str, dict]:
             kwargs = {"shard_parameters": True, "shard_filter": ShardFilter(layout_map, batch)}
     if num_processes() == 1:
         return "MirroredStrategy", {"devices": [_tf_device(d) for d in devices], **kwargs}
+    _check_every_device(devices)
+    return "MultiWorkerMirroredStrategy", {"cluster_resolver": _cluster(), **kwargs}
+
+
+def _check_every_device(devices) -> None:
     everything = list_devices(devices[0].split(":")[0])
     if sorted(devices) != sorted(everything):
         raise ValueError("a multi-worker mesh must hold every device of every worker "
                          f"(keras.distribution.list_devices()). Received: devices={devices}, "
                          f"list_devices()={everything}")
-    return "MultiWorkerMirroredStrategy", {"cluster_resolver": _cluster(), **kwargs}
+
+
+def tensor_parallel_axis(distribution):
+    """The mesh axis of size > 1 other than the batch axis (tensor parallelism over
+    `tfdist.ModelParallelStrategy`), or None.
+
+    Raises:
+        ValueError: a mesh tfdist cannot run that way: the batch axis of size > 1 too
+            (a data x model mesh), more than one such axis, several processes, or a
+            ``DataParallel``.
+    """
+    from keras.distribution import ModelParallel
+
+    mesh, batch = distribution.device_mesh, _batch_axis(distribution)
+    wide = [(a, n) for a, n in zip(mesh.axis_names, mesh.shape) if a != batch and n > 1]
+    if not wide:
+        return None
+    data = dict(zip(mesh.axis_names, mesh.shape)).get(batch, 1)
+    if len(wide) > 1 or data > 1 or not isinstance(distribution, ModelParallel):
+        raise ValueError(
+            "tfdist runs a mesh axis other than the batch axis (tensor parallelism) as "
+            "ModelParallel with the batch axis of size 1 (a data x model mesh is not "
+            f"implemented yet); axis {wide[0][0]!r} has size {wide[0][1]}, the batch axis "
+            f"{batch!r} {data}. Received: device_mesh={mesh}")
+    return wide[0][0]
+
+
+def model_layouts(layout_map, batch: str, model_axis: str) -> dict:
+    """A ``LayoutMap`` as `tfdist.ModelParallelStrategy` takes it: each key's axes with
+    the mesh's model axis named ``"model"`` and the batch axis ``"batch"``."""
+    names = {batch: "batch", model_axis: "model", None: None}
+    return {key: tuple(names.get(a, a) for a in _axes(layout_map[key]))
+            for key in layout_map.keys()}
+
+
+def _worker_rows(workers: int, index: int):
+    """A ``Dataset.map`` function: worker ``index``'s block of rows of each global batch
+    (an error for a batch that does not split evenly over the workers)."""
+    import tensorflow as tf
+
+    def cut(x):
+        size = tf.shape(x)[0]
+        tf.debugging.assert_equal(size % workers, 0, message=(
+            f"each global batch must split evenly over the {workers} workers"))
+        part = size // workers
+        return x[index * part:(index + 1) * part]
+
+    def rows(*elements):
+        return tf.nest.map_structure(cut, elements if len(elements) > 1 else elements[0])
+
+    return rows
 
 
 def _tf_device(name: str) -> str:
@@ -270,20 +333,27 @@ def _tf_device(name: str) -> str:
 def strategy_for(distribution):
     """The tfdist strategy that runs ``distribution`` (made once per plan)."""
     from tfdist.strategies.mirrored import MirroredStrategy
+    from tfdist.strategies.model_parallel import (ModelParallelStrategy,
+                                                  MultiWorkerModelParallelStrategy)
     from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 
     name, kwargs = strategy_plan(distribution)
     shard_filter = kwargs.get("shard_filter")
-    key = (name, tuple(kwargs.get("devices", ())),
-           id(shard_filter.layout_map) if shard_filter else None)
+    keep = shard_filter
+    if name in ("ModelParallelStrategy", "MultiWorkerModelParallelStrategy"):
+        keep = layout_map_of(distribution)
+    key = (name, tuple(kwargs.get("devices", ())), id(keep.layout_map) if shard_filter
+           else (id(keep) if keep is not None else None))
     if key not in _job.strategies:
-        if name == "MultiWorkerMirroredStrategy" and _job.strategies:
+        if name.startswith("MultiWorker") and _job.strategies:
             raise ValueError("a multi-worker process runs one tfdist strategy: this "
                              "distribution needs another one than the distribution set "
                              f"before. Received: distribution={distribution!r}")
         strategy = {"MirroredStrategy": MirroredStrategy,
+                    "ModelParallelStrategy": ModelParallelStrategy,
+                    "MultiWorkerModelParallelStrategy": MultiWorkerModelParallelStrategy,
                     "MultiWorkerMirroredStrategy": MultiWorkerMirroredStrategy}[name](**kwargs)
-        _job.strategies[key] = (strategy, shard_filter)
+        _job.strategies[key] = (strategy, keep)
     return _job.strategies[key][0]
 
 
@@ -312,6 +382,10 @@ def distribute_dataset(distribution, dataset, keras_shard):
     if num_processes() == 1:
         return sharded
     strategy = strategy_for(distribution)
+    if getattr(strategy, "tensor_parallel", None) is not None:
+        # Keras gives every process the whole global batch (one model replica); tensor
+        # parallelism wants each replica's own rows: this worker's slice of each batch.
+        sharded = sharded.map(_worker_rows(num_processes(), process_id()))
     total = int(dataset.cardinality().numpy())
     if total >= 0 and int(sharded.cardinality().numpy()) < 0:
         sharded = sharded.apply(tf.data.experimental.assert_cardinality(total))

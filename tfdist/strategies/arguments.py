@@ -116,6 +116,48 @@ def check_mirrored(devices=None, communication_options=None, compression=None,
     return options
 
 
+def check_model_parallel(layout_map, devices=None, communication_options=None,
+                         compression=None, accumulate_steps=None) -> CommunicationOptions:
+    """`tfdist.ModelParallelStrategy`'s arguments; returns its `CommunicationOptions`."""
+    items = getattr(layout_map, "items", None)
+    keys = list(layout_map.keys()) if items is not None else []
+    if not keys or not all(isinstance(k, str) for k in keys):
+        raise ValueError("layout_map must map variable path patterns (strings) to layouts, "
+                         f"at least one. Received: layout_map={layout_map!r}")
+    for key in keys:
+        axes = getattr(layout_map[key], "axes", layout_map[key])
+        if not isinstance(axes, (tuple, list)) or not all(
+                a is None or isinstance(a, str) for a in axes):
+            raise ValueError(f"layout_map[{key!r}] must be a tuple of mesh axis names or None "
+                             "('' in a TOML config), or a keras.distribution.TensorLayout. "
+                             f"Received: layout_map={layout_map!r}")
+    if devices is not None:
+        check_device_list(devices)
+    options = merge_options(communication_options, compression=compression,
+                            accumulate_steps=accumulate_steps)
+    if options.accumulate_steps > 1:
+        raise ValueError("ModelParallelStrategy does not accumulate gradients. Received: "
+                         f"accumulate_steps={options.accumulate_steps}")
+    return options
+
+
+def check_multi_worker_model_parallel(layout_map, **kwargs) -> dict[str, Any]:
+    """`tfdist.MultiWorkerModelParallelStrategy`'s arguments: its ``layout_map`` and
+    those it passes on to `tfdist.MultiWorkerMirroredStrategy`; returns those."""
+    check_model_parallel(layout_map, accumulate_steps=kwargs.get("accumulate_steps"),
+                         communication_options=kwargs.get("communication_options"))
+    if kwargs.get("shard_optimizer_state"):
+        raise ValueError("MultiWorkerModelParallelStrategy does not shard optimizer state. "
+                         "Received: shard_optimizer_state=True")
+    if kwargs.get("shard_parameters"):  # fully sharded parameters (issue #33)
+        raise ValueError("MultiWorkerModelParallelStrategy does not shard parameters over "
+                         "the batch axis yet. Received: shard_parameters=True")
+    check_multi_worker(**kwargs)
+    check_pairs("multi_worker_model_parallel", check_multi_worker_model_parallel,
+                dict(kwargs, layout_map=layout_map))
+    return dict(kwargs)
+
+
 def check_horovod(devices=None, compression=None, communication_options=None,
                   accumulate_steps=None) -> CommunicationOptions:
     """`tfdist.HorovodStrategy`'s arguments; returns its `CommunicationOptions`."""

@@ -397,7 +397,41 @@ _EXAMPLE = {"period": 4, "warmup_steps": 2, "outer_optimizer": "sgd",
             "outer_compression": "int8", "compression": "fp16"}
 
 # Options an entry refuses whatever they are paired with.
-ALONE = {"model_average": {
+_SPLIT = {"dense/kernel": (None, "model")}
+_TP = T + "test_tensor_parallel.py::"
+_TP_LAUNCHED = _TP + "test_two_workers_split_the_model_axis_across_processes[tf]"
+
+
+def _split_launched_pairs() -> dict:
+    """MultiWorkerModelParallelStrategy's pairs: ``layout_map`` is always given."""
+    not_resumed = Refused("a restarted job's resume of split variables is not tested yet",
+                          {"layout_map": _SPLIT, "compression": "fp16"})
+    pairs = {
+        frozenset({"compression", "layout_map"}): Composes(
+            (_TP + "test_compression_casts_the_reduced_payloads", _TP_LAUNCHED),
+            note="the same TensorParallelMixin and accounted communicator on one host and "
+                 "across workers"),
+        ("layout_map", MAX_RESTARTS): not_resumed,
+        ("compression", MAX_RESTARTS): not_resumed,
+    }
+    for mode, mode_test in ((MULTI_NODE, _NODES), (SPARK, _SPARK), (RAY, _RAY)):
+        pairs[("layout_map", mode)] = Composes((_TP_LAUNCHED, mode_test))
+        pairs[("compression", mode)] = Composes(
+            (_TP_LAUNCHED, T + "test_communication.py::"
+             "test_multi_worker_accumulate_and_compression", mode_test))
+    return pairs
+
+
+_NO_ACCUMULATION = Refused("ModelParallelStrategy does not accumulate gradients",
+                           {"layout_map": _SPLIT, "accumulate_steps": 2})
+ALONE = {"multi_worker_model_parallel": {
+    "accumulate_steps": _NO_ACCUMULATION,
+    "shard_optimizer_state": Refused("does not shard optimizer state",
+                                     {"layout_map": _SPLIT, "shard_optimizer_state": True}),
+    # An option of multi_worker once fully sharded parameters (issue #33) are merged.
+    "shard_parameters": Refused("does not shard parameters over the batch axis yet",
+                                {"layout_map": _SPLIT, "shard_parameters": True})},
+    "model_average": {
     "accumulate_steps": Refused("accumulate_steps is for the synchronous strategies",
                                 {"accumulate_steps": 2}),
     "shard_optimizer_state": Refused("shard_optimizer_state is for the synchronous "
@@ -416,4 +450,15 @@ PAIRS: dict[str, dict] = {
     "multi_worker": _sync_pairs(True),
     "parameter_server": {},
     "model_average": _average_pairs(),
+    "multi_worker_model_parallel": _split_launched_pairs(),
+    "model_parallel": {
+        frozenset({"compression", "layout_map"}): Composes(
+            (T + "test_tensor_parallel.py::test_compression_casts_the_reduced_payloads",)),
+        frozenset({"accumulate_steps", "layout_map"}): Refused(
+            "ModelParallelStrategy does not accumulate gradients",
+            {"layout_map": {"dense/kernel": (None, "model")}, "accumulate_steps": 2}),
+        frozenset({"accumulate_steps", "compression"}): Refused(
+            "ModelParallelStrategy does not accumulate gradients",
+            {"layout_map": {"dense/kernel": (None, "model")}, "accumulate_steps": 2,
+             "compression": "fp16"})},
 }

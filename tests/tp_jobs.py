@@ -1,0 +1,156 @@
+"""Tensor-parallel runs shared by tests/test_tensor_parallel.py, in process and launched:
+a column/row Dense pair and an attention block split by heads."""
+
+import contextlib
+import os
+
+import numpy as np
+
+BATCH, FEATURES, HIDDEN, OUTPUTS, DIM = 8, 6, 16, 4, 8
+PAIR = {"up/kernel": (None, "model"), "down/kernel": ("model", None)}
+HEADS = {"mha/(query|key|value)/kernel": (None, "model", None),
+         "mha/attention_output/kernel": ("model", None, None)}
+
+
+def data(n=32, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(n, FEATURES)).astype("float32"),
+            rng.normal(size=(n, OUTPUTS)).astype("float32"))
+
+
+def pair(norm=False, between=None):
+    import keras
+
+    inputs = keras.Input((FEATURES,))
+    h = keras.layers.Dense(HIDDEN, activation=None if between else "relu", name="up")(inputs)
+    if between:  # element-wise layers between the pair: the activation stays split
+        for made in between():
+            h = made(h)
+    if norm:  # needs every feature: the column output is gathered first
+        h = keras.layers.LayerNormalization(name="norm")(h)
+    return keras.Model(inputs, keras.layers.Dense(OUTPUTS, name="down")(h))
+
+
+def attention_block():
+    """A transformer block: attention split by heads, then a column/row feed-forward."""
+    import keras
+
+    inputs = keras.Input((4, DIM))
+    h = keras.layers.MultiHeadAttention(num_heads=4, key_dim=3, name="mha")(
+        inputs, inputs, use_causal_mask=True)
+    h = keras.layers.LayerNormalization(name="norm")(h + inputs)
+    h = keras.layers.Dense(16, activation="relu", name="up")(h)
+    h = keras.layers.Dense(DIM, name="down")(h)
+    return keras.Model(inputs, keras.layers.Dense(2, name="out")(keras.layers.Flatten()(h)))
+
+
+HEAD = {"head_up/kernel": (None, "model"), "head_down/kernel": ("model", None)}
+
+
+def hybrid_cnn():
+    """The seeds' hybrid: convolutions data-parallel, a wide fully-connected head split."""
+    import keras
+
+    inputs = keras.Input((8, 8, 1))
+    h = keras.layers.Conv2D(4, 3, activation="relu", name="conv1")(inputs)
+    h = keras.layers.MaxPooling2D(name="pool")(h)
+    h = keras.layers.Conv2D(8, 3, activation="relu", name="conv2")(h)
+    h = keras.layers.Flatten(name="flat")(h)
+    h = keras.layers.Dense(64, activation="relu", name="head_up")(h)
+    h = keras.layers.Dense(32, activation="relu", name="head_down")(h)
+    return keras.Model(inputs, keras.layers.Dense(OUTPUTS, name="logits")(h))
+
+
+def image_data(n=32):
+    rng = np.random.default_rng(2)
+    return (rng.normal(size=(n, 8, 8, 1)).astype("float32"),
+            rng.normal(size=(n, OUTPUTS)).astype("float32"))
+
+
+def train(strategy, build, epochs=2, optimizer="adam", x=None, y=None):
+    """Trains ``build()`` from weights seeded 1 with the global batch ``BATCH``;
+    returns ``(weights, model)``."""
+    import keras
+
+    keras.utils.set_random_seed(1)
+    initial = build().get_weights()
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        model = build()
+        for variable, value in zip(model.weights, initial):
+            variable.assign(value)  # a split variable takes its slice
+        # SGD for attention: the key bias's true gradient is zero (a softmax ignores a
+        # shift), and Adam would blow its rounding noise up to learning-rate steps.
+        model.compile(keras.optimizers.Adam(0.01) if optimizer == "adam"
+                      else keras.optimizers.SGD(0.1), "mse")
+    if x is None:
+        x, y = data()
+    model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
+    return [np.asarray(w) for w in model.get_weights()], model
+
+
+def attention_data():
+    rng = np.random.default_rng(0)
+    return (rng.normal(size=(32, 4, DIM)).astype("float32"),
+            rng.normal(size=(32, 2)).astype("float32"))
+
+
+def launched_task(engine):
+    """On each of 2 workers (one replica each, the "model" axis across them): the pair,
+    the attention block and the hybrid CNN; what each holds; the bytes; and (chief) the
+    references."""
+    import tfdist
+    from tfdist._hooks.tensor_parallel import split_of, tf_value
+
+    strategy = tfdist.MultiWorkerModelParallelStrategy(layout_map={**PAIR, **HEADS, **HEAD},
+                                                       engine=engine)
+    out = {"chief": strategy.is_chief, "replicas": strategy.num_replicas_in_sync}
+    weights, trained = train(strategy, pair)
+    split = [v for v in trained.weights if split_of(v) is not None]
+    out["pair"] = weights
+    out["held"] = sum(int(np.prod(tf_value(v).values[0].shape)) for v in split)
+    out["whole"] = sum(int(np.prod(split_of(v).full_shape)) for v in split)
+    out["bytes"] = strategy.bytes_communicated
+    x, y = attention_data()
+    out["attention"] = train(strategy, attention_block, optimizer="sgd", x=x, y=y)[0]
+    images, labels = image_data()
+    out["hybrid"], hybrid = train(strategy, hybrid_cnn, x=images, y=labels)
+    path = os.path.join(os.environ["TFDIST_TEST_DIR"], f"hybrid_{strategy.rank}.keras")
+    hybrid.save(path)  # every worker: gathering the slices is a collective
+    out["saved"] = path
+    if strategy.is_chief:
+        out["reference"] = {"pair": train(None, pair)[0],
+                            "attention": train(None, attention_block, optimizer="sgd",
+                                               x=x, y=y)[0],
+                            "hybrid": train(None, hybrid_cnn, x=images, y=labels)[0]}
+    return out
+
+
+def keras_launched_task():
+    """Backend-agnostic Keras on each of 2 workers: ModelParallel over a (1, 2) mesh of
+    every device, the pair trained on a tf.data dataset of global batches."""
+    import keras
+    import tensorflow as tf
+
+    keras.distribution.initialize()
+    devices = keras.distribution.list_devices()
+    mesh = keras.distribution.DeviceMesh((1, len(devices)), ["batch", "model"], devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    for key, axes in PAIR.items():
+        layout_map[key] = axes
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+    try:
+        keras.utils.set_random_seed(1)
+        initial = pair().get_weights()
+        model = pair()
+        for variable, value in zip(model.weights, initial):
+            variable.assign(value)
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+        x, y = data()
+        model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH), epochs=2,
+                  verbose=0)
+        weights = [np.asarray(w) for w in model.get_weights()]
+        strategy = model.distribute_strategy
+    finally:
+        keras.distribution.set_distribution(None)
+    return {"strategy": type(strategy).__name__, "weights": weights, "devices": devices,
+            "bytes": strategy.bytes_communicated}

@@ -1,0 +1,244 @@
+"""Tensor parallelism ("split weights", Megatron-LM): Dense kernels split over the
+replicas of the "model" axis, from a layout map.
+
+A variable whose layout names ``"model"`` is stored split on that axis: replica r of m
+holds slice r (`Split`; `tfdist._hooks.tensor_parallel` makes it). A Dense kernel laid
+out ``(None, "model")`` is column-parallel (each replica computes its output columns,
+its bias split alike unless the map says otherwise); ``("model", None)`` is
+row-parallel (each replica multiplies its input rows; the partial sums are added over
+the replicas, then the whole bias once). A column layer whose every consumer is a row
+layer hands it its activation still split (no gather); otherwise its output is gathered
+whole. An Embedding table laid out ``("model", None)`` is vocabulary-parallel (each
+replica looks up the ids in its rows, the others masked to zero, and the lookups are
+summed over the replicas); ``(None, "model")`` splits its features (gathered after the
+lookup). How each runs: `tfdist.strategies._tp_layers`. Any other layer with a split
+variable is refused in one error naming it and its layout.
+
+A split variable's gradient is whole on its replica (the layer saw every row), so the
+strategy does not all-reduce it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+
+from tfdist.comm.communicator import per_replica, replica_ids
+from tfdist.strategies import _tp_layers as layers
+from tfdist.strategies._tp_layers import COLUMN, FEATURES, ROW, VOCAB
+
+MODEL = "model"
+
+
+@dataclasses.dataclass(eq=False)
+class Split:
+    """How one variable is cut: ``full_shape`` in ``replicas`` equal slices on ``axis``."""
+
+    plan: "TensorParallel"
+    path: str
+    axis: int
+    full_shape: tuple
+    local_shape: tuple
+
+    def like(self, path: str) -> "Split":
+        """The same cut for another variable of the same shape (an optimizer slot)."""
+        return dataclasses.replace(self, path=path)
+
+    def full_numpy(self, value):
+        """The whole value from every replica's slice (cross-replica; with several
+        workers an all-gather, so every worker must call it)."""
+        strategy = self.plan.strategy
+        if getattr(strategy, "num_workers", 1) == 1:
+            return np.concatenate([np.asarray(v) for v in value.values], axis=self.axis)
+        import tensorflow as tf
+
+        parts = [tf.convert_to_tensor(v) for v in value.values]
+        return np.asarray(strategy.gather(per_replica(parts, always_wrap=True),
+                                          axis=self.axis))
+
+    def assign_full(self, target, value):
+        """Each local replica of ``target`` takes its slice of the whole ``value``."""
+        value = np.asarray(value, dtype=np.dtype(target.dtype.name))
+        if tuple(value.shape) != self.full_shape:
+            raise ValueError(f"The value assigned to {self.path!r} must have shape "
+                             f"{list(self.full_shape)}. Received: shape={list(value.shape)}")
+        parts = np.split(value, self.plan.replicas, axis=self.axis)
+        for component, replica in zip(target.values, replica_ids(self.plan.strategy)):
+            component.assign(parts[replica])
+
+
+def layout_axes(layout) -> tuple:
+    """A layout's axis names: a tuple (``""`` for None), or a
+    ``keras.distribution.TensorLayout``."""
+    axes = getattr(layout, "axes", layout)
+    if not isinstance(axes, (tuple, list)) or not all(a is None or isinstance(a, str)
+                                                       for a in axes):
+        raise ValueError("A layout must be a tuple of axis names or None, or a "
+                         f"keras.distribution.TensorLayout. Received: {layout!r}")
+    return tuple(a or None for a in axes)  # '': None (a TOML config has no null)
+
+
+class TensorParallel:
+    """A strategy's ``tensor_parallel``: which variables are split, and how layers run.
+
+    Args:
+        strategy: The strategy (its replicas and ``communicator``).
+        layout_map: ``{path regex: layout}`` (a dict or a
+            ``keras.distribution.LayoutMap``); a variable's layout is the one key equal
+            to its path, else the one key that ``re.fullmatch``-es it (Keras' rule).
+    """
+
+    def __init__(self, strategy, layout_map):
+        self.strategy = strategy
+        self.rules = [(key, layout_axes(layout)) for key, layout in layout_map.items()]
+        self.kinds = {}  # layer path -> COLUMN, ROW, VOCAB or FEATURES
+        self.kernels = {}  # layer path -> (its kernel's split axis, the kernel's rank)
+
+    @property
+    def replicas(self) -> int:
+        return self.strategy.num_replicas_in_sync
+
+    def layout_of(self, path: str):
+        """The layout axes the map gives ``path``, or None."""
+        for key, axes in self.rules:
+            if key == path:
+                return axes
+        found = [(key, axes) for key, axes in self.rules if re.fullmatch(key, path)]
+        if len(found) > 1:
+            raise ValueError(f"Path {path!r} matches more than one layout map key. "
+                             f"Received: keys={[key for key, _ in found]}")
+        return found[0][1] if found else None
+
+    def split_axis(self, path: str, shape: tuple, trainable: bool):
+        """The axis the variable of ``path`` and ``shape`` is split on, or None."""
+        layer, _, name = path.rpartition("/")
+        axes = self.layout_of(path)
+        if axes is None:  # a column layer's bias follows its kernel's output axis
+            kernel = self.kernels.get(layer)
+            if name == "bias" and self.kinds.get(layer) == COLUMN and kernel is not None:
+                at = kernel[0] - (kernel[1] - len(shape))
+                if 0 <= at < len(shape):
+                    return self._checked(path, shape, tuple(
+                        MODEL if i == at else None for i in range(len(shape))), trainable)
+            return None
+        if MODEL not in axes:
+            return None
+        axis = self._checked(path, shape, axes, trainable)
+        if name == "kernel" and len(shape) >= 2:
+            self.kinds[layer] = ROW if axis == 0 else COLUMN
+            self.kernels[layer] = (axis, len(shape))
+        if name == "embeddings" and len(shape) == 2:
+            self.kinds[layer] = VOCAB if axis == 0 else FEATURES
+        return axis
+
+    def _checked(self, path, shape, axes, trainable):
+        if len(axes) != len(shape) or axes.count(MODEL) != 1 or any(
+                a not in (None, MODEL, "batch") for a in axes):
+            raise ValueError(
+                f"The layout of {path!r} must name 'model' once and have one entry per "
+                f"axis of its shape {list(shape)}. Received: layout={axes}")
+        axis = axes.index(MODEL)
+        if not trainable or shape[axis] % self.replicas:
+            raise ValueError(
+                f"Variable {path!r} of shape {list(shape)} cannot be split on axis {axis} "
+                f"over {self.replicas} 'model' replicas (it must be trainable and that axis "
+                f"a multiple of {self.replicas}). Received: layout={axes}")
+        return axis
+
+    def create(self, path, shape, axis, value, arguments):
+        """The mirrored variable whose replica r holds slice r of the initial ``value``
+        (a tensor, or a function returning one); ``arguments``: its ``tf.Variable``
+        keyword arguments.
+
+        Returns:
+            ``(the mirrored variable, its Split)``.
+        """
+        import tensorflow as tf
+
+        with tf.init_scope():
+            full = value() if callable(value) else value
+            full = tf.convert_to_tensor(full, dtype=arguments["dtype"])
+            if getattr(self.strategy, "num_workers", 1) > 1:
+                # The strategy's creator broadcasts the chief's initial value.
+                whole = tf.Variable(full, trainable=False, name="tfdist_initial_value")
+                full = tf.convert_to_tensor(whole.values[0])
+                del whole
+            full = full.numpy()
+            parts = np.split(full, self.replicas, axis=axis)
+            created = tf.Variable(parts[0], **arguments)
+            for component, replica in zip(created.values, replica_ids(self.strategy)):
+                component.assign(parts[replica])
+        return created, Split(self, path, axis, tuple(shape), tuple(parts[0].shape))
+
+    # ---- layers ---------------------------------------------------------------------
+
+    def prepare(self, model) -> int:
+        """Makes every layer of ``model`` with a split variable run split (idempotent).
+        Returns the number of split layers.
+
+        Raises:
+            ValueError: a layer it cannot split, naming it and its variable's layout.
+        """
+        from tfdist._hooks.tensor_parallel import all_layers, output_layers, split_of
+
+        count = 0
+        outputs = {id(layer) for layer in output_layers(model)}
+        inside = {}  # a split attention's projections -> whether their output stays split
+        for layer in all_layers(model):
+            if layers.is_attention(layer):
+                split = layers.attention_projections(layer)
+                if any(split_of(v) is not None for sub in split for v in sub.weights):
+                    for sub, keep in layers.check_attention(self, layer).items():
+                        inside[id(sub)] = keep
+                        sub._tfdist_rows_gathered = keep  # the attention gathers them
+                    if getattr(layer, "_tfdist_split_call", None) is None:
+                        layer.call = layers.attention_call(self, layer)
+                        layer._tfdist_split_call = "heads"
+        for layer in all_layers(model):
+            own = [v for v in layer.weights if split_of(v) is not None
+                   and v.path.startswith(layer.path + "/")
+                   and v.path.count("/") == layer.path.count("/") + 1]
+            if not own:
+                continue
+            kind = self.kinds.get(layer.path)
+            if not layers.is_supported(layer, kind):
+                split = split_of(own[0])
+                raise ValueError(
+                    "ModelParallelStrategy splits Dense and EinsumDense kernels (column or "
+                    "row), MultiHeadAttention by heads and Embedding tables (vocabulary or "
+                    f"features) only. Received: layer {layer.name!r} "
+                    f"({type(layer).__name__}) with {own[0].path!r} laid out "
+                    f"{self.layout_of(own[0].path)} (split on axis {split.axis})")
+            if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode",
+                                                                None):
+                raise ValueError(f"ModelParallelStrategy does not split a LoRA or quantized "
+                                 f"layer. Received: layer {layer.name!r}")
+            keep = inside.get(id(layer), kind == COLUMN and self._feeds_rows_only(
+                layer, outputs))
+            if not getattr(layer, "_tfdist_split_call", None) == (kind, keep):
+                layer.call = layers.split_call(self, layer, kind, keep)
+                layer._tfdist_split_call = (kind, keep)
+                if kind == ROW:
+                    layer.input_spec = None  # its input may arrive split
+            count += 1
+        return count
+
+    def _feeds_rows_only(self, layer, outputs) -> bool:
+        """Whether every path out of ``layer`` reaches a row-parallel Dense through
+        element-wise layers only (so its output may stay split)."""
+        import keras
+
+        from tfdist._hooks.tensor_parallel import consumers
+
+        after = consumers(layer)
+        if not after or id(layer) in outputs:
+            return False
+        for consumer in after:
+            if type(consumer) is keras.layers.Dense and self.kinds.get(consumer.path) == ROW:
+                continue
+            if not (layers.is_elementwise(consumer)
+                    and self._feeds_rows_only(consumer, outputs)):
+                return False
+        return True

@@ -1,0 +1,264 @@
+"""How a split layer runs in a replica function (`tfdist.strategies._tensor_parallel`):
+Dense column- and row-parallel, Embedding vocabulary- and feature-parallel, on the
+collectives of `tfdist.strategies._tp_ops`."""
+
+from __future__ import annotations
+
+from tfdist.strategies import _tp_ops as ops
+
+COLUMN, ROW = "column", "row"  # a Dense kernel split on its outputs / inputs
+VOCAB, FEATURES = "vocab", "features"  # an Embedding table split on its rows / columns
+
+
+def is_supported(layer, kind) -> bool:
+    """Whether ``layer`` (its exact class) runs split as ``kind``."""
+    import keras
+
+    if type(layer) is keras.layers.EinsumDense and kind in (COLUMN, ROW):
+        return einsum_axes(layer, kind) is not None
+    return (type(layer), kind) in {
+        (keras.layers.Dense, COLUMN), (keras.layers.Dense, ROW),
+        (keras.layers.Embedding, VOCAB), (keras.layers.Embedding, FEATURES)}
+
+
+def is_elementwise(layer) -> bool:
+    """Whether ``layer`` (its exact class) works on each feature alone, without weights:
+    it may take a split activation as it is."""
+    import keras
+
+    if type(layer) is keras.layers.Activation:
+        return layer.activation not in (keras.activations.softmax,
+                                        keras.activations.log_softmax)
+    return type(layer) in (keras.layers.ReLU, keras.layers.LeakyReLU, keras.layers.ELU)
+
+
+def _axis_in(spec: str, letter: str):
+    """The axis of ``letter`` in one einsum operand ``spec`` (negative after ``...``)."""
+    if "..." in spec:
+        before, after = spec.split("...")
+        if letter in after:
+            return after.index(letter) - len(after)
+        return before.index(letter) if letter in before else None
+    return spec.index(letter) if letter in spec else None
+
+
+def einsum_axes(layer, kind):
+    """For an EinsumDense whose kernel is split as ``kind``: the axis of its output
+    (COLUMN) or input (ROW) that the kernel's split letter indexes, or None when that
+    letter is not an output-only (COLUMN) or input-only (ROW) letter."""
+    from tfdist._hooks.tensor_parallel import split_of
+
+    split = split_of(layer.kernel)
+    operands, output = layer.equation.replace(" ", "").split("->")
+    inputs, kernel = operands.split(",")
+    letter = kernel.replace("...", "")[split.axis]
+    at_input, at_output = _axis_in(inputs, letter), _axis_in(output, letter)
+    if kind == COLUMN and at_output is not None and at_input is None:
+        return at_output
+    if kind == ROW and at_input is not None and at_output is None:
+        return at_input
+    return None
+
+
+def is_attention(layer) -> bool:
+    import keras
+
+    return type(layer) is keras.layers.MultiHeadAttention
+
+
+def attention_projections(layer) -> list:
+    """A MultiHeadAttention's projection layers that exist."""
+    from tfdist._hooks.tensor_parallel import attention_parts
+
+    return list(attention_parts(layer).values())
+
+
+def check_attention(plan, layer) -> dict:
+    """``{projection: keep its output split}`` for a MultiHeadAttention split by heads.
+
+    Raises:
+        ValueError: its query, key, value (and gate) kernels are not all split by heads
+            and its output kernel on its heads.
+    """
+    from tfdist._hooks.tensor_parallel import attention_parts, split_of
+
+    found = {}
+    output = attention_parts(layer).get("output")
+    for sub in attention_projections(layer):
+        split = split_of(sub.kernel)
+        want = 0 if sub is output else 1
+        if split is None or split.axis != want:
+            raise ValueError(
+                f"MultiHeadAttention {layer.name!r} splits by heads when its query, key, "
+                "value (and gate) kernels are laid out (None, 'model', None) and its "
+                "attention_output kernel ('model', None, None). Received: "
+                f"{sub.kernel.path!r} laid out {plan.layout_of(sub.kernel.path)}")
+        found[sub] = sub is not output
+    return found
+
+
+def attention_call(plan, layer):
+    """A MultiHeadAttention's call split by heads: its own code on every row (its query,
+    value and key gathered once each: once in all for a self-attention) and on this
+    replica's heads; its output projection scatters the rows back."""
+    original = type(layer).call
+
+    def call(query, value, key=None, query_mask=None, value_mask=None, key_mask=None,
+             attention_mask=None, return_attention_scores=False, training=None,
+             use_causal_mask=False):
+        from tfdist._hooks.tensor_parallel import in_shape_inference, keras_mask_of
+
+        masks = [m for m in (query_mask, value_mask, key_mask, attention_mask,
+                             keras_mask_of(query), keras_mask_of(value),
+                             None if key is None else keras_mask_of(key)) if m is not None]
+        if not in_shape_inference() and (masks or return_attention_scores):
+            raise ValueError(
+                f"MultiHeadAttention {layer.name!r} split by heads takes no mask but "
+                "use_causal_mask and returns no attention scores (not implemented). "
+                f"Received: {len(masks)} mask(s), "
+                f"return_attention_scores={return_attention_scores}")
+        if not in_shape_inference():
+            communicator, m = plan.strategy.communicator, plan.replicas
+            gathered = {}
+
+            def rows(x):
+                if id(x) not in gathered:
+                    gathered[id(x)] = ops.gather_rows(communicator, x, m)
+                return gathered[id(x)]
+
+            query, value = rows(query), rows(value)
+            key = None if key is None else rows(key)
+        return original(layer, query, value, key=key, return_attention_scores=False,
+                        training=training, use_causal_mask=use_causal_mask)
+
+    return call
+
+
+def split_call(plan, layer, kind, keep_split):
+    """``layer``'s call, split as ``kind``; a column output stays split when
+    ``keep_split`` (its consumers are row layers)."""
+    import tensorflow as tf
+
+    from tfdist._hooks.tensor_parallel import in_shape_inference, in_split_call
+
+    import keras
+
+    run = {COLUMN: _column, ROW: _row, VOCAB: _vocab, FEATURES: _features}[kind]
+    if type(layer) is keras.layers.EinsumDense:
+        run = _einsum_column if kind == COLUMN else _einsum_row
+
+    def call(inputs, *args, **kwargs):
+        x = tf.convert_to_tensor(inputs)
+        if in_shape_inference():  # Keras' symbolic build: only the whole shape matters
+            spec = layer.compute_output_spec(keras_tensor(x))
+            return tf.zeros([tf.shape(x)[i] if d is None else d
+                             for i, d in enumerate(spec.shape)], spec.dtype)
+        if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+            raise ValueError(
+                f"Layer {layer.name!r} is split over the 'model' axis: call the model "
+                "through the strategy's fit, evaluate or predict. Received: a call "
+                "outside a replica function")
+        with in_split_call():
+            return run(plan.strategy.communicator, plan.replicas, layer, x, keep_split)
+
+    return call
+
+
+def keras_tensor(x):
+    import keras
+
+    return keras.KerasTensor(x.shape, x.dtype.name)
+
+
+def _column(communicator, m, layer, x, keep_split):
+    import tensorflow as tf
+
+    rows = int(layer.kernel.shape[0])
+    if x.shape[-1] != rows:
+        raise ValueError(f"Column-parallel layer {layer.name!r} takes every input feature "
+                         f"({rows}). Received: an input of shape {x.shape}")
+    y = tf.matmul(ops.gather_rows(communicator, x, m), tf.convert_to_tensor(layer.kernel))
+    if layer.bias is not None:
+        y = y + tf.convert_to_tensor(layer.bias)
+    y = layer.activation(y)
+    return y if keep_split else ops.gather_features(communicator, y, m)
+
+
+def _row(communicator, m, layer, x, keep_split):
+    import tensorflow as tf
+
+    rows = int(layer.kernel.shape[0])
+    if x.shape[-1] == rows * m:  # whole features, own rows: every row, own features
+        x = ops.own_block(ops.gather_rows(communicator, x, m), len(x.shape) - 1, m)
+    elif x.shape[-1] != rows:
+        raise ValueError(f"Row-parallel layer {layer.name!r} takes {rows * m} features (or "
+                         f"its {rows}). Received: an input of shape {x.shape}")
+    y = ops.scatter_rows(communicator, tf.matmul(x, tf.convert_to_tensor(layer.kernel)), m)
+    if layer.bias is not None:
+        y = y + tf.convert_to_tensor(layer.bias)
+    return layer.activation(y)
+
+
+def _ids(x):
+    import tensorflow as tf
+
+    return x if x.dtype in (tf.int32, tf.int64) else tf.cast(x, tf.int32)
+
+
+def _vocab(communicator, m, layer, x, keep_split):
+    """Every row's ids looked up in this replica's rows of the table (others zero), the
+    lookups summed over the replicas, each keeping its rows."""
+    import tensorflow as tf
+
+    ids = ops.gather_rows(communicator, _ids(x), m)
+    table = tf.convert_to_tensor(layer.embeddings)
+    size = tf.cast(tf.shape(table)[0], ids.dtype)
+    start = tf.cast(ops.replica_id(), ids.dtype) * size
+    mine = tf.logical_and(ids >= start, ids < start + size)
+    found = tf.gather(table, tf.where(mine, ids - start, tf.zeros_like(ids)))
+    found = found * tf.cast(mine, found.dtype)[..., None]
+    return tf.cast(ops.scatter_rows(communicator, found, m), layer.compute_dtype)
+
+
+def _features(communicator, m, layer, x, keep_split):
+    """Every row's lookup in this replica's columns, then the columns gathered."""
+    import tensorflow as tf
+
+    ids = ops.gather_rows(communicator, _ids(x), m)
+    found = tf.gather(tf.convert_to_tensor(layer.embeddings), ids)
+    return tf.cast(ops.gather_features(communicator, found, m), layer.compute_dtype)
+
+
+def _einsum_column(communicator, m, layer, x, keep_split):
+    """Every row through this replica's output slice (EinsumDense's own call); the rows
+    of an attention's projection arrive gathered already."""
+    if not getattr(layer, "_tfdist_rows_gathered", False):
+        x = ops.gather_rows(communicator, x, m)
+    y = type(layer).call(layer, x)
+    if keep_split:
+        return y
+    return ops.gather_features(communicator, y, m, einsum_axes(layer, COLUMN))
+
+
+def _einsum_row(communicator, m, layer, x, keep_split):
+    """This replica's input slice through its kernel rows, summed over the replicas."""
+    import tensorflow as tf
+
+    axis = einsum_axes(layer, ROW)
+    local = int(layer.kernel.shape[split_axis(layer)])
+    if x.shape[axis] == local * m:  # whole, own rows: every row, own slice
+        x = ops.own_block(ops.gather_rows(communicator, x, m), axis % len(x.shape), m)
+    elif x.shape[axis] != local:
+        raise ValueError(f"Row-parallel layer {layer.name!r} takes {local * m} (or its "
+                         f"{local}) on axis {axis}. Received: an input of shape {x.shape}")
+    y = tf.einsum(layer.equation, x, tf.convert_to_tensor(layer.kernel))
+    y = ops.scatter_rows(communicator, y, m)
+    if layer.bias is not None:
+        y = y + tf.convert_to_tensor(layer.bias)
+    return y if layer.activation is None else layer.activation(y)
+
+
+def split_axis(layer) -> int:
+    from tfdist._hooks.tensor_parallel import split_of
+
+    return split_of(layer.kernel).axis
