@@ -1,9 +1,9 @@
 """A model too large for one worker's memory cap trains with ``shard_parameters=True``.
 
 Every task runs in its own cgroup v1 memory group capped at `CAP` (`benchmarks.memcap`;
-root). The model (`benchmarks.fsdp.dense_stack`: 4 Dense layers of 3072, Adam: 37.8 M
-parameters, 453 MB of weights and slots) is killed by the kernel on one unsharded
-worker, and trains on 4 workers with fully sharded parameters, to the weights of one
+root). The model (`benchmarks.fsdp.dense_stack`: 4 Dense layers of 4096, Adam: 67.1 M
+parameters, 805 MB of weights and slots; 1478 MiB peak unsharded, about 950 MiB per
+sharded worker) is killed by the kernel on one unsharded worker, and trains on 4 workers with fully sharded parameters, to the weights of one
 unconstrained process (atol 1e-5): each worker returns the slices it holds, which are
 compared with the same slices of the reference. The benchmark runs the large version
 (docs/fsdp.md).
@@ -17,8 +17,8 @@ import pytest
 from benchmarks.fsdp import _task, adam, dense_stack, random_data, reference_weights
 from benchmarks.memcap import MemoryCaps, cannot_cap
 
-CAP = 820 * 2**20
-WIDTH, LAYERS, BATCH, STEPS = 3072, 4, 16, 2
+CAP = 1200 * 2**20
+WIDTH, LAYERS, BATCH, STEPS = 4096, 4, 16, 2
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 

@@ -87,6 +87,10 @@ def regather_in_backward(model) -> int:
 
 
 _REGATHER = "tfdist_regather_in_backward"
+# The inputs of the layer running under `_regathered_call`: its gathers run after them
+# (in the backward pass, after the incoming gradient), so that one layer's whole
+# values are alive at a time, not every layer's at once.
+_GATHER_AFTER = threading.local()
 
 
 def _regathered_call(layer_call, args, kwargs):
@@ -109,8 +113,13 @@ def _regathered_call(layer_call, args, kwargs):
     dtype = None if autocast is None else autocast.dtype
 
     def call(*tensors):
-        with AutocastScope(dtype) if dtype is not None else contextlib.nullcontext():
-            return layer_call(*tensors, **kwargs)
+        outer = getattr(_GATHER_AFTER, "tensors", None)
+        _GATHER_AFTER.tensors = tensors  # this layer's gathers wait for its inputs
+        try:
+            with AutocastScope(dtype) if dtype is not None else contextlib.nullcontext():
+                return layer_call(*tensors, **kwargs)
+        finally:
+            _GATHER_AFTER.tensors = outer
 
     recomputed = tf.recompute_grad(call)
     return lambda *a, **k: recomputed(*a)
@@ -189,7 +198,7 @@ def install_parameter_hooks() -> None:
         if in_symbolic_scope():  # Keras' shape inference: only the shape matters
             value = tf.zeros(self._shape, self._dtype)
         elif _in_replica_function():
-            value = shard.gather(self._value)
+            value = shard.gather(self._value, after=getattr(_GATHER_AFTER, "tensors", None))
         elif tf.executing_eagerly():
             value = tf.constant(shard.full_numpy(self._value))
         else:
@@ -223,6 +232,13 @@ def install_parameter_hooks() -> None:
         finally:
             _LIKE.reference = previous
 
+    # Each patch names what it wraps: other tfdist patches of the same methods chain.
+    for patch, original in ((_initialize, initialize), (__tf_tensor__, to_tensor),
+                            (_initialize_with_initializer, with_initializer),
+                            (numpy_, numpy), (__array__, array),
+                            (_direct_assign, direct_assign),
+                            (add_variable_from_reference, from_reference)):
+        patch.__wrapped__ = original
     cls._initialize = _initialize
     cls._initialize_with_initializer = _initialize_with_initializer
     cls.__tf_tensor__ = __tf_tensor__

@@ -37,12 +37,24 @@ class Shard:
     size: int
     slice_size: int
 
-    def gather(self, value):
+    def gather(self, value, after=None):
         """Replica context: the whole value of the mirrored slices ``value``
-        (all-gathered; gradient reduce-scattered)."""
+        (all-gathered; gradient reduce-scattered).
+
+        ``after``: the reading layer's inputs. The gather then waits for them (a zero
+        computed from the first floating one is added to the slice, a data dependency as
+        TF's ``recompute_grad`` makes for XLA), so TF's executor does not run every
+        layer's gather at the step's start: one layer's whole weights live at a time.
+        (A control dependency on the slice's read instead changed the trained weights
+        in tests/test_fsdp.py; why is not understood.)"""
         import tensorflow as tf
 
         local = tf.convert_to_tensor(value)  # this replica's slice (its read is watched)
+        floats = [t for t in (after or ()) if tf.is_tensor(t) and t.dtype.is_floating]
+        if floats:
+            first = tf.reshape(floats[0], [-1])[:1]
+            zero = tf.stop_gradient(tf.reduce_sum(tf.zeros_like(first)))
+            local = local + tf.cast(zero, local.dtype)
         return self.plan.all_gather(local, self)
 
     def full_numpy(self, value):
