@@ -192,10 +192,10 @@ class TensorParallel:
                 if any(split_of(v) is not None for sub in split for v in sub.weights):
                     for sub, keep in layers.check_attention(self, layer).items():
                         inside[id(sub)] = keep
-                        sub._tfdist_rows_gathered = keep  # the attention gathers them
-                    if getattr(layer, "_tfdist_split_call", None) is None:
+                        layers.ROWS_GATHERED[sub] = keep  # the attention gathers them
+                    if layers.SPLIT_CALLS.get(layer) is None:
                         layer.call = layers.attention_call(self, layer)
-                        layer._tfdist_split_call = "heads"
+                        layers.SPLIT_CALLS[layer] = "heads"
         for layer in all_layers(model):
             own = [v for v in layer.weights if split_of(v) is not None
                    and v.path.startswith(layer.path + "/")
@@ -217,9 +217,9 @@ class TensorParallel:
                                  f"layer. Received: layer {layer.name!r}")
             keep = inside.get(id(layer), kind == COLUMN and self._feeds_rows_only(
                 layer, outputs))
-            if not getattr(layer, "_tfdist_split_call", None) == (kind, keep):
+            if layers.SPLIT_CALLS.get(layer) != (kind, keep):
                 layer.call = layers.split_call(self, layer, kind, keep)
-                layer._tfdist_split_call = (kind, keep)
+                layers.SPLIT_CALLS[layer] = (kind, keep)
                 if kind == ROW:
                     layer.input_spec = None  # its input may arrive split
             count += 1

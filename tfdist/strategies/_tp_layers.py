@@ -4,7 +4,15 @@ collectives of `tfdist.strategies._tp_ops`."""
 
 from __future__ import annotations
 
+import weakref
+
 from tfdist.strategies import _tp_ops as ops
+
+# tfdist's own marks on the user's layers, kept here rather than as attributes on them:
+# a split layer's call (what `_tensor_parallel` installed), and the attention
+# projections whose rows their attention layer gathers already.
+SPLIT_CALLS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+ROWS_GATHERED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 COLUMN, ROW = "column", "row"  # a Dense kernel split on its outputs / inputs
 VOCAB, FEATURES = "vocab", "features"  # an Embedding table split on its rows / columns
@@ -232,7 +240,7 @@ def _features(communicator, m, layer, x, keep_split):
 def _einsum_column(communicator, m, layer, x, keep_split):
     """Every row through this replica's output slice (EinsumDense's own call); the rows
     of an attention's projection arrive gathered already."""
-    if not getattr(layer, "_tfdist_rows_gathered", False):
+    if not ROWS_GATHERED.get(layer, False):
         x = ops.gather_rows(communicator, x, m)
     y = type(layer).call(layer, x)
     if keep_split:
