@@ -28,7 +28,7 @@ def test_tf_update_context_and_keras_symbolic_scope():
     from keras.src.backend.common.symbolic_scope import SymbolicScope, in_symbolic_scope
     from tensorflow.python.distribute import distribute_lib
 
-    from tfdist._hooks.fsdp import _in_update
+    from tfdist._hooks.tf import in_update as _in_update
 
     assert distribute_lib.get_update_replica_id() is None and not _in_update()
     with distribute_lib.UpdateContext(1):

@@ -53,7 +53,8 @@ def test_attention_parts_and_masks(logical_cpus):
 def test_symbolic_scope_and_update_replica_id():
     from keras.src.backend.common.symbolic_scope import SymbolicScope
 
-    from tfdist._hooks.tensor_parallel import _in_update, in_shape_inference
+    from tfdist._hooks.tensor_parallel import in_shape_inference
+    from tfdist._hooks.tf import in_update as _in_update
 
     assert not in_shape_inference()
     with SymbolicScope():

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import threading
 
+from tfdist._hooks import tf as tf_hooks
+
 _LIKE = threading.local()  # the sharded reference of the slot being made, if any
 _FILL = threading.local()  # the constant initializer's value of the variable being made
 
@@ -141,16 +143,6 @@ def _constant_of(initializer):
     return None
 
 
-def _in_update() -> bool:
-    """Whether this runs in ``extended.update`` for one replica (an optimizer's step).
-
-    Why: TF tells it only through the private ``get_update_replica_id``.
-    """
-    from tensorflow.python.distribute import distribute_lib
-
-    return distribute_lib.get_update_replica_id() is not None
-
-
 def install_parameter_hooks() -> None:
     """Patches Keras' TF variable and optimizer once. Idempotent."""
     import tensorflow as tf
@@ -193,7 +185,7 @@ def install_parameter_hooks() -> None:
 
     def __tf_tensor__(self, dtype=None, name=None):
         shard = shard_of(self)
-        if shard is None or _in_update():  # an optimizer's step: this replica's slice
+        if shard is None or tf_hooks.in_update():  # an optimizer's step: this replica's slice
             return to_tensor(self, dtype=dtype, name=name)
         if in_symbolic_scope():  # Keras' shape inference: only the shape matters
             value = tf.zeros(self._shape, self._dtype)

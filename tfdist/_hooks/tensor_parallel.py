@@ -29,6 +29,8 @@ from __future__ import annotations
 import contextlib
 import threading
 
+from tfdist._hooks import tf as tf_hooks
+
 _CALL = threading.local()  # set while a split layer's call runs
 _LIKE = threading.local()  # the split reference of the optimizer slot being made, if any
 
@@ -102,16 +104,6 @@ def in_shape_inference() -> bool:
     return in_symbolic_scope()
 
 
-def _in_update() -> bool:
-    """Whether this runs in ``extended.update`` for one replica (an optimizer's step).
-
-    Why: TF tells it only through the private ``get_update_replica_id``.
-    """
-    from tensorflow.python.distribute import distribute_lib
-
-    return distribute_lib.get_update_replica_id() is not None
-
-
 def install_split_hooks() -> None:
     """Patches Keras' TF variable once. Idempotent; chains to any earlier patch."""
     import tensorflow as tf
@@ -150,7 +142,7 @@ def install_split_hooks() -> None:
 
     def __tf_tensor__(self, dtype=None, name=None):
         split = split_of(self)
-        if split is not None and not (getattr(_CALL, "active", False) or _in_update()
+        if split is not None and not (getattr(_CALL, "active", False) or tf_hooks.in_update()
                                       or in_symbolic_scope()):
             raise ValueError(
                 f"Variable {self.path!r} is split over the 'model' axis "

@@ -76,6 +76,17 @@ def checked_collective_extended_class():
     return _checked_extended
 
 
+def in_update() -> bool:
+    """Whether this runs in ``extended.update`` for one replica (an optimizer's step on
+    a replica's own variable: sharded or split variables are read as their slice there).
+
+    Why: TF tells it only through the private ``get_update_replica_id``.
+    """
+    from tensorflow.python.distribute import distribute_lib
+
+    return distribute_lib.get_update_replica_id() is not None
+
+
 def in_multi_worker_mode(extended) -> bool:
     """Whether a strategy's ``extended`` spans several workers.
 

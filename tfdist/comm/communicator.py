@@ -118,6 +118,20 @@ def flat_length(tensor):
     return length if length is not None else tf.shape(tensor)[0]
 
 
+def initial_value(distribution, value, dtype):
+    """The whole initial value of a variable made in ``distribution``'s scope (call in
+    ``tf.init_scope``): ``value`` (or ``value()``) as a tensor; on several workers the
+    chief's, broadcast as the strategy's variable creator broadcasts it."""
+    import tensorflow as tf
+
+    full = tf.convert_to_tensor(value() if callable(value) else value, dtype=dtype)
+    if getattr(distribution, "num_workers", 1) > 1:
+        whole = tf.Variable(full, trainable=False, name="tfdist_initial_value")
+        full = tf.convert_to_tensor(whole.values[0])
+        del whole
+    return full
+
+
 def per_replica(parts, always_wrap: bool = False):
     """``parts`` (one per local replica) as one per-replica value (a tensor if one,
     unless ``always_wrap``)."""

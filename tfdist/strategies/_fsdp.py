@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from tfdist.comm.communicator import per_replica, replica_ids
+from tfdist.comm.communicator import initial_value, per_replica, replica_ids
 from tfdist.strategies import _zero_sparse as _sparse
 from tfdist.strategies.arguments import MIN_SHARD_ELEMENTS
 
@@ -154,13 +154,7 @@ class ParameterSharding:
         if fill is not None:
             return self._filled(shard, fill, arguments), shard
         with tf.init_scope():
-            full = value() if callable(value) else value
-            full = tf.convert_to_tensor(full, dtype=arguments["dtype"])
-            if getattr(self.strategy, "num_workers", 1) > 1:
-                # The strategy's creator broadcasts the chief's initial value.
-                whole = tf.Variable(full, trainable=False, name="tfdist_initial_value")
-                full = tf.convert_to_tensor(whole.values[0])
-                del whole
+            full = initial_value(self.strategy, value, arguments["dtype"])
             flat = np.reshape(full.numpy(), [-1])
             del full
 

@@ -25,7 +25,7 @@ import re
 
 import numpy as np
 
-from tfdist.comm.communicator import per_replica, replica_ids
+from tfdist.comm.communicator import initial_value, per_replica, replica_ids
 from tfdist.strategies import _tp_layers as layers
 from tfdist.strategies._tp_layers import COLUMN, FEATURES, ROW, VOCAB
 
@@ -158,13 +158,7 @@ class TensorParallel:
         import tensorflow as tf
 
         with tf.init_scope():
-            full = value() if callable(value) else value
-            full = tf.convert_to_tensor(full, dtype=arguments["dtype"])
-            if getattr(self.strategy, "num_workers", 1) > 1:
-                # The strategy's creator broadcasts the chief's initial value.
-                whole = tf.Variable(full, trainable=False, name="tfdist_initial_value")
-                full = tf.convert_to_tensor(whole.values[0])
-                del whole
+            full = initial_value(self.strategy, value, arguments["dtype"])
             full = full.numpy()
             parts = np.split(full, self.replicas, axis=axis)
             created = tf.Variable(parts[0], **arguments)
