@@ -51,8 +51,8 @@ def _weights(out):
 @pytest.mark.unit
 @pytest.mark.parametrize("overrides, message", [
     (['cluster.mode="spark"', 'strategy.name="mirrored"'],
-     "cluster.mode = 'spark' needs strategy.name 'multi_worker' or 'model_average'. "
-     "Received: 'mirrored'"),
+     "cluster.mode = 'spark' needs strategy.name 'multi_worker', 'model_average' or "
+     "'multi_worker_model_parallel'. Received: 'mirrored'"),
     (['cluster.mode="ray"', "cluster.chief=true"],
      "cluster.chief is not supported with cluster.mode = 'ray'"),
     (['cluster.mode="ray"', "cluster.max_restarts=1"],
