@@ -148,6 +148,7 @@ def _patch_variable_creation(api) -> None:
                                       distribution.get_variable_layout(self))
         return original(self, value)
 
+    _initialize.__wrapped__ = original  # what it chains to
     Variable._initialize = _initialize
 
 

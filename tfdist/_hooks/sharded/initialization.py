@@ -24,8 +24,11 @@ def install_shard_sized_initialization() -> None:
     import tensorflow as tf
     from keras.src.backend.tensorflow.core import Variable
 
-    if getattr(Variable._initialize_with_initializer, "_tfdist_shaped", False):
-        return
+    patch = Variable._initialize_with_initializer
+    while patch is not None:  # other tfdist patches may wrap it since: each names what it wraps
+        if getattr(patch, "_tfdist_shaped", False):
+            return
+        patch = getattr(patch, "__wrapped__", None)
     original = Variable._initialize_with_initializer
 
     def _initialize_with_initializer(self, initializer):
@@ -50,6 +53,7 @@ def install_shard_sized_initialization() -> None:
 
     _initialize_with_initializer._tfdist_shaped = True
     _initialize_with_initializer._tfdist_original = original
+    _initialize_with_initializer.__wrapped__ = original
     Variable._initialize_with_initializer = _initialize_with_initializer
 
 

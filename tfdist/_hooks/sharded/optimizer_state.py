@@ -139,6 +139,8 @@ def install_sharded_optimizer_state() -> None:
     add_variable_from_reference.__doc__ = original_add.__doc__
     add_variable_from_reference._tfdist_original = original_add
     _distributed_tf_update_step._tfdist_original = original_update
+    add_variable_from_reference.__wrapped__ = original_add  # what each chains to
+    _distributed_tf_update_step.__wrapped__ = original_update
     TFOptimizer.add_variable_from_reference = add_variable_from_reference
     TFOptimizer._distributed_tf_update_step = _distributed_tf_update_step
     TFOptimizer._tfdist_sharded_state = True
