@@ -30,22 +30,27 @@ class TensorParallelMixin:
 
     def keras_check_call(self, model, method, arguments):
         super().keras_check_call(model, method, arguments)
-        optimizer = getattr(model, "optimizer", None)
-        for name in ("clipnorm", "global_clipnorm"):
-            if method == "fit" and getattr(optimizer, name, None):
-                # Each replica would see only its slices of the split gradients.
-                raise ValueError(f"ModelParallelStrategy does not clip by norm yet. "
-                                 f"Received: {name}={getattr(optimizer, name)}")
         self.tensor_parallel.prepare(model)
 
     def keras_reduce_gradients(self, grads_and_vars, reduce):
-        # A split variable's gradient is already whole on its replica.
+        # A split variable's gradient is already whole on its replica (for its slice).
         kept = [(None, v) if split_of(v) is not None else (g, v) for g, v in grads_and_vars]
-        if not any(g is not None for g, _ in kept):
-            return list(grads_and_vars)
-        reduced = super().keras_reduce_gradients(kept, reduce)
-        return [(g, v) if split_of(v) is not None else (r, v)
-                for (g, v), (r, _) in zip(grads_and_vars, reduced)]
+        if any(g is not None for g, _ in kept):
+            reduced = super().keras_reduce_gradients(kept, reduce)
+            out = [(g, v) if split_of(v) is not None else (r, v)
+                   for (g, v), (r, _) in zip(grads_and_vars, reduced)]
+        else:
+            out = list(grads_and_vars)
+        optimizer = getattr(reduce, "args", (None,))[0]  # Keras' reduce, bound to it
+        if optimizer is not None and (optimizer.clipnorm or optimizer.global_clipnorm):
+            # Norms of whole variables: a split gradient's squares summed over the
+            # replicas (its slices), as for fully sharded parameters.
+            from tfdist.strategies._fsdp import clip_sharded
+
+            clipped = clip_sharded(self, self.communicator, optimizer, [g for g, _ in out],
+                                   [split_of(v) is not None for _, v in out])
+            out = [(g, v) for g, (_, v) in zip(clipped, out)]
+        return out
 
 
 class ModelParallelStrategy(TensorParallelMixin, SyncGradientsMixin,
