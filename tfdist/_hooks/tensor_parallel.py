@@ -14,7 +14,7 @@ split variable outside a split layer's call in a replica function (a plain
 ``model(x)``) would see one slice and give a wrong result: ``__tf_tensor__`` refuses it.
 Which layers consume a layer's output is the private ``_outbound_nodes``, a model's
 layers its private ``_flatten_layers``, and which layer made an output its private
-``_keras_history``; a tensor's Keras mask its private ``get_keras_mask``; a
+``_keras_history``; a tensor's Keras mask its private ``get_keras_mask`` (and ``set_keras_mask``); a
 MultiHeadAttention's projections its private ``_query_dense`` (etc.).
 ``tests/test_tensor_parallel.py`` fails loudly when a Keras upgrade removes these.
 Nothing changes for any other variable.
@@ -95,6 +95,13 @@ def keras_mask_of(tensor):
     from keras.src import backend
 
     return backend.get_keras_mask(tensor)
+
+
+def set_keras_mask(tensor, mask) -> None:
+    """Sets (None: clears) the Keras mask a tensor carries (Keras keeps it private)."""
+    from keras.src import backend
+
+    backend.set_keras_mask(tensor, mask)
 
 
 def in_shape_inference() -> bool:

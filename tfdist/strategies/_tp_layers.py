@@ -107,39 +107,65 @@ def check_attention(plan, layer) -> dict:
 
 def attention_call(plan, layer):
     """A MultiHeadAttention's call split by heads: its own code on every row (its query,
-    value and key gathered once each: once in all for a self-attention) and on this
-    replica's heads; its output projection scatters the rows back."""
+    value and key gathered once each: once in all for a self-attention; their masks and
+    a per-row ``attention_mask`` alike) and on this replica's heads; its output
+    projection scatters the rows back. Attention scores come back whole (every head)
+    for this replica's rows."""
     original = type(layer).call
 
     def call(query, value, key=None, query_mask=None, value_mask=None, key_mask=None,
              attention_mask=None, return_attention_scores=False, training=None,
              use_causal_mask=False):
-        from tfdist._hooks.tensor_parallel import in_shape_inference, keras_mask_of
+        from tfdist._hooks.tensor_parallel import (in_shape_inference, keras_mask_of,
+                                                   set_keras_mask)
 
-        masks = [m for m in (query_mask, value_mask, key_mask, attention_mask,
-                             keras_mask_of(query), keras_mask_of(value),
-                             None if key is None else keras_mask_of(key)) if m is not None]
-        if not in_shape_inference() and (masks or return_attention_scores):
-            raise ValueError(
-                f"MultiHeadAttention {layer.name!r} split by heads takes no mask but "
-                "use_causal_mask and returns no attention scores (not implemented). "
-                f"Received: {len(masks)} mask(s), "
-                f"return_attention_scores={return_attention_scores}")
+        own_mask = keras_mask_of(query)  # what Keras' call reads (not query_mask)
         if not in_shape_inference():
             communicator, m = plan.strategy.communicator, plan.replicas
             gathered = {}
 
             def rows(x):
-                if id(x) not in gathered:
+                if x is not None and id(x) not in gathered:
                     gathered[id(x)] = ops.gather_rows(communicator, x, m)
-                return gathered[id(x)]
+                return None if x is None else gathered[id(x)]
 
-            query, value = rows(query), rows(value)
-            key = None if key is None else rows(key)
-        return original(layer, query, value, key=key, return_attention_scores=False,
-                        training=training, use_causal_mask=use_causal_mask)
+            mask_of = {}
+            for mask in (own_mask, value_mask, key_mask, attention_mask):
+                if mask is not None and id(mask) not in mask_of:
+                    mask_of[id(mask)] = _mask_rows(rows, mask, query,
+                                                   mask is not attention_mask)
+            query, value, key = rows(query), rows(value), rows(key)
+            value_mask, key_mask, attention_mask = (
+                None if mask is None else mask_of[id(mask)]
+                for mask in (value_mask, key_mask, attention_mask))
+            set_keras_mask(query, None if own_mask is None else mask_of[id(own_mask)])
+        result = original(layer, query, value, key=key, value_mask=value_mask,
+                          key_mask=key_mask, attention_mask=attention_mask,
+                          return_attention_scores=return_attention_scores,
+                          training=training, use_causal_mask=use_causal_mask)
+        if in_shape_inference():
+            return result
+        output = result[0] if return_attention_scores else result
+        set_keras_mask(output, own_mask)  # this replica's rows, as the output's
+        if not return_attention_scores:
+            return output
+        # (every row, own heads) -> (own rows, every head)
+        return output, ops.gather_features(communicator, result[1], m, axis=1)
 
     return call
+
+
+def _mask_rows(rows, mask, query, keras_mask):
+    """A mask of this replica's rows as every row (through ``rows``, as floats: the
+    collectives carry no booleans). An ``attention_mask`` broadcast over the batch
+    (rank 2, or first axis 1 when the query's is not) is the same for every row: kept."""
+    import tensorflow as tf
+
+    mask = tf.convert_to_tensor(mask)
+    if not keras_mask and (len(mask.shape) < 3 or (mask.shape[0] == 1
+                                                   and query.shape[0] != 1)):
+        return mask
+    return tf.cast(rows(tf.stop_gradient(tf.cast(mask, tf.float32))), tf.bool)
 
 
 def split_call(plan, layer, kind, keep_split):
