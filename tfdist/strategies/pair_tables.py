@@ -231,15 +231,18 @@ _TP_LAUNCHED = _TP + "test_two_workers_split_the_model_axis_across_processes[tf]
 
 def _split_launched_pairs() -> dict:
     """MultiWorkerModelParallelStrategy's pairs: ``layout_map`` is always given."""
-    not_resumed = Refused("a restarted job's resume of split variables is not tested yet",
-                          {"layout_map": _SPLIT, "compression": "fp16"})
+    restarted = T + "test_tensor_parallel_features.py::test_a_restarted_job_resumes_split_variables"
     pairs = {
         frozenset({"compression", "layout_map"}): Composes(
             (_TP + "test_compression_casts_the_reduced_payloads", _TP_LAUNCHED),
             note="the same TensorParallelMixin and accounted communicator on one host and "
                  "across workers"),
-        ("layout_map", MAX_RESTARTS): not_resumed,
-        ("compression", MAX_RESTARTS): not_resumed,
+        ("layout_map", MAX_RESTARTS): Composes(
+            (restarted, _RESTART), note="the backup holds the whole weights and slots; a "
+                                        "restart splits them again"),
+        ("compression", MAX_RESTARTS): Composes(
+            (_PAIRS_TEST + "test_compressed_training_resumes_from_a_save", restarted),
+            note="a cast on the wire: no state of its own to resume"),
     }
     for mode, mode_test in ((MULTI_NODE, _NODES), (SPARK, _SPARK), (RAY, _RAY)):
         pairs[("layout_map", mode)] = Composes((_TP_LAUNCHED, mode_test))
