@@ -12,6 +12,7 @@ import pytest
 
 from helpers import assert_weights_close
 
+from test_multi_node import hosts  # noqa: F401 (the fixture: two network namespaces)
 from tp_jobs import BATCH, PAIR, data, pair
 
 
@@ -160,6 +161,29 @@ def _unmasked(x):
     return np.where(x == 0, 1, x)
 
 
+def test_mixed_bfloat16_matches_one_device(logical_cpus):
+    """bfloat16 activations (no loss scaling): the gathered rows, partial sums and their
+    gradients travel as bfloat16 (2 bytes), the replicated bias gradient as float32."""
+    import keras
+
+    import tfdist
+    from tp_jobs import FEATURES, OUTPUTS
+    from tp_jobs import train as train_pair
+
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        strategy = tfdist.ModelParallelStrategy(layout_map=PAIR)
+        got, trained = train_pair(strategy, pair, epochs=1)
+        ref, _ = train_pair(None, pair, epochs=1)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert trained.get_layer("up").compute_dtype == "bfloat16"
+    assert_weights_close(got, ref, atol=1e-3)  # bfloat16 keeps 8 significant bits
+    rows = BATCH // 2
+    per_step = 2 * (rows * FEATURES + BATCH * OUTPUTS + rows * OUTPUTS) + 4 * OUTPUTS
+    assert strategy.bytes_communicated == per_step * (32 // BATCH)
+
+
 # ---- restarts: code run inside the launched tasks ------------------------------------------
 
 
@@ -221,3 +245,50 @@ def test_a_restarted_job_resumes_split_variables(tmp_path):
     assert_weights_close(chief["weights"], chief["reference"], atol=1e-5)
     for result in (chief, other):  # weights and slots split again after the restart
         assert result["held"] * 2 == result["whole"] > 0
+
+
+# ---- several hosts -------------------------------------------------------------------------
+
+_TWO_HOSTS = """
+    import os, sys
+    import numpy as np
+    import tfdist
+    from tfdist._hooks.tensor_parallel import split_of, tf_value
+    from tp_jobs import PAIR, pair, train
+
+    strategy = tfdist.MultiWorkerModelParallelStrategy(
+        layout_map=PAIR, engine="tf", startup_timeout=90, collective_timeout=120)
+    out, me = sys.argv[1], os.environ["TFDIST_TASK"]
+    weights, model = train(strategy, pair)
+    split = [v for v in model.weights if split_of(v) is not None]
+    held = sum(int(np.prod(tf_value(v).values[0].shape)) for v in split)
+    whole = sum(int(np.prod(split_of(v).full_shape)) for v in split)
+    np.savez(os.path.join(out, me + ".npz"), *weights, np.array([held, whole]))
+    if me == "worker-0":
+        np.savez(os.path.join(out, "reference.npz"), *train(None, pair)[0])
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_hosts_split_the_model_axis(hosts, tmp_path):
+    """One launch over two network namespaces (tests/test_multi_node.py's hosts): the
+    "model" axis crosses the hosts (engine "tf": TF's collective all-gather and
+    reduce-scatter over gRPC), each worker holding half of the split elements, and the
+    pair ends equal to one process."""
+    from test_multi_node import TOKEN, _finish, _load, _port, _script, _start_node
+
+    script = _script(tmp_path, _TWO_HOSTS)
+    port = _port() + 7  # apart from test_multi_node's ports
+    nodes = [_start_node(hosts, r, script, tmp_path, master_port=port,
+                         options=("--token", TOKEN, "--join-timeout", "120"))
+             for r in (0, 1)]
+    results = [_finish(n) for n in nodes]
+    for rank, (code, output) in enumerate(results):
+        assert code == 0, f"node {rank}:\n{output[-4000:]}"
+    reference = _load(tmp_path / "reference.npz")
+    for task in ("worker-0", "worker-1"):
+        *weights, (held, whole) = _load(tmp_path / f"{task}.npz")
+        assert held * 2 == whole > 0
+        assert_weights_close(weights, reference, atol=1e-5)

@@ -249,6 +249,8 @@ def _split_launched_pairs() -> dict:
         pairs[("compression", mode)] = Composes(
             (_TP_LAUNCHED, T + "test_communication.py::"
              "test_multi_worker_accumulate_and_compression", mode_test))
+    pairs[("layout_map", MULTI_NODE)] = Composes(
+        (T + "test_tensor_parallel_features.py::test_two_hosts_split_the_model_axis",))
     return pairs
 
 
