@@ -212,8 +212,8 @@ def _restarted_task():
             if restart == 0 and me == "worker-1" and self._epoch == 1 and batch == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    def adam():
-        return keras.optimizers.Adam(0.01)
+    def adam(clip=0.5):  # clipped by the whole model's norm, summed across the workers
+        return keras.optimizers.Adam(0.01, global_clipnorm=clip)
 
     x, y = data()
     weights = _fit(strategy, pair, adam, x, y, epochs=3,
@@ -226,6 +226,7 @@ def _restarted_task():
            "whole": sum(int(np.prod(split_of(v).full_shape)) for v in split)}
     if strategy.is_chief:
         out["reference"] = _fit(None, pair, adam, x, y, epochs=3)
+        out["unclipped"] = _fit(None, pair, lambda: adam(None), x, y, epochs=3)
     return out
 
 
@@ -234,7 +235,8 @@ def _restarted_task():
 def test_a_restarted_job_resumes_split_variables(tmp_path):
     """``tfdist launch --max-restarts 1`` of 2 workers splitting the pair: worker-1 dies
     mid-epoch, the job restarts, both resume the split weights and Adam slots from the
-    chief's BackupAndRestore backup and end equal to the uninterrupted run."""
+    chief's BackupAndRestore backup and end equal to the uninterrupted run (which clips
+    by global norm: the split gradients' squares summed across the processes)."""
     from helpers import run_cluster
 
     chief, other = run_cluster(_restarted_task, timeout=280, max_restarts=1,
@@ -243,6 +245,8 @@ def test_a_restarted_job_resumes_split_variables(tmp_path):
     assert chief["epochs_run"] == other["epochs_run"] == [1, 2]  # resumed at epoch 1
     assert_weights_close(chief["weights"], other["weights"], atol=0)
     assert_weights_close(chief["weights"], chief["reference"], atol=1e-5)
+    assert max(np.max(np.abs(a - b)) for a, b in zip(chief["reference"],
+                                                      chief["unclipped"])) > 1e-3
     for result in (chief, other):  # weights and slots split again after the restart
         assert result["held"] * 2 == result["whole"] > 0
 
