@@ -46,10 +46,13 @@ def _first_gradients(build, x, y):
     return {v.path: np.asarray(g) for v, g in zip(model.trainable_variables, grads)}
 
 
-@pytest.mark.parametrize("clip", ["global_clipnorm", "clipnorm"])
-def test_clipping_by_norm_sees_whole_variables(logical_cpus, clip):
+@pytest.mark.parametrize("clip, policy", [("global_clipnorm", "float32"),
+                                          ("clipnorm", "float32"),
+                                          ("global_clipnorm", "mixed_float16")])
+def test_clipping_by_norm_sees_whole_variables(logical_cpus, clip, policy):
     """SGD (Adam would undo most of a global scale): the split gradients' norms are
-    those of whole variables, as on one device; a replica's slice alone is smaller."""
+    those of whole variables, as on one device; a replica's slice alone is smaller.
+    Under mixed_float16 the loss-scale optimizer's inner one clips, unscaled."""
     import keras
 
     import tfdist
@@ -72,11 +75,17 @@ def test_clipping_by_norm_sees_whole_variables(logical_cpus, clip):
     def optimizer():
         return keras.optimizers.SGD(0.1, **{clip: limit})
 
-    strategy = tfdist.ModelParallelStrategy(layout_map=PAIR)
-    got = _fit(strategy, pair, optimizer, x, y)
-    ref = _fit(None, pair, optimizer, x, y)
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        strategy = tfdist.ModelParallelStrategy(layout_map=PAIR)
+        got = _fit(strategy, pair, optimizer, x, y)
+        assert isinstance(_fit.model.optimizer, keras.optimizers.LossScaleOptimizer) == (
+            policy == "mixed_float16")
+        ref = _fit(None, pair, optimizer, x, y)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
     unclipped = _fit(None, pair, lambda: keras.optimizers.SGD(0.1), x, y)
-    assert_weights_close(got, ref, atol=1e-5)
+    assert_weights_close(got, ref, atol=1e-5 if policy == "float32" else 1e-4)
     assert max(np.max(np.abs(a - b)) for a, b in zip(ref, unclipped)) > 1e-3  # it bit
 
 
