@@ -161,14 +161,15 @@ def _plot(out, config: dict, summary: dict) -> None:
     wire.bar([x + 0.2 for x in xs], tp, 0.4, label="hybrid (head split)")
     wire.set(xticks=list(xs), xticklabels=[f"m = {m}" for m in ms], yscale="log",
              ylabel="MB counted per worker and step", title="Hybrid CNN: bytes per step")
-    wire.legend()
+    wire.legend(loc="center")
     for m in ms:
         h = summary[m]["hybrid"]
         epochs = range(1, len(h["dp_accuracy"]) + 1)
         acc.plot(epochs, h["dp_accuracy"], marker="o", label=f"data parallel, m = {m}")
         acc.plot(epochs, h["split_accuracy"], marker="x", linestyle="--",
                  label=f"hybrid, m = {m}")
-    acc.set(xlabel="epoch", ylabel="test accuracy (261 digits)", title="Hybrid CNN: accuracy")
+    acc.set(xlabel="epoch", ylabel="test accuracy (261 digits)", title="Hybrid CNN: accuracy",
+            xticks=list(epochs))
     acc.legend(fontsize=8)
     bars = {"bytes / Megatron (counted)": "measured_over_megatron",
             "ring bytes / Megatron ring": "ring_over_megatron",
@@ -178,7 +179,7 @@ def _plot(out, config: dict, summary: dict) -> None:
                   0.2, label=label)
     block.axhline(1, color="grey", linewidth=0.8)
     block.set(xticks=list(xs), xticklabels=[f"m = {m}" for m in ms], ylabel="ratio",
-              title=f"Transformer block (B={config['block_batch']}, seq={config['seq']}, "
+              title=f"Transformer block\n(B={config['block_batch']}, seq={config['seq']}, "
                     f"width={config['width']})")
     block.legend(fontsize=8)
     save_figure(fig, out / f"{NAME}.png")
