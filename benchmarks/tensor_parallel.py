@@ -42,7 +42,7 @@ def settings(quick: bool) -> dict:
     if quick:
         return {"head_width": 64, "train_rows": 64, "epochs": 1, "cnn_batch": 32,
                 "learning_rate": 0.03, "seq": 8, "width": 16, "heads": 4,
-                "block_batch": 8, "warmup": 1, "steps": 2, "workers": (2,)}
+                "block_batch": 8, "warmup": 0, "steps": 2, "workers": (2,)}
     return {"head_width": 4096, "train_rows": 1536, "epochs": 4, "cnn_batch": 64,
             "learning_rate": 0.03, "seq": 64, "width": 256, "heads": 8,
             "block_batch": 16, "warmup": 2, "steps": 10, "workers": (2, 4)}
@@ -214,7 +214,8 @@ def report(engine: str, config: dict, summary: dict) -> str:
         f"Engine `{engine}`; m worker processes of one replica each, "
         "`MultiWorkerModelParallelStrategy` against `MultiWorkerMirroredStrategy` on the "
         "same workers, data and initial weights.", "",
-        f"**Hybrid CNN** on scikit-learn's digits (1536 train, 261 test): conv 16, pool, "
+        f"**Hybrid CNN** on scikit-learn's digits ({config['train_rows']} train, 261 test): "
+        "conv 16, pool, "
         f"conv 32, head_up {FLAT} -> {config['head_width']} (column), head_down "
         f"{config['head_width']} -> {config['head_width']} (row), 10 logits; "
         f"{first['parameters'] / 1e6:.1f} M parameters; SGD "

@@ -1,4 +1,4 @@
-"""The models, data, per-worker task and byte formulas of `benchmarks.tensor_parallel`.
+"""The models, data and per-worker task of `benchmarks.tensor_parallel`.
 
 Two workloads, each trained in the same worker processes under one strategy:
 
@@ -167,8 +167,9 @@ def _block(strategy, config) -> dict:
     model = _seeded_copy(strategy, lambda: transformer_block(seq, width, heads))
     with strategy.scope():
         model.compile(keras.optimizers.SGD(0.01), "mse")
-    model.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=config["warmup"],
-              shuffle=False, verbose=0)
+    if config["warmup"]:  # tracing and first steps, not timed (none in --quick)
+        model.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=config["warmup"],
+                  shuffle=False, verbose=0)
     times = []
     before = strategy.bytes_communicated
     model.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=config["steps"],
