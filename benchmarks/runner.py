@@ -46,6 +46,8 @@ SECTIONS = (
      False),
     ("fsdp", "Fully sharded parameters (ZeRO-3): memory, bytes and step time per worker",
      False),
+    ("tensor_parallel", "Tensor parallelism: the hybrid CNN and a transformer block, split "
+     "against replicated", False),
     ("elastic", "Elastic training: a lost worker against restart-and-resume", False),
     ("gpu", "GPU throughput", False),
 )

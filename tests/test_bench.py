@@ -222,3 +222,21 @@ def test_goals_read_the_zero_ratios(tmp_path):
     assert found["ZeRO, 2 workers (horovod): step time sharded / unsharded"] == ("1.05", "met")
     assert not any("ZeRO" in note for note in notes)
     assert read_goals()["zero-wire"].target == "<= 1.05"
+
+
+@pytest.mark.unit
+def test_goals_read_the_tensor_parallel_values(tmp_path):
+    path = tmp_path / "tensor_parallel.json"
+    path.write_text(json.dumps({"goal_values": {
+        "tp-wire": {"2 workers: counted bytes": 0.04},
+        "tp-head": {"2 workers: head split elements x m": 1.0},
+        "tp-accuracy": {"4 workers: test accuracy gap (points)": 0.8},
+        "tp-block-params": {"4 workers: split layers' bytes x m": 1.004}}}))
+    rows, notes = goal_rows({"tensor_parallel": {"status": "ok", "json": str(path)}})
+    found = {row[0]: (row[1], row[3]) for row in rows if row[0].startswith("tensor_parallel")}
+    assert found == {
+        "tensor_parallel: 2 workers: counted bytes": ("<= 0.2", "met"),
+        "tensor_parallel: 2 workers: head split elements x m": ("<= 1", "met"),
+        "tensor_parallel: 4 workers: test accuracy gap (points)": ("<= 0.5", "missed by 1.60x"),
+        "tensor_parallel: 4 workers: split layers' bytes x m": ("<= 1.05", "met")}
+    assert [note for note in notes if "test accuracy" in note]
