@@ -25,7 +25,7 @@ from pathlib import Path
 
 import tfdist
 from benchmarks.common import load_json, markdown_table, output_dir, section_parser
-from benchmarks.goals import goal_rows
+from benchmarks.goal_table import goal_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 
