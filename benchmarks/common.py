@@ -69,23 +69,27 @@ def save_figure(fig, path: str | Path) -> None:
 
 
 def machine_info() -> dict:
-    """Machine and versions, recorded next to every result."""
+    """Machine and versions, recorded next to every result (from the packages' metadata:
+    no TensorFlow import in a section's own process)."""
     info = {"python": platform.python_version(), "machine": platform.machine(),
             "cpus": os.cpu_count(), "platform": platform.platform()}
-    try:
-        import keras
-        import tensorflow as tf
-
-        info.update(tensorflow=tf.__version__, keras=keras.__version__)
-    except ImportError:
-        pass
-    try:
-        import horovod
-
-        info["horovod"] = horovod.__version__
-    except ImportError:
-        info["horovod"] = None
+    tensorflow = package_version("tensorflow", "tensorflow-cpu", "tf-nightly")
+    if tensorflow is not None:
+        info.update(tensorflow=tensorflow, keras=package_version("keras"))
+    info["horovod"] = package_version("horovod")
     return info
+
+
+def package_version(*names: str) -> str | None:
+    """The installed version of the first of ``names`` that is installed, or None."""
+    from importlib import metadata
+
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def interleaved_medians(candidates: dict, rounds: int, repeats: int) -> dict:
@@ -178,11 +182,19 @@ def run_tasks(fn, *args, workers: int = 2, chief: bool = False, ps: int = 0,
         return values
 
 
+# The runner probes Horovod once and passes the answer to every section ("" = works).
+HOROVOD_MISSING_ENV = "TFDIST_BENCH_HOROVOD_MISSING"
+
+
 def horovod_missing() -> str | None:
-    """Why Horovod cannot run here, or None if ``import horovod.tensorflow`` works."""
+    """Why Horovod cannot run here, or None if ``import horovod.tensorflow`` works (in a
+    subprocess: it imports TensorFlow; the runner's answer in `HOROVOD_MISSING_ENV`, if
+    set)."""
     import subprocess
     import sys
 
+    if HOROVOD_MISSING_ENV in os.environ:
+        return os.environ[HOROVOD_MISSING_ENV] or None
     probe = subprocess.run([sys.executable, "-c", "import horovod.tensorflow"],
                            capture_output=True, text=True, env=dict(os.environ,
                                                                     TF_CPP_MIN_LOG_LEVEL="3"))
