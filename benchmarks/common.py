@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import json
 import os
 import platform
@@ -16,6 +18,11 @@ from benchmarks.horovodrun import run_horovod  # noqa: F401  (sections import it
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BENCH_DIR = REPO_ROOT / "benchmarks"  # where the committed results live
 QUICK_DIR = Path(tempfile.gettempdir()) / "tfdist-bench-quick"
+
+# A section's process exits without the interpreter's last garbage collection over
+# TensorFlow's objects (seconds on a busy machine), as launched tasks do
+# (`tfdist.runners.task_main`): atexit runs it after the handlers registered later.
+atexit.register(gc.freeze)
 
 
 # ---- arguments and figures, the same for every section ----------------------------------
