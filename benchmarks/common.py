@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import json
 import os
 import platform
@@ -16,6 +18,11 @@ from benchmarks.horovodrun import run_horovod  # noqa: F401  (sections import it
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BENCH_DIR = REPO_ROOT / "benchmarks"  # where the committed results live
 QUICK_DIR = Path(tempfile.gettempdir()) / "tfdist-bench-quick"
+
+# A section's process exits without the interpreter's last garbage collection over
+# TensorFlow's objects (seconds on a busy machine), as launched tasks do
+# (`tfdist.runners.task_main`): atexit runs it after the handlers registered later.
+atexit.register(gc.freeze)
 
 
 # ---- arguments and figures, the same for every section ----------------------------------
@@ -69,23 +76,27 @@ def save_figure(fig, path: str | Path) -> None:
 
 
 def machine_info() -> dict:
-    """Machine and versions, recorded next to every result."""
+    """Machine and versions, recorded next to every result (from the packages' metadata:
+    no TensorFlow import in a section's own process)."""
     info = {"python": platform.python_version(), "machine": platform.machine(),
             "cpus": os.cpu_count(), "platform": platform.platform()}
-    try:
-        import keras
-        import tensorflow as tf
-
-        info.update(tensorflow=tf.__version__, keras=keras.__version__)
-    except ImportError:
-        pass
-    try:
-        import horovod
-
-        info["horovod"] = horovod.__version__
-    except ImportError:
-        info["horovod"] = None
+    tensorflow = package_version("tensorflow", "tensorflow-cpu", "tf-nightly")
+    if tensorflow is not None:
+        info.update(tensorflow=tensorflow, keras=package_version("keras"))
+    info["horovod"] = package_version("horovod")
     return info
+
+
+def package_version(*names: str) -> str | None:
+    """The installed version of the first of ``names`` that is installed, or None."""
+    from importlib import metadata
+
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def interleaved_medians(candidates: dict, rounds: int, repeats: int) -> dict:
@@ -178,11 +189,19 @@ def run_tasks(fn, *args, workers: int = 2, chief: bool = False, ps: int = 0,
         return values
 
 
+# The runner probes Horovod once and passes the answer to every section ("" = works).
+HOROVOD_MISSING_ENV = "TFDIST_BENCH_HOROVOD_MISSING"
+
+
 def horovod_missing() -> str | None:
-    """Why Horovod cannot run here, or None if ``import horovod.tensorflow`` works."""
+    """Why Horovod cannot run here, or None if ``import horovod.tensorflow`` works (in a
+    subprocess: it imports TensorFlow; the runner's answer in `HOROVOD_MISSING_ENV`, if
+    set)."""
     import subprocess
     import sys
 
+    if HOROVOD_MISSING_ENV in os.environ:
+        return os.environ[HOROVOD_MISSING_ENV] or None
     probe = subprocess.run([sys.executable, "-c", "import horovod.tensorflow"],
                            capture_output=True, text=True, env=dict(os.environ,
                                                                     TF_CPP_MIN_LOG_LEVEL="3"))

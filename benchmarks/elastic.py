@@ -202,7 +202,7 @@ def _commit_cell(quick):
 
 
 def ratios(faults, commit) -> dict:
-    """What benchmarks/goals.py compares: ``next_step_seconds`` (elastic k=1),
+    """What benchmarks/goal_table.py compares: ``next_step_seconds`` (elastic k=1),
     ``steps_lost_per_k`` (elastic k=5: steps lost / 5), ``work_lost_ratio`` (task-steps
     lost by restart-and-resume / by elastic k=1) and ``commit_ratio``."""
     cells = {c["cell"]: c for c in faults if not c["error"]}

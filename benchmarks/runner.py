@@ -24,8 +24,9 @@ import time
 from pathlib import Path
 
 import tfdist
-from benchmarks.common import load_json, markdown_table, output_dir, section_parser
-from benchmarks.goals import goal_rows
+from benchmarks.common import (HOROVOD_MISSING_ENV, horovod_missing, load_json, markdown_table,
+                               output_dir, section_parser)
+from benchmarks.goal_table import goal_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,6 +54,10 @@ SECTIONS = (
 )
 QUICK_TIMEOUT = 300.0
 QUICK_JOBS = 3  # a smoke run: sections overlap (their launches wait on start-ups)
+# The longest quick sections (most launches), started first when sections overlap, so
+# that the run does not end on one long section alone (RESULTS.md keeps SECTIONS' order).
+LONGEST_FIRST = ("elastic", "fsdp", "overhead", "zero", "slow_link", "straggler",
+                 "model_average")
 FULL_TIMEOUT = 1800.0
 _NOISE = re.compile(r"oneDNN custom operations|cpu_feature_guard|AVX2 AVX512|rebuild "
                     r"TensorFlow with|absl::InitializeLog|^\s*$|WARNING: All log messages")
@@ -317,6 +322,8 @@ def main(args) -> int:
     _say(f"benchmarks: {len(names)} section(s) into {out}"
          + (" (quick)" if quick else "") + f", {jobs} at a time, {timeout:g} s limit each")
     facts = machine_facts()
+    if HOROVOD_MISSING_ENV not in os.environ:  # probed once here, not in every section
+        os.environ[HOROVOD_MISSING_ENV] = horovod_missing() or ""
     results = {n: {"status": "skipped", "why": "not selected (--sections)", "seconds": 0.0}
                for n, _, _ in SECTIONS}
     for name in names:
@@ -324,7 +331,9 @@ def main(args) -> int:
                          "seconds": 0.0}
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs)
     try:
-        futures = {pool.submit(run_section, n, quick, out, timeout, log_dir): n for n in names}
+        order = sorted(names, key=lambda n: LONGEST_FIRST.index(n) if n in LONGEST_FIRST
+                       else len(LONGEST_FIRST)) if jobs > 1 else names
+        futures = {pool.submit(run_section, n, quick, out, timeout, log_dir): n for n in order}
         for i, future in enumerate(concurrent.futures.as_completed(futures), 1):
             name = futures[future]
             try:

@@ -1,10 +1,9 @@
 """Training runs shared by the shard_parameters tests (in process and launched): a model
 with Embedding, MultiHeadAttention, Dense and Conv2D, every kernel sharded."""
 
-import contextlib
-
 import numpy as np
 
+from zero_jobs import compile_and_fit, compiled, fitted
 from zero_jobs import make_optimizer  # noqa: F401 (re-exported for the tests)
 
 GLOBAL_BATCH = 16
@@ -34,15 +33,8 @@ def model(seed=1):
 
 def train(strategy, optimizer, epochs=2, batch_size=GLOBAL_BATCH, **opt_kwargs):
     """Trains `model`; returns ``(weights, model)``."""
-    import keras
-
-    x, y = data()
-    with strategy.scope() if strategy is not None else contextlib.nullcontext():
-        built = model()
-        built.compile(make_optimizer(optimizer, **opt_kwargs),
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    built.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
-    return [np.asarray(w) for w in built.get_weights()], built
+    return compile_and_fit(strategy, model, *data(), optimizer, epochs, batch_size,
+                           **opt_kwargs)
 
 
 def element_counts(model):
@@ -80,19 +72,10 @@ def launched_task(engine):
 
 def save_and_resume(strategy, path, optimizer="adam"):
     """1 epoch, saved; a new model (other seed) loads it and trains 1 more epoch."""
-    import keras
-
-    weights, trained = train(strategy, optimizer, epochs=1)
+    _, trained = train(strategy, optimizer, epochs=1)
     trained.save_weights(path)
-    x, y = data()
-    with strategy.scope():
-        again = model(seed=7)
-        again.compile(make_optimizer(optimizer),
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        again.optimizer.build(again.trainable_variables)  # its slots, sharded, to load
-    again.load_weights(path)
-    again.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
-    return [np.asarray(w) for w in again.get_weights()]
+    again = compiled(strategy, lambda: model(seed=7), optimizer, build_optimizer=True)
+    return fitted(again, *data(), batch_size=GLOBAL_BATCH, load=path)
 
 
 # Batches that split over 1, 2 and 3 workers.
@@ -102,17 +85,8 @@ RESUME_N, RESUME_BATCH = 48, 12
 def resume(path, strategy=None):
     """A new model (other seed) loads ``path`` (SGD momentum) and trains 1 epoch of
     `RESUME_N` samples; its weights. Sharded under ``strategy``, or in a plain process."""
-    import keras
-
-    x, y = data(RESUME_N)
-    with strategy.scope() if strategy is not None else contextlib.nullcontext():
-        again = model(seed=7)
-        again.compile(make_optimizer("sgd"),
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        again.optimizer.build(again.trainable_variables)
-    again.load_weights(path)
-    again.fit(x, y, batch_size=RESUME_BATCH, epochs=1, shuffle=False, verbose=0)
-    return [np.asarray(w) for w in again.get_weights()]
+    again = compiled(strategy, lambda: model(seed=7), "sgd", build_optimizer=True)
+    return fitted(again, *data(RESUME_N), batch_size=RESUME_BATCH, load=path)
 
 
 def resume_task(path, engine):

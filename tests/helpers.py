@@ -44,6 +44,21 @@ def mlp(features=8, classes=3, batchnorm=False, seed=1):
     return keras.Sequential(layers)
 
 
+def layout_map(entries, shape=None):
+    """A ``keras.distribution.LayoutMap`` of ``entries`` (``(key, axes)`` pairs, set in
+    order) on a ``("batch", "model")`` mesh of ``shape`` over every device (default:
+    every device on "batch")."""
+    import keras
+
+    devices = keras.distribution.list_devices()
+    mesh = keras.distribution.DeviceMesh(shape or (len(devices), 1), ["batch", "model"],
+                                         devices)
+    layouts = keras.distribution.LayoutMap(mesh)
+    for key, axes in entries:
+        layouts[key] = axes
+    return layouts
+
+
 def assert_weights_close(a, b, atol=1e-5):
     assert len(a) == len(b)
     for i, (x, y) in enumerate(zip(a, b)):

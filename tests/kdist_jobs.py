@@ -9,7 +9,7 @@ import contextlib
 
 import numpy as np
 
-from helpers import classification_data, mlp
+from helpers import classification_data, layout_map, mlp
 
 GLOBAL_BATCH = 16
 EPOCHS = 2
@@ -40,11 +40,8 @@ def batch_axis_model_parallel():
     sharded kernels; biases replicated), over every device."""
     import keras
 
-    devices = keras.distribution.list_devices()
-    mesh = keras.distribution.DeviceMesh((len(devices), 1), ["batch", "model"], devices)
-    layout_map = keras.distribution.LayoutMap(mesh)
-    layout_map[".*kernel"] = ("batch", None)
-    return keras.distribution.ModelParallel(layout_map=layout_map)
+    return keras.distribution.ModelParallel(
+        layout_map=layout_map([(".*kernel", ("batch", None))]))
 
 
 def keras_script(how="set", presharded=False, kind="data"):

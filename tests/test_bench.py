@@ -15,7 +15,8 @@ import pytest
 
 import tfdist
 from benchmarks import runner
-from benchmarks.goals import goal_rows, read_analysis, read_goals
+from benchmarks.goal_table import goal_rows
+from benchmarks.goals import read_analysis, read_goals
 from tfdist import cli
 from tfdist.cluster import ClusterSpec
 from tfdist.launch import run

@@ -37,7 +37,7 @@ def _batches(strategy, count):
 
 def _state(model):
     """What `ElasticFit` commits: the state and the metrics' local variables."""
-    from tfdist.strategies._elastic import _tf_variable
+    from tfdist.strategies._elastic_snapshot import _tf_variable
 
     seen, state = set(), []
     for v in (*model.variables, *model.optimizer.variables):
@@ -64,7 +64,7 @@ def test_the_committing_step_copies_the_variables_after_it(
     import tensorflow as tf
 
     from tfdist._hooks.keras_steps import committing_train_function, remake_train_function
-    from tfdist.strategies._elastic import _Snapshot
+    from tfdist.strategies._elastic_snapshot import Snapshot
 
     strategy = (tf.distribute.MirroredStrategy(logical_cpus) if replicas == 2
                 else tf.distribute.get_strategy())
@@ -73,7 +73,7 @@ def test_the_committing_step_copies_the_variables_after_it(
     for model in (fused, plain):
         _build(model, batches[0])
     state, metrics, read = _state(fused)
-    snapshot = _Snapshot(state, metrics, len(fused.optimizer.variables))
+    snapshot = Snapshot(state, metrics, len(fused.optimizer.variables))
     assert len(snapshot.pack()) == 2  # float32 and the int64 step: one buffer each
     function = committing_train_function(fused, remake_train_function(fused),
                                          snapshot.pack)
@@ -105,14 +105,14 @@ def test_the_committing_step_reads_nothing_when_the_data_ran_out(logical_cpus):
     import tensorflow as tf
 
     from tfdist._hooks.keras_steps import committing_train_function, remake_train_function
-    from tfdist.strategies._elastic import _Snapshot
+    from tfdist.strategies._elastic_snapshot import Snapshot
 
     strategy = tf.distribute.get_strategy()
     model, _ = _twins(strategy, 3)
     batches = _batches(strategy, 2)
     _build(model, batches[0])
     state, metrics, read = _state(model)
-    snapshot = _Snapshot(state, metrics, len(model.optimizer.variables))
+    snapshot = Snapshot(state, metrics, len(model.optimizer.variables))
     function = committing_train_function(model, remake_train_function(model), snapshot.pack)
     logs, values = function(iter(batches))
     assert values is None and "loss" in logs

@@ -7,7 +7,7 @@ line; ``import tfdist`` is what makes it distributed.
 import numpy as np
 import pytest
 
-from helpers import assert_weights_close
+from helpers import assert_weights_close, layout_map
 from kdist_jobs import GLOBAL_BATCH, dataset, keras_script, launched_task
 
 
@@ -84,17 +84,6 @@ def test_two_workers_data_parallel_equals_one_device(logical_cpus):
         assert_weights_close(runs[0]["weights"], runs[1]["weights"], atol=0)
 
 
-def _layout_map(entries, shape=(2, 1)):
-    import keras
-
-    mesh = keras.distribution.DeviceMesh(shape, ["batch", "model"],
-                                         keras.distribution.list_devices())
-    layout_map = keras.distribution.LayoutMap(mesh)
-    for key, axes in entries:
-        layout_map[key] = axes
-    return layout_map
-
-
 def _two_dense():
     import keras
 
@@ -109,8 +98,8 @@ def test_model_axis_layout_is_refused_naming_the_variable(logical_cpus, no_distr
 
     # The exact key wins over the regex for first/kernel (replicated, allowed); the
     # regex lays second/kernel on the "model" axis, which tfdist refuses, once, at build.
-    layout_map = _layout_map([("first/kernel", (None, None)), (".*kernel", (None, "model"))])
-    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+    layouts = layout_map([("first/kernel", (None, None)), (".*kernel", (None, "model"))])
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layouts))
     with pytest.raises(ValueError) as raised:
         _two_dense()
     message = str(raised.value)
@@ -123,11 +112,11 @@ def test_a_data_x_model_mesh_is_refused(logical_cpus, no_distribution):
 
     mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"],
                                          [f"cpu:{i}" for i in range(4)])
-    layout_map = keras.distribution.LayoutMap(mesh)
+    layouts = keras.distribution.LayoutMap(mesh)
     with pytest.raises(ValueError, match=r"axis 'model' has size 2, the batch axis 'batch' "
                                          r"2\. Received: device_mesh="):
         keras.distribution.set_distribution(
-            keras.distribution.ModelParallel(layout_map=layout_map))
+            keras.distribution.ModelParallel(layout_map=layouts))
     assert keras.distribution.distribution() is None
 
 
@@ -137,13 +126,13 @@ def test_a_model_axis_runs_as_model_parallel_strategy(logical_cpus, no_distribut
     import tfdist
     from tfdist.keras.distribution import strategy_plan
 
-    layout_map = _layout_map([("first/kernel", (None, "model")), (".*kernel", ("model", None))],
+    layouts = layout_map([("first/kernel", (None, "model")), (".*kernel", ("model", None))],
                              shape=(1, 2))
-    name, kwargs = strategy_plan(keras.distribution.ModelParallel(layout_map=layout_map))
+    name, kwargs = strategy_plan(keras.distribution.ModelParallel(layout_map=layouts))
     assert name == "ModelParallelStrategy"
     assert kwargs["layout_map"] == {"first/kernel": (None, "model"),
                                     ".*kernel": ("model", None)}
-    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layouts))
     model = _two_dense()
     assert isinstance(model.distribute_strategy, tfdist.ModelParallelStrategy)
 
@@ -153,9 +142,9 @@ def test_layout_map_matching_exact_key_before_regex(logical_cpus):
 
     from tfdist.keras.distribution import strategy_plan
 
-    layout_map = _layout_map([("first/kernel", ("batch", None)), (".*kernel", (None, None)),
+    layouts = layout_map([("first/kernel", ("batch", None)), (".*kernel", (None, None)),
                               (".*bias", ("batch",))])
-    name, kwargs = strategy_plan(keras.distribution.ModelParallel(layout_map=layout_map))
+    name, kwargs = strategy_plan(keras.distribution.ModelParallel(layout_map=layouts))
     # The contract with fully sharded parameters (the FSDP helper's strategy options).
     assert name == "MirroredStrategy" and kwargs["shard_parameters"] is True
     assert kwargs["devices"] == ["/device:CPU:0", "/device:CPU:1"]
@@ -171,8 +160,8 @@ def test_replicated_layouts_run_as_data_parallel(logical_cpus, no_distribution):
 
     import tfdist
 
-    layout_map = _layout_map([(".*kernel", (None, None))])
-    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+    layouts = layout_map([(".*kernel", (None, None))])
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layouts))
     model = _two_dense()
     assert isinstance(model.distribute_strategy, tfdist.MirroredStrategy)
     assert model.distribute_strategy.num_replicas_in_sync == 2
@@ -182,9 +171,9 @@ def test_distribute_tensor_keeps_batch_layouts_and_refuses_others(logical_cpus,
                                                                    no_distribution):
     import keras
 
-    layout_map = _layout_map([])
-    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
-    mesh = layout_map.device_mesh
+    layouts = layout_map([])
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layouts))
+    mesh = layouts.device_mesh
     x = keras.ops.ones((4, 3))
     same = keras.distribution.distribute_tensor(
         x, keras.distribution.TensorLayout(("batch", None), mesh))
@@ -252,9 +241,9 @@ def test_multi_worker_plans(logical_cpus, fresh_job):
     name, kwargs = fresh_job.strategy_plan(keras.distribution.DataParallel())
     assert name == "MultiWorkerMirroredStrategy" and set(kwargs) == {"cluster_resolver"}
     assert kwargs["cluster_resolver"].worker == ("127.0.0.1:2222", "127.0.0.1:2223")
-    layout_map = _layout_map([(".*kernel", ("batch", None))])
+    layouts = layout_map([(".*kernel", ("batch", None))])
     name, kwargs = fresh_job.strategy_plan(
-        keras.distribution.ModelParallel(layout_map=layout_map))
+        keras.distribution.ModelParallel(layout_map=layouts))
     assert name == "MultiWorkerMirroredStrategy" and kwargs["shard_parameters"] is True
     assert kwargs["shard_filter"]("first/kernel") is True
     with pytest.raises(ValueError, match=r"must hold every device .* Received: "

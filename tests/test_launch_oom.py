@@ -6,15 +6,14 @@ and runs a task that allocates far beyond it.
 """
 
 import os
-import select
 import signal
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
+from benchmarks.memcap import MemoryCaps
 from tfdist.launch import oom
 
 pytestmark = pytest.mark.timeout(180)
@@ -125,22 +124,12 @@ def test_only_a_sigkill_with_a_new_oom_kill_is_named(tmp_path, monkeypatch):
     assert exit_cause("worker-9", -9) == "worker-9 exited with code -9 (signal SIGKILL)"
 
 
-def _own_memory_cgroup() -> Path:
-    """This process's v1 memory cgroup directory (the test group goes below it)."""
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            return Path("/sys/fs/cgroup/memory") / path.lstrip("/")
-    raise AssertionError("this test needs a cgroup v1 memory controller")
-
-
 @pytest.mark.multiprocess
 def test_launch_names_an_oom_kill(tmp_path):
     assert os.geteuid() == 0, "this test creates a memory cgroup: run it as root"
-    group = _own_memory_cgroup() / f"tfdist-test-{os.getpid()}"
-    group.mkdir()
+    caps = MemoryCaps(200 * 2**20, tag="tfdist-test")
     try:
-        (group / "memory.limit_in_bytes").write_text(str(200 * 2**20))
+        group = caps.group("launch")
         script = tmp_path / "hog.py"
         script.write_text(textwrap.dedent("""
             import numpy as np
@@ -163,22 +152,9 @@ def test_launch_names_an_oom_kill(tmp_path):
         assert "[worker-0] allocating" in output, output
         assert ("out of memory: worker-0 was killed by the kernel's OOM killer "
                 f"(memory limit 200 MiB of cgroup ") in output, output
-        assert f"/tfdist-test-{os.getpid()})" in output, output
+        assert f"/{group.name})" in output, output
         assert "exited with code -9" not in output, output
         assert int(oom.oom_kills(oom.MemoryCgroup("", group, group, 1))) >= 1
+        assert caps.oom_killed("launch")
     finally:
-        _wait_empty(group)  # the launcher's task guard ends after it
-        group.rmdir()
-
-
-def _wait_empty(group: Path, timeout: float = 30.0) -> None:
-    """Waits until every process of ``group`` has ended (on their pidfds, no polling)."""
-    for pid in map(int, (group / "cgroup.procs").read_text().split()):
-        try:
-            fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            continue
-        try:
-            assert select.select([fd], [], [], timeout)[0], f"process {pid} did not end"
-        finally:
-            os.close(fd)
+        caps.remove()  # waits for the launcher's task guard, which ends after it

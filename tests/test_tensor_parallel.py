@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from helpers import assert_weights_close
+from helpers import assert_weights_close, layout_map
 
 from tp_jobs import (BATCH, DIM, FEATURES, HEAD, HEADS, OUTPUTS, PAIR, attention_block,
                      attention_data, hybrid_cnn, image_data)
@@ -140,23 +140,11 @@ def test_keras_model_parallel_on_a_1_x_2_mesh_matches_one_device(logical_cpus):
 
     import tfdist
 
-    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"],
-                                         keras.distribution.list_devices())
-    layout_map = keras.distribution.LayoutMap(mesh)
-    layout_map["up/kernel"] = (None, "model")
-    layout_map["down/kernel"] = ("model", None)
-    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(
+        layout_map=layout_map(PAIR.items(), shape=(1, 2))))
     try:
-        keras.utils.set_random_seed(1)
-        initial = _pair().get_weights()
-        model = _pair()
+        got, model = _train(None, _pair)
         assert isinstance(model.distribute_strategy, tfdist.ModelParallelStrategy)
-        for variable, value in zip(model.weights, initial):
-            variable.assign(value)
-        model.compile(keras.optimizers.Adam(0.01), "mse")
-        x, y = _data()
-        model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-        got = [np.asarray(w) for w in model.get_weights()]
     finally:
         keras.distribution.set_distribution(None)
     ref, _ = _train(None, _pair)
@@ -220,21 +208,11 @@ def test_split_embedding_matches_one_device(logical_cpus, layouts):
     import tfdist
 
     def train(strategy):
-        import contextlib
-
-        keras.utils.set_random_seed(3)
-        initial = _embedded().get_weights()
-        with strategy.scope() if strategy is not None else contextlib.nullcontext():
-            model = _embedded()
-            for variable, value in zip(model.weights, initial):
-                variable.assign(value)
-            model.compile(keras.optimizers.Adam(0.01), keras.losses.SparseCategoricalCrossentropy(
-                from_logits=True))
         rng = np.random.default_rng(0)
         x = rng.integers(0, VOCAB_SIZE, size=(32, 3)).astype("int32")
         y = rng.integers(0, VOCAB_SIZE, size=(32,)).astype("int32")
-        model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-        return [np.asarray(w) for w in model.get_weights()]
+        return _train(strategy, _embedded, x=x, y=y, seed=3,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))[0]
 
     assert_weights_close(train(tfdist.ModelParallelStrategy(layout_map=layouts)), train(None),
                          atol=1e-5)
@@ -268,8 +246,6 @@ def test_attention_split_by_heads_matches_one_device(logical_cpus):
 
 
 def test_einsum_dense_column_output_gathered_and_attention_refusals(logical_cpus):
-    import contextlib
-
     import keras
 
     import tfdist
@@ -279,19 +255,11 @@ def test_einsum_dense_column_output_gathered_and_attention_refusals(logical_cpus
         h = keras.layers.EinsumDense("abc,cd->abd", (4, 6), bias_axes="d", name="proj")(inputs)
         return keras.Model(inputs, keras.layers.Dense(2, name="out")(h))
 
-    def train(strategy, build, layouts=None):
-        keras.utils.set_random_seed(5)
-        initial = build().get_weights()
-        with strategy.scope() if strategy is not None else contextlib.nullcontext():
-            model = build()
-            for variable, value in zip(model.weights, initial):
-                variable.assign(value)
-            model.compile(keras.optimizers.Adam(0.01), "mse")
+    def train(strategy, build):
         rng = np.random.default_rng(0)
         x = rng.normal(size=(16, 4, DIM)).astype("float32")
-        model.fit(x, rng.normal(size=(16, 4, 2)).astype("float32"), batch_size=BATCH,
-                  shuffle=False, verbose=0)
-        return [np.asarray(w) for w in model.get_weights()]
+        return _train(strategy, build, epochs=1, x=x, seed=5,
+                      y=rng.normal(size=(16, 4, 2)).astype("float32"))[0]
 
     layouts = {"proj/kernel": (None, "model")}
     assert_weights_close(train(tfdist.ModelParallelStrategy(layout_map=layouts), einsum_model),

@@ -6,6 +6,8 @@ import os
 
 import numpy as np
 
+from helpers import layout_map
+
 BATCH, FEATURES, HIDDEN, OUTPUTS, DIM = 8, 6, 16, 4, 8
 PAIR = {"up/kernel": (None, "model"), "down/kernel": ("model", None)}
 HEADS = {"mha/(query|key|value)/kernel": (None, "model", None),
@@ -67,12 +69,12 @@ def image_data(n=32):
             rng.normal(size=(n, OUTPUTS)).astype("float32"))
 
 
-def train(strategy, build, epochs=2, optimizer="adam", x=None, y=None):
-    """Trains ``build()`` from weights seeded 1 with the global batch ``BATCH``;
-    returns ``(weights, model)``."""
+def train(strategy, build, epochs=2, optimizer="adam", x=None, y=None, seed=1, loss="mse"):
+    """Trains ``build()`` from weights seeded ``seed`` with the global batch ``BATCH``
+    (under ``strategy``'s scope unless None); returns ``(weights, model)``."""
     import keras
 
-    keras.utils.set_random_seed(1)
+    keras.utils.set_random_seed(seed)
     initial = build().get_weights()
     with strategy.scope() if strategy is not None else contextlib.nullcontext():
         model = build()
@@ -81,10 +83,12 @@ def train(strategy, build, epochs=2, optimizer="adam", x=None, y=None):
         # SGD for attention: the key bias's true gradient is zero (a softmax ignores a
         # shift), and Adam would blow its rounding noise up to learning-rate steps.
         model.compile(keras.optimizers.Adam(0.01) if optimizer == "adam"
-                      else keras.optimizers.SGD(0.1), "mse")
+                      else keras.optimizers.SGD(0.1), loss)
     if x is None:
         x, y = data()
-    model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
+    # x alone: a dataset of its own batches.
+    model.fit(x, y, batch_size=None if y is None else BATCH, epochs=epochs, shuffle=False,
+              verbose=0)
     return [np.asarray(w) for w in model.get_weights()], model
 
 
@@ -133,22 +137,12 @@ def keras_launched_task():
 
     keras.distribution.initialize()
     devices = keras.distribution.list_devices()
-    mesh = keras.distribution.DeviceMesh((1, len(devices)), ["batch", "model"], devices)
-    layout_map = keras.distribution.LayoutMap(mesh)
-    for key, axes in PAIR.items():
-        layout_map[key] = axes
-    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(
+        layout_map=layout_map(PAIR.items(), shape=(1, len(devices)))))
     try:
-        keras.utils.set_random_seed(1)
-        initial = pair().get_weights()
-        model = pair()
-        for variable, value in zip(model.weights, initial):
-            variable.assign(value)
-        model.compile(keras.optimizers.Adam(0.01), "mse")
         x, y = data()
-        model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH), epochs=2,
-                  verbose=0)
-        weights = [np.asarray(w) for w in model.get_weights()]
+        weights, model = train(None, pair,
+                               x=tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH))
         strategy = model.distribute_strategy
     finally:
         keras.distribution.set_distribution(None)

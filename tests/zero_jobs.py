@@ -35,23 +35,48 @@ def make_optimizer(name, **kwargs):
 UNSHARDABLE = {"lamb": "Lamb", "muon": "Muon", "adafactor": "Adafactor"}
 
 
-def train(strategy, optimizer, epochs=2, n=64, policy=None, batch_size=GLOBAL_BATCH,
-          **opt_kwargs):
-    """Trains the small MLP; returns ``(weights, optimizer)``."""
+def compiled(strategy, build, optimizer="adam", build_optimizer=False, **opt_kwargs):
+    """``build()`` compiled with `make_optimizer` and cross-entropy on logits, in
+    ``strategy``'s scope unless None; its optimizer built (its slots, to load) if asked."""
     import contextlib
 
+    import keras
+
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        model = build()
+        model.compile(make_optimizer(optimizer, **opt_kwargs),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        if build_optimizer:
+            model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def fitted(model, x, y, epochs=1, batch_size=GLOBAL_BATCH, load=None):
+    """``model`` (after loading the weights file ``load``, if given) fit in order; its
+    weights."""
+    if load is not None:
+        model.load_weights(load)
+    model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
+    return [np.asarray(w) for w in model.get_weights()]
+
+
+def compile_and_fit(strategy, build, x, y, optimizer="adam", epochs=2,
+                    batch_size=GLOBAL_BATCH, **opt_kwargs):
+    """`compiled`, then `fitted`; returns ``(weights, model)``."""
+    model = compiled(strategy, build, optimizer, **opt_kwargs)
+    return fitted(model, x, y, epochs, batch_size), model
+
+
+def train(strategy, optimizer, epochs=2, n=64, policy=None, batch_size=GLOBAL_BATCH,
+          **opt_kwargs):
+    """Trains the small MLP; returns ``(weights, model)``."""
     import keras
 
     if policy:
         keras.mixed_precision.set_global_policy(policy)
     try:
-        x, y = classification_data(n=n)
-        with strategy.scope() if strategy is not None else contextlib.nullcontext():
-            model = mlp()
-            model.compile(make_optimizer(optimizer, **opt_kwargs),
-                          keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
-        return [np.asarray(w) for w in model.get_weights()], model
+        return compile_and_fit(strategy, mlp, *classification_data(n=n), optimizer, epochs,
+                               batch_size, **opt_kwargs)
     finally:
         if policy:
             keras.mixed_precision.set_global_policy("float32")
@@ -85,17 +110,7 @@ def transformer(seed=1):
 
 def train_transformer(strategy, epochs=2, batch_size=32):
     """Trains `transformer` with Adam on `text_data`; its weights."""
-    import contextlib
-
-    import keras
-
-    x, y = text_data()
-    with strategy.scope() if strategy is not None else contextlib.nullcontext():
-        model = transformer()
-        model.compile(keras.optimizers.Adam(0.01),
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
-    return [np.asarray(w) for w in model.get_weights()]
+    return compile_and_fit(strategy, transformer, *text_data(), "adam", epochs, batch_size)[0]
 
 
 def slot_elements(strategy, model):
@@ -159,22 +174,13 @@ def save_and_resume(strategy_factory, path, optimizer="adam", resume=True, n=64,
 
 
 def _compiled(strategy, optimizer, seed=1):
-    import keras
-
-    with strategy.scope():
-        model = mlp(seed=seed)
-        model.compile(make_optimizer(optimizer),
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
+    return compiled(strategy, lambda: mlp(seed=seed), optimizer)
 
 
 def resume_from(strategy, path, optimizer="adam", n=64, batch_size=GLOBAL_BATCH):
     """A new model loads ``path`` and trains 1 more epoch; its weights."""
-    model = _compiled(strategy, optimizer, seed=7)
-    model.load_weights(path)
-    x, y = classification_data(n=n)
-    model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
-    return [np.asarray(w) for w in model.get_weights()]
+    return fitted(_compiled(strategy, optimizer, seed=7), *classification_data(n=n),
+                  batch_size=batch_size, load=path)
 
 
 # Batches that split over 1, 2 and 3 workers.

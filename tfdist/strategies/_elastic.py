@@ -37,6 +37,7 @@ import tensorflow as tf
 
 from tfdist.strategies import state
 from tfdist.strategies._elastic_data import DataPosition
+from tfdist.strategies._elastic_snapshot import Snapshot
 
 DEFAULT_COMMIT_EVERY_STEPS = 1
 
@@ -57,13 +58,13 @@ class ElasticFit:
         self.commit_every_steps = commit_every_steps
         self.position = DataPosition()
         self.calls_since_commit = 0
-        self._committed_flat = None  # (_Snapshot, its flat values), unpacked when needed
+        self._committed_flat = None  # (Snapshot, its flat values), unpacked when needed
         self._committed_lists = ([], [])  # (state values, metric values) once unpacked
         self.last_logs = None
         self.recoveries = 0
         self.commits = 0  # commits taken, and of them those read inside a train step
         self.fused_commits = 0
-        self._snapshot: _Snapshot | None = None  # the variables a commit reads
+        self._snapshot: Snapshot | None = None  # the variables a commit reads
         self._inner = None
         self._committing = None  # the train function whose last step commits
         self.components = [*strategy.state_components(model), self.position]
@@ -195,7 +196,7 @@ class ElasticFit:
         state.committed(self.components)
         self.calls_since_commit = 0
 
-    def _snapshot_now(self, renew: bool = False) -> "_Snapshot":
+    def _snapshot_now(self, renew: bool = False) -> "Snapshot":
         """The variables a commit reads, listed once: again when ``renew`` (before the
         first commit, after a re-forming or a join) or when the optimizer's variables
         changed (an optimizer builds its own lazily); the model's, the metrics' and the
@@ -203,7 +204,7 @@ class ElasticFit:
         count = (len(self.model.optimizer.variables), len(self.state_variables()),
                  len(self.metric_variables()))
         if renew or self._snapshot is None or self._snapshot.optimizer_count != count:
-            self._snapshot = _Snapshot(self.state_variables(), self.metric_variables(),
+            self._snapshot = Snapshot(self.state_variables(), self.metric_variables(),
                                        count)
         return self._snapshot
 
@@ -363,53 +364,6 @@ class ElasticFit:
         newest = max((int(e), int(p)) for e, p, _ in every)
         root = min(int(r) for e, p, r in every if (int(e), int(p)) == newest)
         return root, newest
-
-
-class _Snapshot:
-    """The variables a commit reads, and how: one flat buffer per dtype (the reads
-    reshaped and concatenated), so that a traced read returns a few tensors however many
-    variables there are; split back into one value per variable only to restore.
-
-    Args:
-        state: The state variables (`ElasticFit.state_variables`).
-        metrics: The metric variables (`ElasticFit.metric_variables`).
-        optimizer_count: How many variables the optimizer had (when to list anew).
-    """
-
-    def __init__(self, state: list, metrics: list, optimizer_count: int):
-        self.state_count = len(state)
-        self.optimizer_count = optimizer_count
-        self._reads = [_tf_variable(v) for v in (*state, *metrics)]
-        self._shapes = [tf.TensorShape(v.shape) for v in self._reads]
-        groups: dict = {}
-        for index, read in enumerate(self._reads):
-            groups.setdefault(tf.as_dtype(read.dtype), []).append(index)
-        self._groups = list(groups.values())  # indices of each flat buffer's variables
-        self.read = tf.function(self.pack, autograph=False)  # a commit's own call
-
-    def pack(self) -> list:
-        """The flat buffers (traced: inside a train step, after it, or alone)."""
-        reads = [v.read_for_commit() if hasattr(v, "read_for_commit") else v
-                 for v in self._reads]
-        return [tf.concat([tf.reshape(reads[i], [-1]) for i in group], axis=0)
-                for group in self._groups]
-
-    def unpack(self, flat: list) -> list:
-        """One value per variable, in order, from `pack`'s buffers."""
-        values = [None] * len(self._reads)
-        for group, buffer in zip(self._groups, flat):
-            sizes = [self._shapes[i].num_elements() for i in group]
-            for i, piece in zip(group, tf.split(buffer, sizes)):
-                values[i] = tf.reshape(piece, self._shapes[i])
-        return values
-
-
-def _tf_variable(variable):
-    """The TF variable behind a Keras variable (its public ``value``), or ``variable``
-    (a TF variable, or a component's entry read by ``read_for_commit``)."""
-    if isinstance(variable, tf.Variable) or hasattr(variable, "read_for_commit"):
-        return variable
-    return variable.value
 
 
 class NoStateLeftError(RuntimeError):
