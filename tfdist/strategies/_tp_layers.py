@@ -126,7 +126,7 @@ def attention_call(plan, layer):
                 f"Received: {len(masks)} mask(s), "
                 f"return_attention_scores={return_attention_scores}")
         if not in_shape_inference():
-            communicator, m = plan.strategy.communicator, plan.replicas
+            communicator, m = plan.communicator, plan.replicas
             gathered = {}
 
             def rows(x):
@@ -167,7 +167,7 @@ def split_call(plan, layer, kind, keep_split):
                 "through the strategy's fit, evaluate or predict. Received: a call "
                 "outside a replica function")
         with in_split_call():
-            return run(plan.strategy.communicator, plan.replicas, layer, x, keep_split)
+            return run(plan.communicator, plan.replicas, layer, x, keep_split)
 
     return call
 
@@ -221,7 +221,7 @@ def _vocab(communicator, m, layer, x, keep_split):
     ids = ops.gather_rows(communicator, _ids(x), m)
     table = tf.convert_to_tensor(layer.embeddings)
     size = tf.cast(tf.shape(table)[0], ids.dtype)
-    start = tf.cast(ops.replica_id(), ids.dtype) * size
+    start = tf.cast(ops.model_index(m), ids.dtype) * size
     mine = tf.logical_and(ids >= start, ids < start + size)
     found = tf.gather(table, tf.where(mine, ids - start, tf.zeros_like(ids)))
     found = found * tf.cast(mine, found.dtype)[..., None]
