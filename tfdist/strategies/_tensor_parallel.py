@@ -151,12 +151,23 @@ class TensorParallel:
 
         if self.batch_groups is None:
             return list(grads)
-        out = []
+        out, communicator = [], self.strategy.communicator
         for grad in grads:
-            parts = [tf.convert_to_tensor(g) for g in  # IndexedSlices: dense
-                     distribution.experimental_local_results(grad)]
-            out.append(self.strategy.communicator.in_group(
-                self.batch_groups, "all_reduce", distribution, per_replica(parts), "sum"))
+            parts = distribution.experimental_local_results(grad)
+            if not isinstance(parts[0], tf.IndexedSlices):
+                out.append(communicator.in_group(self.batch_groups, "all_reduce",
+                                                 distribution, grad, "sum"))
+                continue
+            # A lookup's gradient stays sparse, as on one device (Keras' optimizers
+            # update sparse gradients their own way): its rows gathered over the axis.
+            values, indices = (communicator.in_group(
+                self.batch_groups, "all_gather", distribution,
+                per_replica([getattr(p, name) for p in parts]))
+                for name in ("values", "indices"))
+            out.append(per_replica([
+                tf.IndexedSlices(v, i, p.dense_shape) for v, i, p in zip(
+                    distribution.experimental_local_results(values),
+                    distribution.experimental_local_results(indices), parts)]))
         return out
 
     def layout_of(self, path: str):
