@@ -145,10 +145,10 @@ def check_model_parallel(layout_map, devices=None, communication_options=None,
     return options
 
 
-def check_multi_worker_model_parallel(layout_map, **kwargs) -> dict[str, Any]:
+def check_multi_worker_model_parallel(layout_map, model_parallel=None,
+                                      **kwargs) -> dict[str, Any]:
     """`tfdist.MultiWorkerModelParallelStrategy`'s arguments: its ``layout_map`` and
     those it passes on to `tfdist.MultiWorkerMirroredStrategy`; returns those."""
-    model_parallel = kwargs.pop("model_parallel", None)
     check_model_parallel(layout_map, accumulate_steps=kwargs.get("accumulate_steps"),
                          communication_options=kwargs.get("communication_options"),
                          model_parallel=model_parallel)

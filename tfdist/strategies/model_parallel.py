@@ -142,7 +142,6 @@ class MultiWorkerModelParallelStrategy(TensorParallelMixin, MultiWorkerMirroredS
     def __init__(self, layout_map, cluster_resolver=None, model_parallel=None, **kwargs):
         kwargs = check_multi_worker_model_parallel(layout_map, model_parallel=model_parallel,
                                                    **kwargs)
-        kwargs.pop("model_parallel", None)
         kwargs["cluster_resolver"] = cluster_resolver
         if os.environ.get(env.ELASTIC_ADDR):
             raise ValueError("An elastic job cannot re-form split variables over a new "
