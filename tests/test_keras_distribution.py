@@ -129,7 +129,7 @@ def test_a_data_x_model_mesh_with_the_batch_axis_second_is_refused(logical_cpus,
     layout_map = keras.distribution.LayoutMap(mesh)
     with pytest.raises(ValueError, match=r"the batch axis first\. Received: device_mesh="):
         keras.distribution.set_distribution(
-            keras.distribution.ModelParallel(layout_map=layout_map))
+            keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
     assert keras.distribution.distribution() is None
 
 
