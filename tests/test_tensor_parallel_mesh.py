@@ -1,7 +1,8 @@
 """Tensor parallelism on a 2 x 2 data x model mesh (``model_parallel=2`` over 4
 replicas): a column/row Dense pair, an attention block split by heads with a
 feed-forward pair, a vocab-parallel embedding with a split head, and the hybrid CNN end
-equal to one device with the same initial weights and global batch (atol 1e-5), in one
+equal to one device with the same initial weights and global batch (atol 1e-5; then
+predict and evaluate equal too), in one
 process of 4 logical CPUs and on 4 workers under tfdist launch (engine "tf"). Each
 replica holds half of each split variable; bytes_communicated counts the model-axis
 collectives of a group of 2. A save on the 4 workers loads in a plain process and on a
@@ -54,6 +55,19 @@ def hybrid_floats(split):
     return B * 8 + G * 32 + B * 32 + G * 8 + 500 + split
 
 
+def embedded_bytes():
+    """Per step, per replica, in bytes: the ids of its rows gathered (int32) and the
+    group's lookups (3 x 8 each) reduce-scattered; the head's input rows (24 features)
+    gathered and its output slices (8 of 16) gathered whole; backward their rows'
+    gradients gathered and the head's input gradient reduce-scattered; the lookup's
+    sparse gradient (the group's 12 rows and their ids) gathered over the batch axis and
+    the head's split kernel and bias (24 x 8 + 8) all-reduced over it."""
+    floats = (G * 3 * 8 + B * 24 + G * 8 + B * 16 + G * 24 + B * 3 * 8 + G * 3 * 8
+              + 24 * 8 + 8)
+    ints = B * 3 + G * 3
+    return 4 * (floats + ints)
+
+
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     from helpers import run_cluster
@@ -79,12 +93,17 @@ def one_process(launched, tmp_path_factory):
 def _check_mesh(results, reference):
     for name in ("pair", "attention", "embedded", "hybrid"):
         assert_weights_close(results[name]["weights"], reference[name]["weights"], atol=1e-5)
+        np.testing.assert_allclose(results[name]["predict"], reference[name]["predict"],
+                                   atol=1e-5)
+        np.testing.assert_allclose(results[name]["evaluate"], reference[name]["evaluate"],
+                                   rtol=1e-5)
         held, whole = results[name]["held"]
         assert held * 2 == whole, name  # each replica: 1/m of every split variable
     assert results["pair"]["bytes"] == 4 * pair_floats() * STEPS
     assert results["attention"]["bytes"] == 4 * attention_floats(
         results["attention"]["held"][0]) * STEPS
     assert results["hybrid"]["bytes"] == 4 * hybrid_floats(results["hybrid"]["held"][0]) * STEPS
+    assert results["embedded"]["bytes"] == embedded_bytes() * STEPS
 
 
 @pytest.mark.multiprocess

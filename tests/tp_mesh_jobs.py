@@ -62,6 +62,12 @@ def run_all(strategy_for):
         out[name] = {"weights": weights, "model": model,
                      "bytes": strategy.bytes_communicated - before if strategy else 0,
                      "held": held(model) if strategy else None}
+        if x is None:
+            from tp_jobs import data
+
+            x, y = data()
+        out[name]["predict"] = model.predict(x, batch_size=BATCH, verbose=0)
+        out[name]["evaluate"] = model.evaluate(x, y, batch_size=BATCH, verbose=0)
     return out
 
 
