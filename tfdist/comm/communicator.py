@@ -2,7 +2,9 @@
 
 A `Communicator` all-reduces (sum or mean), all-gathers and reduce-scatters (sharded
 optimizer state, `tfdist.strategies._zero`), called in cross-replica context with
-per-replica values (what ``merge_call`` hands over). `StrategyCommunicator` uses the
+per-replica values (what ``merge_call`` hands over); where it ``supports_groups``, also
+within the groups of one axis of a data x model mesh (`Communicator.in_group`,
+`tfdist.comm.groups`). `StrategyCommunicator` uses the
 strategy's own cross-device ops: TF's collectives (gRPC ring on CPU, NCCL on GPU),
 ReductionToOneDevice on one host, or whatever cross-device ops an engine's
 ``extended`` reduces with (`tfdist.engines`).

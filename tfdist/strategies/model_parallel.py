@@ -1,6 +1,7 @@
 """Tensor parallelism: weights split over the replicas, which form the "model" axis
 (docs/tensor_parallel.md): one host (`ModelParallelStrategy`) or every worker
-(`MultiWorkerModelParallelStrategy`)."""
+(`MultiWorkerModelParallelStrategy`); with ``model_parallel=m`` < replicas, a data x
+model mesh of groups of m (`tfdist.comm.groups`)."""
 
 from __future__ import annotations
 
