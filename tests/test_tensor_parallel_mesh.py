@@ -1,6 +1,7 @@
 """Tensor parallelism on a 2 x 2 data x model mesh (``model_parallel=2`` over 4
 replicas): a column/row Dense pair, an attention block split by heads with a
-feed-forward pair, a vocab-parallel embedding with a split head, and the hybrid CNN end
+feed-forward pair, a vocab-parallel embedding with an untied (split Dense) head and one
+with a tied head (keras.layers.ReversibleEmbedding), and the hybrid CNN end
 equal to one device with the same initial weights and global batch (atol 1e-5; then
 predict and evaluate equal too), in one
 process of 4 logical CPUs and on 4 workers under tfdist launch (engine "tf"). Each
@@ -68,6 +69,17 @@ def embedded_bytes():
     return 4 * (floats + ints)
 
 
+def tied_bytes():
+    """As `embedded_bytes` for a ReversibleEmbedding whose reverse call is the head: the
+    lookups as there; the head's input rows (8 wide) gathered, its logits' slices (8 of
+    16) gathered whole, and backward their rows' gradients gathered and its input
+    gradient reduce-scattered; the replicated Dense's gradient (24 x 8 + 8) all-reduced;
+    the table's slice gradient (dense: the lookup's and the head's, added) over the
+    batch axis (8 x 8)."""
+    floats = (G * 3 * 8 + B * 8 + G * 8 + B * 16 + G * 8 + B * 3 * 8 + 24 * 8 + 8 + 8 * 8)
+    return 4 * (floats + B * 3)
+
+
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     from helpers import run_cluster
@@ -91,7 +103,7 @@ def one_process(launched, tmp_path_factory):
 
 
 def _check_mesh(results, reference):
-    for name in ("pair", "attention", "embedded", "hybrid"):
+    for name in ("pair", "attention", "embedded", "tied", "hybrid"):
         assert_weights_close(results[name]["weights"], reference[name]["weights"], atol=1e-5)
         np.testing.assert_allclose(results[name]["predict"], reference[name]["predict"],
                                    atol=1e-5)
@@ -104,6 +116,7 @@ def _check_mesh(results, reference):
         results["attention"]["held"][0]) * STEPS
     assert results["hybrid"]["bytes"] == 4 * hybrid_floats(results["hybrid"]["held"][0]) * STEPS
     assert results["embedded"]["bytes"] == embedded_bytes() * STEPS
+    assert results["tied"]["bytes"] == tied_bytes() * STEPS
 
 
 @pytest.mark.multiprocess
@@ -134,7 +147,7 @@ def test_four_workers_2_x_2_mesh_match_one_device(launched, one_process):
     for result in launched:
         assert result["replicas"] == 4
         _check_mesh(result, one_process["reference"])
-        for name in ("pair", "attention", "embedded", "hybrid"):
+        for name in ("pair", "attention", "embedded", "tied", "hybrid"):
             assert_weights_close(result[name]["weights"], launched[0][name]["weights"],
                                  atol=0)
 

@@ -17,7 +17,8 @@ from tp_jobs import (BATCH, HEAD, HEADS, PAIR, attention_block, attention_data, 
 
 VOCAB_SIZE, TOKENS, WIDTH = 16, 3, 8
 EMBEDDED = {"table/embeddings": ("model", None), "head/kernel": (None, "model")}
-LAYOUTS = {**PAIR, **HEADS, **HEAD, **EMBEDDED}
+TIED = {"tied/embeddings": ("model", None)}
+LAYOUTS = {**PAIR, **HEADS, **HEAD, **EMBEDDED, **TIED}
 
 
 def embedded():
@@ -28,6 +29,17 @@ def embedded():
     h = keras.layers.Embedding(VOCAB_SIZE, WIDTH, name="table")(inputs)
     h = keras.layers.Flatten(name="flat")(h)
     return keras.Model(inputs, keras.layers.Dense(VOCAB_SIZE, name="head")(h))
+
+
+def tied():
+    """A vocab-parallel ReversibleEmbedding whose reverse call is the head (tied)."""
+    import keras
+
+    inputs = keras.Input((TOKENS,), dtype="int32")
+    table = keras.layers.ReversibleEmbedding(VOCAB_SIZE, WIDTH, name="tied")
+    h = keras.layers.Flatten(name="flat")(table(inputs))
+    h = keras.layers.Dense(WIDTH, name="mix")(h)
+    return keras.Model(inputs, table(h, reverse=True))
 
 
 def token_data():
@@ -52,6 +64,7 @@ def run_all(strategy_for):
     cases = {"pair": (pair, "adam", None), "attention": (attention_block, "sgd",
                                                          attention_data()),
              "embedded": (embedded, "adam", token_data()),
+             "tied": (tied, "adam", token_data()),
              "hybrid": (hybrid_cnn, "adam", image_data())}
     out = {}
     for name, (build, optimizer, xy) in cases.items():
