@@ -107,16 +107,18 @@ def test_model_axis_layout_is_refused_naming_the_variable(logical_cpus, no_distr
     assert "first/kernel" not in message and "mesh axis 'model'" in message
 
 
-def test_a_data_x_model_mesh_is_refused(logical_cpus, no_distribution):
+def test_a_data_x_model_mesh_with_the_batch_axis_second_is_refused(logical_cpus,
+                                                                   no_distribution):
+    """A (2, 2) mesh runs as ModelParallelStrategy(model_parallel=2)
+    (tests/test_tensor_parallel_mesh.py); laid out (model, batch) it is refused."""
     import keras
 
-    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"],
+    mesh = keras.distribution.DeviceMesh((2, 2), ["model", "batch"],
                                          [f"cpu:{i}" for i in range(4)])
-    layouts = keras.distribution.LayoutMap(mesh)
-    with pytest.raises(ValueError, match=r"axis 'model' has size 2, the batch axis 'batch' "
-                                         r"2\. Received: device_mesh="):
+    layout_map = keras.distribution.LayoutMap(mesh)
+    with pytest.raises(ValueError, match=r"the batch axis first\. Received: device_mesh="):
         keras.distribution.set_distribution(
-            keras.distribution.ModelParallel(layout_map=layouts))
+            keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
     assert keras.distribution.distribution() is None
 
 

@@ -56,6 +56,7 @@ BAD = {
     "sync_delay": ("8", "Received: sync_delay=8"),
     "warmup_steps": ("-1", "Received: warmup_steps=-1"),
     "layout_map": ("{}", "must map variable path patterns"),
+    "model_parallel": ("0", "must be an integer >= 1"),
 }
 # What each strategy needs around it for its config to be valid.
 CLUSTER = {"parameter_server": ["cluster.chief=true", "cluster.ps=1"],

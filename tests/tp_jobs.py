@@ -71,7 +71,8 @@ def image_data(n=32):
 
 def train(strategy, build, epochs=2, optimizer="adam", x=None, y=None, seed=1, loss="mse"):
     """Trains ``build()`` from weights seeded ``seed`` with the global batch ``BATCH``
-    (under ``strategy``'s scope unless None); returns ``(weights, model)``."""
+    (under ``strategy``'s scope unless None) with ``optimizer`` ("adam", "sgd" or a
+    function making one); returns ``(weights, model)``."""
     import keras
 
     keras.utils.set_random_seed(seed)
@@ -82,8 +83,13 @@ def train(strategy, build, epochs=2, optimizer="adam", x=None, y=None, seed=1, l
             variable.assign(value)  # a split variable takes its slice
         # SGD for attention: the key bias's true gradient is zero (a softmax ignores a
         # shift), and Adam would blow its rounding noise up to learning-rate steps.
-        model.compile(keras.optimizers.Adam(0.01) if optimizer == "adam"
-                      else keras.optimizers.SGD(0.1), loss)
+        if callable(optimizer):
+            optimizer = optimizer()
+        elif optimizer == "adam":
+            optimizer = keras.optimizers.Adam(0.01)
+        else:
+            optimizer = keras.optimizers.SGD(0.1)
+        model.compile(optimizer, loss)
     if x is None:
         x, y = data()
     # x alone: a dataset of its own batches.

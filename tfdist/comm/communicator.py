@@ -2,7 +2,9 @@
 
 A `Communicator` all-reduces (sum or mean), all-gathers and reduce-scatters (sharded
 optimizer state, `tfdist.strategies._zero`), called in cross-replica context with
-per-replica values (what ``merge_call`` hands over). `StrategyCommunicator` uses the
+per-replica values (what ``merge_call`` hands over); where it ``supports_groups``, also
+within the groups of one axis of a data x model mesh (`Communicator.in_group`,
+`tfdist.comm.groups`). `StrategyCommunicator` uses the
 strategy's own cross-device ops: TF's collectives (gRPC ring on CPU, NCCL on GPU),
 ReductionToOneDevice on one host, or whatever cross-device ops an engine's
 ``extended`` reduces with (`tfdist.engines`).
@@ -29,7 +31,22 @@ OPS = ("sum", "mean")
 
 
 class Communicator(abc.ABC):
-    """All-reduce over every replica of every worker."""
+    """All-reduce over every replica of every worker; and, where ``supports_groups``,
+    within the groups of one mesh axis (`in_group`)."""
+
+    supports_groups = False  # whether `in_group` runs (a data x model mesh needs it)
+
+    def in_group(self, group, kind: str, distribution, value, op: str = "sum"):
+        """``kind`` (``"all_gather"``, ``"all_reduce"`` or ``"reduce_scatter"``) of a
+        per-replica ``value`` within each group of ``group`` (a
+        `tfdist.comm.groups.ReplicaGroups`), in cross-replica context.
+
+        Returns:
+            A per-replica value: each replica its group's result.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} has no collectives within groups of replicas (needed "
+            "by a data x model mesh); implement Communicator.in_group")
 
     @abc.abstractmethod
     def all_reduce(self, distribution, values: list, destinations: list, op: str = "mean"
@@ -157,8 +174,16 @@ class StrategyCommunicator(Communicator):
             through this communicator (`tfdist.HorovodStrategy`).
     """
 
+    supports_groups = True
+
     def __init__(self, cross_device_ops=None):
         self._cross_device_ops = cross_device_ops
+
+    def in_group(self, group, kind, distribution, value, op="sum"):
+        """TF's collective V2 ops within each group (`tfdist.comm.groups`)."""
+        if kind == "all_gather":
+            return group.all_gather(distribution, value)
+        return getattr(group, kind)(distribution, value, _check_op(op))
 
     def all_reduce(self, distribution, values, destinations, op="mean"):
         import tensorflow as tf
@@ -250,6 +275,34 @@ class Accounted(Communicator):
     @property
     def bytes(self) -> int:
         return self.counter.total
+
+    @property
+    def supports_groups(self) -> bool:
+        return self.inner.supports_groups
+
+    def in_group(self, group, kind, distribution, value, op="sum"):
+        """The inner communicator's collective within each group, counting one replica's
+        payload (what a replica contributes to its group: its rows to an all-gather,
+        its whole value to a reduce); the reduces compressed."""
+        import tensorflow as tf
+
+        part = distribution.experimental_local_results(value)[0]
+        compress = kind != "all_gather" and self.compression.wire_dtype is not None \
+            and tf.as_dtype(part.dtype).is_floating
+        self.counter.add(payload_bytes(part, self.compression if compress else None))
+        if not compress:
+            return self.inner.in_group(group, kind, distribution, value, op)
+        dtype = tf.as_dtype(part.dtype)
+        wire = []
+        for piece in distribution.experimental_local_results(value):
+            with tf.device(piece.device):
+                wire.append(self.compression.compress(piece)[0])
+        out = []
+        for piece in distribution.experimental_local_results(
+                self.inner.in_group(group, kind, distribution, per_replica(wire), op)):
+            with tf.device(piece.device):
+                out.append(self.compression.decompress(piece, dtype))
+        return per_replica(out)
 
     def all_reduce(self, distribution, values, destinations, op="mean"):
         import tensorflow as tf

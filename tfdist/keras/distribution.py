@@ -11,9 +11,10 @@ loads its distribution module); backend-agnostic Keras 3 code then needs no tfdi
   `tfdist.MultiWorkerMirroredStrategy` on several (the mesh holds every device);
 - ``ModelParallel(layout_map=...)`` with layouts on the batch axis: the same strategy
   with ``shard_parameters=True`` and a `ShardFilter` over the layout map;
-- ``ModelParallel`` on a mesh ``(1, m)`` whose other axis ("model") has m > 1, on one
-  process: `tfdist.ModelParallelStrategy` (tensor parallelism, docs/tensor_parallel.md)
-  with the layout map's axes renamed "batch" and "model" (`model_layouts`).
+- ``ModelParallel`` on a mesh ``(1, m)`` whose other axis ("model") has m > 1:
+  `tfdist.ModelParallelStrategy` (tensor parallelism, docs/tensor_parallel.md) with the
+  layout map's axes renamed "batch" and "model" (`model_layouts`); on a ``(d, m)`` mesh
+  (one process) the same with ``model_parallel=m``.
 
 ``set_distribution(d)`` and ``with d.scope():`` make the strategy TF's default
 (``tf.distribute.experimental_set_strategy``): build the model after it. A layout on a
@@ -249,12 +250,17 @@ def strategy_plan(distribution) -> tuple[str, dict]:
     model_axis = tensor_parallel_axis(distribution)
     if model_axis is not None:
         layouts = model_layouts(layout_map_of(distribution), batch, model_axis)
+        shape = dict(zip(mesh.axis_names, mesh.shape))
+        if shape.get(batch, 1) > 1:  # a (d, m) mesh: replica r = data r // m, model r % m
+            layouts = {"layout_map": layouts, "model_parallel": shape[model_axis]}
+        else:
+            layouts = {"layout_map": layouts}
         if num_processes() == 1:
             return "ModelParallelStrategy", {"devices": [_tf_device(d) for d in devices],
-                                             "layout_map": layouts}
+                                             **layouts}
         _check_every_device(devices)
         return "MultiWorkerModelParallelStrategy", {"cluster_resolver": _cluster(),
-                                                    "layout_map": layouts}
+                                                    **layouts}
     kwargs = {}
     if isinstance(distribution, ModelParallel):
         layout_map = layout_map_of(distribution)
@@ -290,12 +296,21 @@ def tensor_parallel_axis(distribution):
     if not wide:
         return None
     data = dict(zip(mesh.axis_names, mesh.shape)).get(batch, 1)
-    if len(wide) > 1 or data > 1 or not isinstance(distribution, ModelParallel):
+    if len(wide) > 1 or not isinstance(distribution, ModelParallel):
         raise ValueError(
-            "tfdist runs a mesh axis other than the batch axis (tensor parallelism) as "
-            "ModelParallel with the batch axis of size 1 (a data x model mesh is not "
-            f"implemented yet); axis {wide[0][0]!r} has size {wide[0][1]}, the batch axis "
+            "tfdist runs one mesh axis other than the batch axis (tensor parallelism) as "
+            f"ModelParallel; axis {wide[0][0]!r} has size {wide[0][1]}, the batch axis "
             f"{batch!r} {data}. Received: device_mesh={mesh}")
+    if data > 1 and num_processes() > 1:
+        raise ValueError(
+            "tfdist runs a data x model mesh (the batch axis of size > 1) of "
+            "keras.distribution in one process only (not tested across processes yet: "
+            "use tfdist.MultiWorkerModelParallelStrategy(model_parallel=m)). Received: "
+            f"device_mesh={mesh}, {num_processes()} processes")
+    if data > 1 and list(mesh.axis_names).index(batch) != 0:
+        raise ValueError(
+            "tfdist lays a data x model mesh out as DeviceMesh((d, m), [batch, model]): "
+            f"the batch axis first. Received: device_mesh={mesh}")
     return wide[0][0]
 
 

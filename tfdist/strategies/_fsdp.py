@@ -233,7 +233,7 @@ class ParameterSharding:
         return per_replica(parts, always_wrap=True)
 
 
-def clip_sharded(distribution, communicator, optimizer, grads, sharded):
+def clip_sharded(distribution, communicator, optimizer, grads, sharded, copies=1):
     """Replica context: ``grads`` clipped as ``optimizer``'s ``clipnorm`` or
     ``global_clipnorm`` say, over whole variables (a sharded gradient's squares are
     summed over the replicas: one all-reduce of one value per sharded variable).
@@ -244,6 +244,8 @@ def clip_sharded(distribution, communicator, optimizer, grads, sharded):
     Args:
         grads: Per variable: its gradient (reduced, or this replica's slice of it).
         sharded: Per variable: whether its gradient is a slice.
+        copies: How many replicas hold each slice (the d of a d x m tensor-parallel
+            mesh, whose batch axis has summed them): its squares are counted once.
     """
     import tensorflow as tf
 
@@ -258,6 +260,8 @@ def clip_sharded(distribution, communicator, optimizer, grads, sharded):
         total = tf.distribute.get_replica_context().merge_call(
             lambda d, v: communicator.all_reduce(d, [v], [None], op="sum")[0],
             args=(tf.stack([local[i] for i in cut]),))
+        if copies > 1:
+            total = total / copies
         for k, i in enumerate(cut):
             local[i] = total[k]
     out = list(grads)

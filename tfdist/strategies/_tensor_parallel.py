@@ -26,10 +26,26 @@ import re
 import numpy as np
 
 from tfdist.comm.communicator import initial_value, per_replica, replica_ids
+from tfdist.comm.groups import ReplicaGroups
 from tfdist.strategies import _tp_layers as layers
 from tfdist.strategies._tp_layers import COLUMN, FEATURES, ROW, VOCAB
 
 MODEL = "model"
+
+
+class ModelAxis:
+    """A communicator's collectives within the "model" groups of a data x model mesh, in
+    the shape `tfdist.strategies._tp_ops` calls them (each result per replica)."""
+
+    def __init__(self, communicator, groups):
+        self.inner, self.groups = communicator, groups
+
+    def all_gather(self, distribution, value):
+        return self.inner.in_group(self.groups, "all_gather", distribution, value)
+
+    def reduce_scatter(self, distribution, values, op="sum"):
+        return [self.inner.in_group(self.groups, "reduce_scatter", distribution, v, op)
+                for v in values]
 
 
 @dataclasses.dataclass(eq=False)
@@ -49,14 +65,15 @@ class Split:
     def full_numpy(self, value):
         """The whole value from every replica's slice (cross-replica; with several
         workers an all-gather, so every worker must call it)."""
-        strategy = self.plan.strategy
-        if getattr(strategy, "num_workers", 1) == 1:
-            return np.concatenate([np.asarray(v) for v in value.values], axis=self.axis)
+        strategy, m = self.plan.strategy, self.plan.replicas
+        if getattr(strategy, "num_workers", 1) == 1:  # model index r holds slice r % m
+            return np.concatenate([np.asarray(v) for v in value.values[:m]], axis=self.axis)
         import tensorflow as tf
 
         parts = [tf.convert_to_tensor(v) for v in value.values]
-        return np.asarray(strategy.gather(per_replica(parts, always_wrap=True),
-                                          axis=self.axis))
+        whole = np.asarray(strategy.gather(per_replica(parts, always_wrap=True),
+                                           axis=self.axis))
+        return np.take(whole, range(self.full_shape[self.axis]), axis=self.axis)
 
     def assign_full(self, target, value):
         """Each local replica of ``target`` takes its slice of the whole ``value``."""
@@ -66,7 +83,7 @@ class Split:
                              f"{list(self.full_shape)}. Received: shape={list(value.shape)}")
         parts = np.split(value, self.plan.replicas, axis=self.axis)
         for component, replica in zip(target.values, replica_ids(self.plan.strategy)):
-            component.assign(parts[replica])
+            component.assign(parts[replica % self.plan.replicas])
 
 
 def layout_axes(layout) -> tuple:
@@ -88,17 +105,70 @@ class TensorParallel:
         layout_map: ``{path regex: layout}`` (a dict or a
             ``keras.distribution.LayoutMap``); a variable's layout is the one key equal
             to its path, else the one key that ``re.fullmatch``-es it (Keras' rule).
+        model_parallel: The size m of the "model" axis (None: every replica). With
+            m < n replicas, they form a ``(n // m, m)`` data x model mesh
+            (`tfdist.comm.groups`): replica r holds slice ``r % m`` of each split
+            variable, the model-axis collectives run within its group of m, and a split
+            variable's gradient is summed over the n / m replicas of its slice.
+
+    Attributes:
+        model_groups, batch_groups: The mesh's two axes (`ReplicaGroups`), or None
+            when m = n.
     """
 
-    def __init__(self, strategy, layout_map):
+    def __init__(self, strategy, layout_map, model_parallel=None):
         self.strategy = strategy
         self.rules = [(key, layout_axes(layout)) for key, layout in layout_map.items()]
         self.kinds = {}  # layer path -> COLUMN, ROW, VOCAB or FEATURES
         self.kernels = {}  # layer path -> (its kernel's split axis, the kernel's rank)
+        n = strategy.num_replicas_in_sync
+        self.model_parallel = n if model_parallel is None else model_parallel
+        self.model_groups = self.batch_groups = None
+        if self.model_parallel < n:
+            timeout = getattr(getattr(strategy, "communication", None), "timeout_seconds",
+                              None)
+            devices = strategy.extended.worker_devices
+            self.model_groups = ReplicaGroups(n, self.model_parallel, "model", devices, timeout)
+            self.batch_groups = ReplicaGroups(n, self.model_parallel, "batch", devices, timeout)
 
     @property
     def replicas(self) -> int:
-        return self.strategy.num_replicas_in_sync
+        """The replicas of one "model" group (m)."""
+        return self.model_parallel
+
+    @property
+    def communicator(self):
+        """What the model-axis collectives go through: the strategy's communicator, within
+        the model groups on a data x model mesh (`ModelAxis`)."""
+        if self.model_groups is None:
+            return self.strategy.communicator
+        return ModelAxis(self.strategy.communicator, self.model_groups)
+
+    def reduce_split_gradients(self, distribution, grads):
+        """Cross-replica: each split variable's gradient summed over the replicas holding
+        the same slice (the "batch" axis); as they are when m = n."""
+        import tensorflow as tf
+
+        if self.batch_groups is None:
+            return list(grads)
+        out, communicator = [], self.strategy.communicator
+        for grad in grads:
+            parts = distribution.experimental_local_results(grad)
+            if not isinstance(parts[0], tf.IndexedSlices):
+                out.append(communicator.in_group(self.batch_groups, "all_reduce",
+                                                 distribution, grad, "sum"))
+                continue
+            # A lookup's gradient stays sparse, as on one device (Keras' optimizers
+            # update sparse gradients their own way): its rows gathered over the axis.
+            values, indices = (communicator.in_group(
+                self.batch_groups, "all_gather", distribution,
+                per_replica([getattr(p, name) for p in parts]))
+                for name in ("values", "indices"))
+            out.append(per_replica([
+                tf.IndexedSlices(v, i, p.dense_shape) for v, i, p in zip(
+                    distribution.experimental_local_results(values),
+                    distribution.experimental_local_results(indices), parts)]))
+        return out
 
     def layout_of(self, path: str):
         """The layout axes the map gives ``path``, or None."""
@@ -139,6 +209,12 @@ class TensorParallel:
             raise ValueError(
                 f"The layout of {path!r} must name 'model' once and have one entry per "
                 f"axis of its shape {list(shape)}. Received: layout={axes}")
+        if "batch" in axes and self.batch_groups is not None:
+            raise ValueError(
+                f"A split variable is not also sharded over a 'batch' axis of size "
+                f"{self.strategy.num_replicas_in_sync // self.replicas} (tensor parallel "
+                f"plus fully sharded is not implemented): lay {path!r} out on 'model' "
+                f"only. Received: layout={axes}")
         axis = axes.index(MODEL)
         if not trainable or shape[axis] % self.replicas:
             raise ValueError(
@@ -163,7 +239,7 @@ class TensorParallel:
             parts = np.split(full, self.replicas, axis=axis)
             created = tf.Variable(parts[0], **arguments)
             for component, replica in zip(created.values, replica_ids(self.strategy)):
-                component.assign(parts[replica])
+                component.assign(parts[replica % self.replicas])
         return created, Split(self, path, axis, tuple(shape), tuple(parts[0].shape))
 
     # ---- layers ---------------------------------------------------------------------

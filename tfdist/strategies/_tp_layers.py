@@ -1,6 +1,7 @@
 """How a split layer runs in a replica function (`tfdist.strategies._tensor_parallel`):
-Dense column- and row-parallel, Embedding vocabulary- and feature-parallel, on the
-collectives of `tfdist.strategies._tp_ops`."""
+Dense column- and row-parallel, Embedding vocabulary- and feature-parallel (and a
+ReversibleEmbedding's tied head on its vocabulary rows), on the collectives of
+`tfdist.strategies._tp_ops`."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ def is_supported(layer, kind) -> bool:
 
     if type(layer) is keras.layers.EinsumDense and kind in (COLUMN, ROW):
         return einsum_axes(layer, kind) is not None
+    if type(layer) is keras.layers.ReversibleEmbedding:  # a tied head: its table's rows
+        return kind == VOCAB and layer.tie_weights and layer.reverse_dtype is None
     return (type(layer), kind) in {
         (keras.layers.Dense, COLUMN), (keras.layers.Dense, ROW),
         (keras.layers.Embedding, VOCAB), (keras.layers.Embedding, FEATURES)}
@@ -121,7 +124,7 @@ def attention_call(plan, layer):
 
         own_mask = keras_mask_of(query)  # what Keras' call reads (not query_mask)
         if not in_shape_inference():
-            communicator, m = plan.strategy.communicator, plan.replicas
+            communicator, m = plan.communicator, plan.replicas
             gathered = {}
 
             def rows(x):
@@ -180,11 +183,18 @@ def split_call(plan, layer, kind, keep_split):
     run = {COLUMN: _column, ROW: _row, VOCAB: _vocab, FEATURES: _features}[kind]
     if type(layer) is keras.layers.EinsumDense:
         run = _einsum_column if kind == COLUMN else _einsum_row
+    reversible = type(layer) is keras.layers.ReversibleEmbedding
 
     def call(inputs, *args, **kwargs):
         x = tf.convert_to_tensor(inputs)
+        reverse = {"reverse": bool(kwargs.get("reverse", args[0] if args else False))
+                   } if reversible else {}
+        if reverse.get("reverse"):  # the tied head: logits from this replica's rows
+            run_now = _tied_head
+        else:
+            run_now = run
         if in_shape_inference():  # Keras' symbolic build: only the whole shape matters
-            spec = layer.compute_output_spec(keras_tensor(x))
+            spec = layer.compute_output_spec(keras_tensor(x), **reverse)
             return tf.zeros([tf.shape(x)[i] if d is None else d
                              for i, d in enumerate(spec.shape)], spec.dtype)
         if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
@@ -193,7 +203,7 @@ def split_call(plan, layer, kind, keep_split):
                 "through the strategy's fit, evaluate or predict. Received: a call "
                 "outside a replica function")
         with in_split_call():
-            return run(plan.strategy.communicator, plan.replicas, layer, x, keep_split)
+            return run_now(plan.communicator, plan.replicas, layer, x, keep_split)
 
     return call
 
@@ -247,11 +257,25 @@ def _vocab(communicator, m, layer, x, keep_split):
     ids = ops.gather_rows(communicator, _ids(x), m)
     table = tf.convert_to_tensor(layer.embeddings)
     size = tf.cast(tf.shape(table)[0], ids.dtype)
-    start = tf.cast(ops.replica_id(), ids.dtype) * size
+    start = tf.cast(ops.model_index(m), ids.dtype) * size
     mine = tf.logical_and(ids >= start, ids < start + size)
     found = tf.gather(table, tf.where(mine, ids - start, tf.zeros_like(ids)))
     found = found * tf.cast(mine, found.dtype)[..., None]
     return tf.cast(ops.scatter_rows(communicator, found, m), layer.compute_dtype)
+
+
+def _tied_head(communicator, m, layer, x, keep_split):
+    """A ReversibleEmbedding called ``reverse=True`` with its table split by rows: every
+    row's hidden state times this replica's rows (its slice of the vocabulary's logits),
+    the slices gathered whole."""
+    import tensorflow as tf
+
+    h = ops.gather_rows(communicator, x, m)
+    logits = tf.matmul(h, tf.convert_to_tensor(layer.embeddings), transpose_b=True)
+    if layer.logit_soft_cap is not None:  # element-wise: on the slice
+        cap = layer.logit_soft_cap
+        logits = tf.tanh(logits / cap) * cap
+    return ops.gather_features(communicator, logits, m)
 
 
 def _features(communicator, m, layer, x, keep_split):

@@ -1,5 +1,9 @@
 """The collectives of tensor parallelism, in a replica function, each with its gradient.
 
+On a data x model mesh (`tfdist.comm.groups`) ``communicator`` is the model axis'
+(`tfdist.strategies._tensor_parallel.ModelAxis`): each collective runs within the m
+replicas of one data index, and "the replicas" below are those m.
+
 The batch reaches the replicas split (tf.distribute gives replica r rows
 ``[r*b, (r+1)*b)`` of the global batch). A split layer's region works on every row:
 
@@ -34,6 +38,12 @@ def replica_id():
     return tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.int32)
 
 
+def model_index(replicas):
+    """This replica's index on the "model" axis of size ``replicas`` (a scalar int32
+    tensor): replica r of a data x model mesh is model index ``r % m``."""
+    return replica_id() % replicas
+
+
 def _all_gather(communicator, x):
     return _merge(lambda d, v: communicator.all_gather(d, v), x)
 
@@ -55,7 +65,7 @@ def own_block(x, axis, replicas):
     size = x.shape[axis] if x.shape[axis] is not None else tf.shape(x)[axis]
     block = size // replicas
     begin = [0] * len(x.shape)
-    begin[axis] = replica_id() * block
+    begin[axis] = model_index(replicas) * block
     sizes = [-1] * len(x.shape)
     sizes[axis] = block
     out = tf.slice(x, tf.stack(begin), sizes)

@@ -117,8 +117,12 @@ def check_mirrored(devices=None, communication_options=None, compression=None,
 
 
 def check_model_parallel(layout_map, devices=None, communication_options=None,
-                         compression=None, accumulate_steps=None) -> CommunicationOptions:
-    """`tfdist.ModelParallelStrategy`'s arguments; returns its `CommunicationOptions`."""
+                         compression=None, accumulate_steps=None,
+                         model_parallel=None) -> CommunicationOptions:
+    """`tfdist.ModelParallelStrategy`'s arguments; returns its `CommunicationOptions`.
+    (That ``model_parallel`` divides the replica count is checked once they are known.)"""
+    if model_parallel is not None:
+        check_int("model_parallel", model_parallel, 1)
     items = getattr(layout_map, "items", None)
     keys = list(layout_map.keys()) if items is not None else []
     if not keys or not all(isinstance(k, str) for k in keys):
@@ -141,11 +145,18 @@ def check_model_parallel(layout_map, devices=None, communication_options=None,
     return options
 
 
-def check_multi_worker_model_parallel(layout_map, **kwargs) -> dict[str, Any]:
+def check_multi_worker_model_parallel(layout_map, model_parallel=None,
+                                      **kwargs) -> dict[str, Any]:
     """`tfdist.MultiWorkerModelParallelStrategy`'s arguments: its ``layout_map`` and
     those it passes on to `tfdist.MultiWorkerMirroredStrategy`; returns those."""
     check_model_parallel(layout_map, accumulate_steps=kwargs.get("accumulate_steps"),
-                         communication_options=kwargs.get("communication_options"))
+                         communication_options=kwargs.get("communication_options"),
+                         model_parallel=model_parallel)
+    if model_parallel is not None and kwargs.get("engine") == "horovod":
+        raise ValueError("A data x model mesh (model_parallel) needs collectives within "
+                         "groups of replicas, which engine='horovod' does not have: use "
+                         f"engine='tf'. Received: model_parallel={model_parallel}, "
+                         "engine='horovod'")
     if kwargs.get("shard_optimizer_state"):
         raise ValueError("MultiWorkerModelParallelStrategy does not shard optimizer state. "
                          "Received: shard_optimizer_state=True")
@@ -153,8 +164,10 @@ def check_multi_worker_model_parallel(layout_map, **kwargs) -> dict[str, Any]:
         raise ValueError("MultiWorkerModelParallelStrategy does not shard parameters over "
                          "the batch axis yet. Received: shard_parameters=True")
     check_multi_worker(**kwargs)
-    check_pairs("multi_worker_model_parallel", check_multi_worker_model_parallel,
-                dict(kwargs, layout_map=layout_map))
+    given = dict(kwargs, layout_map=layout_map)
+    if model_parallel is not None:
+        given["model_parallel"] = model_parallel
+    check_pairs("multi_worker_model_parallel", check_multi_worker_model_parallel, given)
     return dict(kwargs)
 
 

@@ -1,6 +1,7 @@
 """Tensor parallelism: weights split over the replicas, which form the "model" axis
 (docs/tensor_parallel.md): one host (`ModelParallelStrategy`) or every worker
-(`MultiWorkerModelParallelStrategy`)."""
+(`MultiWorkerModelParallelStrategy`); with ``model_parallel=m`` < replicas, a data x
+model mesh of groups of m (`tfdist.comm.groups`)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,17 @@ class TensorParallelMixin:
     calls, and no gradient all-reduce for split variables. Call
     `_init_tensor_parallel` at the end of ``__init__``."""
 
-    def _init_tensor_parallel(self, layout_map) -> None:
-        self.tensor_parallel = TensorParallel(self, layout_map)
+    def _init_tensor_parallel(self, layout_map, model_parallel=None) -> None:
+        n = self.num_replicas_in_sync
+        if model_parallel is not None and n % model_parallel:
+            raise ValueError(f"model_parallel must divide the {n} replicas in sync (a "
+                             f"{n} // m x m mesh). Received: model_parallel={model_parallel}")
+        if model_parallel not in (None, n) and not self.communicator.supports_groups:
+            raise ValueError(
+                f"A data x model mesh (model_parallel < replicas) needs collectives within "
+                f"groups of replicas, which engine={getattr(self, 'engine', None)!r} does not "
+                f"have: use engine='tf'. Received: model_parallel={model_parallel}")
+        self.tensor_parallel = TensorParallel(self, layout_map, model_parallel)
         install_split_hooks()
 
     def keras_check_call(self, model, method, arguments):
@@ -33,7 +43,9 @@ class TensorParallelMixin:
         self.tensor_parallel.prepare(model)
 
     def keras_reduce_gradients(self, grads_and_vars, reduce):
-        # A split variable's gradient is already whole on its replica (for its slice).
+        # A split variable's gradient is whole over its model group (summed over the
+        # groups holding the same slice on a data x model mesh).
+        grads_and_vars = self._reduce_split(list(grads_and_vars))
         kept = [(None, v) if split_of(v) is not None else (g, v) for g, v in grads_and_vars]
         if any(g is not None for g, _ in kept):
             reduced = super().keras_reduce_gradients(kept, reduce)
@@ -44,13 +56,28 @@ class TensorParallelMixin:
         optimizer = getattr(reduce, "args", (None,))[0]  # Keras' reduce, bound to it
         if optimizer is not None and (optimizer.clipnorm or optimizer.global_clipnorm):
             # Norms of whole variables: a split gradient's squares summed over the
-            # replicas (its slices), as for fully sharded parameters.
+            # replicas (its slices, each held by d replicas), as for fully sharded
+            # parameters.
             from tfdist.strategies._fsdp import clip_sharded
 
+            plan = self.tensor_parallel
             clipped = clip_sharded(self, self.communicator, optimizer, [g for g, _ in out],
-                                   [split_of(v) is not None for _, v in out])
+                                   [split_of(v) is not None for _, v in out],
+                                   copies=self.num_replicas_in_sync // plan.model_parallel)
             out = [(g, v) for g, (_, v) in zip(clipped, out)]
         return out
+
+    def _reduce_split(self, grads_and_vars):
+        plan = self.tensor_parallel
+        split = [i for i, (g, v) in enumerate(grads_and_vars)
+                 if g is not None and split_of(v) is not None]
+        if plan.batch_groups is None or not split:
+            return grads_and_vars
+        summed = tf.distribute.get_replica_context().merge_call(
+            plan.reduce_split_gradients, args=([grads_and_vars[i][0] for i in split],))
+        for i, grad in zip(split, summed):
+            grads_and_vars[i] = (grad, grads_and_vars[i][1])
+        return grads_and_vars
 
 
 class ModelParallelStrategy(TensorParallelMixin, SyncGradientsMixin,
@@ -74,6 +101,13 @@ class ModelParallelStrategy(TensorParallelMixin, SyncGradientsMixin,
             compression casts what is all-reduced or reduce-scattered (gradients and
             partial sums), not what is all-gathered.
         accumulate_steps: Refused above 1 (not implemented with split variables).
+        model_parallel: The size m of the "model" axis; it divides the replica count n.
+            Default (None): every replica (m = n). With m < n the replicas form an
+            ``(n // m, m)`` data x model mesh, as Keras'
+            ``DeviceMesh((d, m), ["batch", "model"])``: replica r has data index
+            ``r // m`` and model index ``r % m``, holds slice ``r % m`` of each split
+            variable, and its model-axis collectives run within its group of m
+            (TF's collective V2 ops, `tfdist.comm.groups`).
 
     Attributes:
         tensor_parallel: The `tfdist.strategies._tensor_parallel.TensorParallel` plan.
@@ -88,14 +122,14 @@ class ModelParallelStrategy(TensorParallelMixin, SyncGradientsMixin,
     is_chief = True
 
     def __init__(self, layout_map, devices=None, communication_options=None,
-                 compression=None, accumulate_steps=None):
+                 compression=None, accumulate_steps=None, model_parallel=None):
         options = check_model_parallel(layout_map, devices, communication_options,
-                                       compression, accumulate_steps)
+                                       compression, accumulate_steps, model_parallel)
         devices = validate_devices(devices) if devices is not None else default_devices()
         tf_hooks.assign_collective_key_base(self)
         self._init_sync_gradients(options)
         super().__init__(devices=devices, cross_device_ops=default_cross_device_ops(devices))
-        self._init_tensor_parallel(layout_map)
+        self._init_tensor_parallel(layout_map, model_parallel)
 
 
 class MultiWorkerModelParallelStrategy(TensorParallelMixin, MultiWorkerMirroredStrategy):
@@ -105,6 +139,8 @@ class MultiWorkerModelParallelStrategy(TensorParallelMixin, MultiWorkerMirroredS
     Args:
         layout_map: As `ModelParallelStrategy`.
         cluster_resolver: As `tfdist.MultiWorkerMirroredStrategy`.
+        model_parallel: As `ModelParallelStrategy`, over every replica of every worker
+            (m < n needs ``engine="tf"``: the Horovod engine has no group collectives).
         **kwargs: `tfdist.MultiWorkerMirroredStrategy`'s arguments
             (``shard_optimizer_state`` and ``accumulate_steps`` refused).
 
@@ -112,11 +148,12 @@ class MultiWorkerModelParallelStrategy(TensorParallelMixin, MultiWorkerMirroredS
         ValueError: in an elastic job (the split variables cannot re-form).
     """
 
-    def __init__(self, layout_map, cluster_resolver=None, **kwargs):
-        kwargs = check_multi_worker_model_parallel(layout_map, **kwargs)
+    def __init__(self, layout_map, cluster_resolver=None, model_parallel=None, **kwargs):
+        kwargs = check_multi_worker_model_parallel(layout_map, model_parallel=model_parallel,
+                                                   **kwargs)
         kwargs["cluster_resolver"] = cluster_resolver
         if os.environ.get(env.ELASTIC_ADDR):
             raise ValueError("An elastic job cannot re-form split variables over a new "
                              "number of workers. Received: tfdist launch --min-workers")
         super().__init__(**kwargs)
-        self._init_tensor_parallel(layout_map)
+        self._init_tensor_parallel(layout_map, model_parallel)

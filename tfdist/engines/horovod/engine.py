@@ -133,7 +133,11 @@ class HorovodEngine(Engine):
 
 
 class HorovodCommunicator(StrategyCommunicator):
-    """The extended's reductions, and Horovod's own reduce-scatter across processes."""
+    """The extended's reductions, and Horovod's own reduce-scatter across processes.
+    No collectives within groups of replicas: Horovod's process sets are not wired in
+    (a data x model mesh is refused under this engine)."""
+
+    supports_groups = False
 
     def reduce_scatter_workers(self, distribution, tensor):
         del distribution
