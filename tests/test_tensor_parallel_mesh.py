@@ -203,3 +203,16 @@ def test_clipping_by_norm_on_a_2_x_2_mesh_sees_whole_variables(one_process, clip
     bit = max(np.max(np.abs(a - b)) for a, b in zip(run[clip]["reference"],
                                                      run["unclipped"]))
     assert bit > 1e-3  # the clip changed the result
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_keras_model_parallel_on_a_2_x_2_mesh_of_four_workers(launched, one_process):
+    """Backend-agnostic Keras across processes: DeviceMesh((2, 2)) over every worker's
+    device runs as MultiWorkerModelParallelStrategy(model_parallel=2) on engine "tf"."""
+    for result in launched:
+        run = result["keras"]
+        assert (run["strategy"], run["engine"], run["model_parallel"]) == (
+            "MultiWorkerModelParallelStrategy", "tf", 2)
+        assert_weights_close(run["weights"], one_process["reference"]["pair"]["weights"],
+                             atol=1e-5)

@@ -170,19 +170,38 @@ def main(out_path, saved=None):
 
 
 def launched_task():
-    """On each of 4 workers (one replica each, a 2 x 2 mesh, engine "tf"): every model;
+    """On each of 4 workers (one replica each, a 2 x 2 mesh, engine "tf"): the pair under
+    Keras' ModelParallel on DeviceMesh((2, 2)), then every model under its strategy;
     the hybrid CNN saved (every worker: gathering the slices is a collective)."""
-    import tfdist
+    import keras
+    import tensorflow as tf
 
-    # One strategy per process (TF configures its collectives once).
-    strategy = tfdist.MultiWorkerModelParallelStrategy(layout_map=LAYOUTS, model_parallel=2,
-                                                       engine="tf")
+    from helpers import layout_map
+
+    # One strategy per process (TF configures its collectives once): Keras'
+    # ModelParallel on DeviceMesh((2, 2)) makes it, trains the pair on a dataset of
+    # global batches, then every model trains under the same strategy.
+    keras.distribution.initialize()
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(
+        layout_map=layout_map(LAYOUTS.items(), shape=(2, 2))))
+    try:
+        from tp_jobs import data
+
+        x, y = data()
+        keras_weights, model = train(None, pair,
+                                     x=tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH))
+        strategy = model.distribute_strategy
+    finally:
+        keras.distribution.set_distribution(None)
+    keras_run = {"weights": keras_weights, "strategy": type(strategy).__name__,
+                 "engine": strategy.engine,
+                 "model_parallel": strategy.tensor_parallel.model_parallel}
     results = run_all(lambda: strategy)
     model = results["hybrid"]["model"]
     path = os.path.join(os.environ["TFDIST_TEST_DIR"], f"hybrid_{strategy.rank}.keras")
     model.save(path)
     return {"rank": strategy.rank, "replicas": strategy.num_replicas_in_sync,
-            "saved": path, **_plain(results)}
+            "saved": path, "keras": keras_run, **_plain(results)}
 
 
 if __name__ == "__main__":

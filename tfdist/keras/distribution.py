@@ -13,8 +13,9 @@ loads its distribution module); backend-agnostic Keras 3 code then needs no tfdi
   with ``shard_parameters=True`` and a `ShardFilter` over the layout map;
 - ``ModelParallel`` on a mesh ``(1, m)`` whose other axis ("model") has m > 1:
   `tfdist.ModelParallelStrategy` (tensor parallelism, docs/tensor_parallel.md) with the
-  layout map's axes renamed "batch" and "model" (`model_layouts`); on a ``(d, m)`` mesh
-  (one process) the same with ``model_parallel=m``.
+  layout map's axes renamed "batch" and "model" (`model_layouts`), or
+  `tfdist.MultiWorkerModelParallelStrategy` on several processes; on a ``(d, m)`` mesh
+  the same with ``model_parallel=m`` (engine "tf" across processes).
 
 ``set_distribution(d)`` and ``with d.scope():`` make the strategy TF's default
 (``tf.distribute.experimental_set_strategy``): build the model after it. A layout on a
@@ -286,8 +287,8 @@ def tensor_parallel_axis(distribution):
 
     Raises:
         ValueError: a mesh tfdist cannot run that way: the batch axis of size > 1 too
-            (a data x model mesh), more than one such axis, several processes, or a
-            ``DataParallel``.
+            laid out second (a data x model mesh is ``(batch, model)``), more than one
+            such axis, or a ``DataParallel``.
     """
     from keras.distribution import ModelParallel
 
@@ -301,12 +302,6 @@ def tensor_parallel_axis(distribution):
             "tfdist runs one mesh axis other than the batch axis (tensor parallelism) as "
             f"ModelParallel; axis {wide[0][0]!r} has size {wide[0][1]}, the batch axis "
             f"{batch!r} {data}. Received: device_mesh={mesh}")
-    if data > 1 and num_processes() > 1:
-        raise ValueError(
-            "tfdist runs a data x model mesh (the batch axis of size > 1) of "
-            "keras.distribution in one process only (not tested across processes yet: "
-            "use tfdist.MultiWorkerModelParallelStrategy(model_parallel=m)). Received: "
-            f"device_mesh={mesh}, {num_processes()} processes")
     if data > 1 and list(mesh.axis_names).index(batch) != 0:
         raise ValueError(
             "tfdist lays a data x model mesh out as DeviceMesh((d, m), [batch, model]): "
@@ -398,9 +393,10 @@ def distribute_dataset(distribution, dataset, keras_shard):
         return sharded
     strategy = strategy_for(distribution)
     if getattr(strategy, "tensor_parallel", None) is not None:
-        # Keras gives every process the whole global batch (one model replica); tensor
-        # parallelism wants each replica's own rows: this worker's slice of each batch.
-        sharded = sharded.map(_worker_rows(num_processes(), process_id()))
+        # Keras gives each process its data row's rows (on a (1, m) mesh the whole
+        # global batch); tensor parallelism wants each replica's own rows: this worker's
+        # block of each global batch (its model group's rows are then its data row's).
+        sharded = dataset.map(_worker_rows(num_processes(), process_id()))
     total = int(dataset.cardinality().numpy())
     if total >= 0 and int(sharded.cardinality().numpy()) < 0:
         sharded = sharded.apply(tf.data.experimental.assert_cardinality(total))

@@ -140,7 +140,8 @@ class MultiWorkerModelParallelStrategy(TensorParallelMixin, MultiWorkerMirroredS
         layout_map: As `ModelParallelStrategy`.
         cluster_resolver: As `tfdist.MultiWorkerMirroredStrategy`.
         model_parallel: As `ModelParallelStrategy`, over every replica of every worker
-            (m < n needs ``engine="tf"``: the Horovod engine has no group collectives).
+            (m < n needs ``engine="tf"``: the Horovod engine has no group collectives;
+            with ``model_parallel`` given, ``engine="auto"`` picks ``"tf"``).
         **kwargs: `tfdist.MultiWorkerMirroredStrategy`'s arguments
             (``shard_optimizer_state`` and ``accumulate_steps`` refused).
 
@@ -152,6 +153,8 @@ class MultiWorkerModelParallelStrategy(TensorParallelMixin, MultiWorkerMirroredS
         kwargs = check_multi_worker_model_parallel(layout_map, model_parallel=model_parallel,
                                                    **kwargs)
         kwargs["cluster_resolver"] = cluster_resolver
+        if model_parallel is not None and kwargs.get("engine", "auto") == "auto":
+            kwargs["engine"] = "tf"  # the engine with collectives within groups
         if os.environ.get(env.ELASTIC_ADDR):
             raise ValueError("An elastic job cannot re-form split variables over a new "
                              "number of workers. Received: tfdist launch --min-workers")
