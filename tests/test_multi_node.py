@@ -149,16 +149,21 @@ def _load(path):
         return [data[f"arr_{i}"] for i in range(len(data.files))]
 
 
-@pytest.mark.slow
-def test_two_node_multi_worker_job_matches_the_single_process_reference(hosts, tmp_path):
-    script = _script(tmp_path, _TRAIN)
-    port = _port()
+def run_two_nodes(hosts, tmp_path, job: str, port_offset: int = 0) -> None:
+    """Runs the script ``job`` on both namespaces' nodes; both must exit 0."""
+    script = _script(tmp_path, job)
+    port = _port() + port_offset
     nodes = [_start_node(hosts, r, script, tmp_path, master_port=port,
                          options=("--token", TOKEN, "--join-timeout", "120"))
              for r in (0, 1)]
     results = [_finish(n) for n in nodes]
     for rank, (code, output) in enumerate(results):
         assert code == 0, f"node {rank}:\n{output[-4000:]}"
+
+
+@pytest.mark.slow
+def test_two_node_multi_worker_job_matches_the_single_process_reference(hosts, tmp_path):
+    run_two_nodes(hosts, tmp_path, _TRAIN)
     reference = _load(tmp_path / "reference.npz")
     for task in ("worker-0", "worker-1"):
         assert_weights_close(_load(tmp_path / f"{task}.npz"), reference, atol=1e-5)

@@ -290,16 +290,9 @@ def test_two_hosts_split_the_model_axis(hosts, tmp_path):
     "model" axis crosses the hosts (engine "tf": TF's collective all-gather and
     reduce-scatter over gRPC), each worker holding half of the split elements, and the
     pair ends equal to one process."""
-    from test_multi_node import TOKEN, _finish, _load, _port, _script, _start_node
+    from test_multi_node import _load, run_two_nodes
 
-    script = _script(tmp_path, _TWO_HOSTS)
-    port = _port() + 7  # apart from test_multi_node's ports
-    nodes = [_start_node(hosts, r, script, tmp_path, master_port=port,
-                         options=("--token", TOKEN, "--join-timeout", "120"))
-             for r in (0, 1)]
-    results = [_finish(n) for n in nodes]
-    for rank, (code, output) in enumerate(results):
-        assert code == 0, f"node {rank}:\n{output[-4000:]}"
+    run_two_nodes(hosts, tmp_path, _TWO_HOSTS, port_offset=7)  # apart from its ports
     reference = _load(tmp_path / "reference.npz")
     for task in ("worker-0", "worker-1"):
         *weights, (held, whole) = _load(tmp_path / f"{task}.npz")
