@@ -38,6 +38,11 @@ class TensorParallelMixin:
         self.tensor_parallel = TensorParallel(self, layout_map, model_parallel)
         install_split_hooks()
 
+    @property
+    def save_needs_every_worker(self) -> bool:
+        """A save gathers every worker's slices of the split variables (a collective)."""
+        return True
+
     def keras_check_call(self, model, method, arguments):
         super().keras_check_call(model, method, arguments)
         self.tensor_parallel.prepare(model)
