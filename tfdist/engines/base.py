@@ -71,6 +71,9 @@ class Engine(abc.ABC):
     #: Whether one process's replicas may go through TF's own ``MirroredExtended``
     #: (a strategy on one host then needs no engine of its own).
     serves_one_host: bool = False
+    #: Whether its communicator runs collectives within groups of replicas
+    #: (`tfdist.comm.communicator.Communicator.in_group`: a data x model mesh).
+    supports_groups: bool = False
 
     def __init__(self, setup: EngineSetup):
         if not isinstance(setup, EngineSetup):

@@ -96,6 +96,12 @@ def engine_class(name: str):
     return found
 
 
+def engine_with_groups() -> str:
+    """The first registered engine whose collectives run within groups of replicas
+    (`Engine.supports_groups`), for ``engine="auto"`` on a data x model mesh."""
+    return next(name for name in available() if engine_class(name).supports_groups)
+
+
 def select_engine(engine: str, num_workers: int, on_gpus: bool, is_chief: bool = True) -> str:
     """The engine a strategy uses: ``engine`` itself, or the choice of ``"auto"``.
 

@@ -42,6 +42,7 @@ class TFEngine(Engine):
         return tf_options
 
     serves_one_host = True
+    supports_groups = True
 
     def create_extended(self, strategy, cluster_resolver, options):
         import tensorflow as tf

@@ -20,7 +20,7 @@ from tfdist.checks import (check_bool, check_device_list, check_int, check_numbe
                            check_seconds)
 from tfdist.comm.options import CommunicationOptions, merge_options
 from tfdist.comm.quantize import check_outer_compression
-from tfdist.engines.registry import check_engine
+from tfdist.engines.registry import AUTO, check_engine, engine_class, engine_with_groups
 from tfdist.strategies import pairs, registry
 
 DEFAULT_STARTUP_TIMEOUT = 60.0
@@ -152,11 +152,13 @@ def check_multi_worker_model_parallel(layout_map, model_parallel=None,
     check_model_parallel(layout_map, accumulate_steps=kwargs.get("accumulate_steps"),
                          communication_options=kwargs.get("communication_options"),
                          model_parallel=model_parallel)
-    if model_parallel is not None and kwargs.get("engine") == "horovod":
+    engine = kwargs.get("engine", AUTO)
+    if model_parallel is not None and engine != AUTO and not engine_class(
+            check_engine(engine)).supports_groups:
         raise ValueError("A data x model mesh (model_parallel) needs collectives within "
-                         "groups of replicas, which engine='horovod' does not have: use "
-                         f"engine='tf'. Received: model_parallel={model_parallel}, "
-                         "engine='horovod'")
+                         f"groups of replicas, which engine={engine!r} does not have: use "
+                         f"engine={engine_with_groups()!r}. Received: "
+                         f"model_parallel={model_parallel}, engine={engine!r}")
     if kwargs.get("shard_optimizer_state"):
         raise ValueError("MultiWorkerModelParallelStrategy does not shard optimizer state. "
                          "Received: shard_optimizer_state=True")

@@ -13,6 +13,7 @@ from tfdist import env
 from tfdist._hooks import tf as tf_hooks
 from tfdist._hooks.tensor_parallel import install_split_hooks, split_of
 from tfdist.devices import default_devices, validate_devices
+from tfdist.engines.registry import AUTO, engine_with_groups
 from tfdist.strategies._sync import SyncGradientsMixin
 from tfdist.strategies._tensor_parallel import TensorParallel
 from tfdist.strategies.arguments import check_model_parallel, check_multi_worker_model_parallel
@@ -158,8 +159,8 @@ class MultiWorkerModelParallelStrategy(TensorParallelMixin, MultiWorkerMirroredS
         kwargs = check_multi_worker_model_parallel(layout_map, model_parallel=model_parallel,
                                                    **kwargs)
         kwargs["cluster_resolver"] = cluster_resolver
-        if model_parallel is not None and kwargs.get("engine", "auto") == "auto":
-            kwargs["engine"] = "tf"  # the engine with collectives within groups
+        if model_parallel is not None and kwargs.get("engine", AUTO) == AUTO:
+            kwargs["engine"] = engine_with_groups()
         if os.environ.get(env.ELASTIC_ADDR):
             raise ValueError("An elastic job cannot re-form split variables over a new "
                              "number of workers. Received: tfdist launch --min-workers")
