@@ -8,12 +8,9 @@ import json
 import sys
 from pathlib import Path
 
-from tfdist.runners.task_main import exit_without_a_last_collection
 from tfdist.train.task import run_snapshot
 
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--task":
-        code = run_snapshot(json.loads(Path(sys.argv[2]).read_text()))
-        exit_without_a_last_collection()
-        sys.exit(code)
+        sys.exit(run_snapshot(json.loads(Path(sys.argv[2]).read_text())))
     sys.exit("usage: python -m tfdist.train --task CONFIG_JSON")
