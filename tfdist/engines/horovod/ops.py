@@ -2,7 +2,7 @@
 
 Horovod is imported lazily, on the first call that needs it, so ``import tfdist`` and
 every other mode work without it. Only Horovod's raw collective ops are used
-(``allreduce``, ``broadcast``, ``allgather``, ``reducescatter``); its Keras layer is broken under Keras 3.
+(``allreduce``, ``broadcast``, ``allgather``, ``alltoall``); its Keras layer is broken under Keras 3.
 
 Processes are started by ``horovodrun -np 2 -H localhost:2 --gloo python train.py``, or
 by `tfdist.engines.horovod.rendezvous.init_from_cluster` for a TF_CONFIG job; Gloo
@@ -210,7 +210,19 @@ def allgather(tensor, name: str | None = None):
 
 def reducescatter(tensor, name: str | None = None):
     """Sums ``tensor`` over every rank and returns this rank's 1/size of it along
-    axis 0 (its length must be a multiple of `size()`)."""
+    axis 0 (its length must be a multiple of `size()`).
+
+    Runs as an alltoall of the blocks and a local sum, which sends the bytes of a ring
+    reduce-scatter. Horovod's own ``reducescatter`` is not used: on Gloo
+    (``gloo::ReduceScatterHalvingDoubling``) every rank but 0 overwrites its send buffer
+    before its sends have completed, so rank 0's block intermittently ends in wrong
+    values when rank 0 reads slowly (jax-ml/jax#40830; `scripts/gloo_reducescatter.py`
+    reproduces it with Horovod).
+    """
+    import tensorflow as tf
+
     h = hvd()
     wire, restore = _to_wire(tensor)
-    return restore(h.reducescatter(wire, op=h.Sum, name=_op_name(name, "reducescatter")))
+    blocks = tf.reshape(wire, tf.concat([[h.size(), -1], tf.shape(wire)[1:]], 0))
+    received = h.alltoall(blocks, name=_op_name(name, "reducescatter"))
+    return restore(tf.reduce_sum(tf.reshape(received, tf.shape(blocks)), axis=0))
