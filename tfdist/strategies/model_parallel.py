@@ -66,17 +66,21 @@ class TensorParallelMixin:
             # parameters.
             from tfdist.strategies._fsdp import clip_sharded
 
-            plan = self.tensor_parallel
+            d = self.num_replicas_in_sync // self.tensor_parallel.model_parallel
+            copies = [1 if split_of(v) is not None and split_of(v).batch_axis is not None
+                      else d for _, v in out]  # a block sharded over "batch": held once
             clipped = clip_sharded(self, self.communicator, optimizer, [g for g, _ in out],
-                                   [split_of(v) is not None for _, v in out],
-                                   copies=self.num_replicas_in_sync // plan.model_parallel)
+                                   [split_of(v) is not None for _, v in out], copies=copies)
             out = [(g, v) for g, (_, v) in zip(clipped, out)]
         return out
 
     def _reduce_split(self, grads_and_vars):
         plan = self.tensor_parallel
+        # A block sharded over the batch axis arrives summed over it (its gather's
+        # gradient is a reduce-scatter there).
         split = [i for i, (g, v) in enumerate(grads_and_vars)
-                 if g is not None and split_of(v) is not None]
+                 if g is not None and split_of(v) is not None
+                 and split_of(v).batch_axis is None]
         if plan.batch_groups is None or not split:
             return grads_and_vars
         summed = tf.distribute.get_replica_context().merge_call(
