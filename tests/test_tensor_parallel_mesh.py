@@ -183,14 +183,6 @@ def test_model_parallel_must_divide_the_replicas_and_horovod_is_refused(logical_
                                          r"engine='horovod'"):
         tfdist.MultiWorkerModelParallelStrategy(layout_map=PAIR, model_parallel=1,
                                                 engine="horovod")
-    strategy = tfdist.ModelParallelStrategy(layout_map={"up/kernel": ("batch", "model")},
-                                            model_parallel=1)
-    with pytest.raises(ValueError, match=r"tensor parallel plus fully sharded is not "
-                                         r"implemented.*Received: layout=\('batch', 'model'\)"):
-        with strategy.scope():
-            from tp_jobs import pair
-
-            pair()
 
 
 @pytest.mark.multiprocess

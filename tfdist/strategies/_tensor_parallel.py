@@ -42,9 +42,13 @@ class ModelAxis:
         self.inner, self.groups = communicator, groups
 
     def all_gather(self, distribution, value):
+        if self.groups.size == 1:  # m = 1: each replica is its own group, nothing sent
+            return value
         return self.inner.in_group(self.groups, "all_gather", distribution, value)
 
     def reduce_scatter(self, distribution, values, op="sum"):
+        if self.groups.size == 1:
+            return list(values)
         return [self.inner.in_group(self.groups, "reduce_scatter", distribution, v, op)
                 for v in values]
 
