@@ -18,36 +18,10 @@ import pytest
 
 from helpers import assert_weights_close
 
-from tp_jobs import BATCH, FEATURES, HIDDEN, OUTPUTS
+from tp_fsdp_jobs import STEPS, check_held, sharded_pair_floats
+from tp_jobs import FEATURES, HIDDEN, OUTPUTS
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
-STEPS = 2 * (32 // BATCH)  # two epochs of 32 rows
-
-
-def sharded_pair_floats(d, m):
-    """Per step, per replica, on a d x m mesh: the pair's model-axis collectives
-    (tests/test_tensor_parallel_mesh.py's `pair_floats`: rows gathered, partial sums
-    reduce-scattered, their gradient gathered, the row bias all-reduced), the up bias's
-    slice all-reduced over the batch axis; each kernel's block gathered over the batch
-    axis, and its slice's gradient reduce-scattered there (counted at its whole
-    payload, as every reduce-scatter). With m = 1 the model axis sends nothing."""
-    rows, group = BATCH // (d * m), BATCH // d
-    model_axis = (rows * FEATURES + group * OUTPUTS + rows * OUTPUTS) * (m > 1)
-    model_axis += OUTPUTS + HIDDEN // m
-    slices = FEATURES * HIDDEN // m + HIDDEN // m * OUTPUTS
-    return model_axis + slices // d + slices
-
-
-def _check_held(held, d, m):
-    """Each replica: 1/(d*m) of each kernel and of its Adam slots, 1/m of the up bias."""
-    for path, (parts, whole) in held.items():
-        share = m if "bias" in path else d * m
-        assert parts == [whole // share] * len(parts), path
-    kernels = {path for path in held if path.endswith("kernel")}
-    assert kernels == {"up/kernel", "down/kernel"}
-    assert {path for path in held if "kernel_" in path} == {
-        f"slot/{layer}_kernel_{slot}" for layer in ("up", "down")
-        for slot in ("momentum", "velocity")}
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +43,7 @@ def test_sharded_pair_on_a_2_x_2_mesh_matches_one_device(one_process):
     assert_weights_close(mesh["weights"], reference["weights"], atol=1e-5)
     np.testing.assert_allclose(mesh["predict"], reference["predict"], atol=1e-5)
     np.testing.assert_allclose(mesh["evaluate"], reference["evaluate"], rtol=1e-5)
-    _check_held(mesh["held"], 2, 2)
+    check_held(mesh["held"], 2, 2)
     assert mesh["bytes"] == 4 * sharded_pair_floats(2, 2) * STEPS
 
 
@@ -79,7 +53,7 @@ def test_keras_model_parallel_shards_batch_model_kernels_on_a_2_x_2_mesh(one_pro
     run = one_process["keras"]
     assert (run["strategy"], run["model_parallel"]) == ("ModelParallelStrategy", 2)
     assert_weights_close(run["weights"], one_process["reference"]["weights"], atol=1e-5)
-    _check_held(run["held"], 2, 2)
+    check_held(run["held"], 2, 2)
 
 
 @pytest.mark.multiprocess
@@ -123,7 +97,7 @@ def test_sharded_pair_on_a_2_x_1_mesh_matches_one_device(logical_cpus):
     mesh, reference = run(strategy), run(None)
     assert_weights_close(mesh["weights"], reference["weights"], atol=1e-5)
     np.testing.assert_allclose(mesh["predict"], reference["predict"], atol=1e-5)
-    _check_held(mesh["held"], 2, 1)
+    check_held(mesh["held"], 2, 1)
     assert mesh["bytes"] == 4 * sharded_pair_floats(2, 1) * STEPS
 
 

@@ -208,3 +208,23 @@ def test_keras_model_parallel_on_a_2_x_2_mesh_of_four_workers(launched, one_proc
             "MultiWorkerModelParallelStrategy", "tf", 2)
         assert_weights_close(run["weights"], one_process["reference"]["pair"]["weights"],
                              atol=1e-5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_four_workers_shard_batch_model_kernels_and_save_whole(launched, one_process):
+    """The pair laid out ("batch", "model") / ("model", "batch") on the 4 workers
+    (tests/test_tensor_parallel_fsdp.py runs it in one process): equal to one device,
+    each worker 1/4 of each kernel, exact bytes, a save loading in a plain process."""
+    import keras
+
+    from tp_fsdp_jobs import STEPS as EPOCH_STEPS, check_held, sharded_pair_floats
+
+    reference = one_process["reference"]["pair"]["weights"]
+    for result in launched:
+        run = result["sharded"]
+        assert_weights_close(run["weights"], reference, atol=1e-5)
+        check_held(run["held"], 2, 2)
+        assert run["bytes"] == 4 * sharded_pair_floats(2, 2) * EPOCH_STEPS
+    loaded = keras.saving.load_model(launched[0]["sharded"]["saved"]).get_weights()
+    assert_weights_close(loaded, launched[0]["sharded"]["weights"], atol=0)

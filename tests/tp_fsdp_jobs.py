@@ -3,7 +3,8 @@ the Megatron feed-forward pair laid out ("batch", "model") / ("model", "batch") 
 2 x 2 data x model mesh, in one process of 4 logical CPUs (`main`, run as a script):
 through tfdist.ModelParallelStrategy and through Keras' ModelParallel, clipped by the
 global norm, saved, and a save loaded on the mesh and trained on; and on one device with
-the same initial weights and global batch."""
+the same initial weights and global batch. `launched` runs the pair on the 4 workers of
+tests/tp_mesh_jobs.py's shared launch (tests/test_tensor_parallel_mesh.py)."""
 
 import os
 import pickle
@@ -11,9 +12,55 @@ import sys
 
 import numpy as np
 
-from tp_jobs import BATCH, data, pair, train
+from tp_jobs import BATCH, FEATURES, HIDDEN, OUTPUTS, data, pair, train
 
 SHARDED = {"up/kernel": ("batch", "model"), "down/kernel": ("model", "batch")}
+STEPS = 2 * (32 // BATCH)  # two epochs of 32 rows
+
+
+def sharded_pair_floats(d, m):
+    """Per step, per replica, on a d x m mesh: the pair's model-axis collectives
+    (tests/test_tensor_parallel_mesh.py's `pair_floats`: rows gathered, partial sums
+    reduce-scattered, their gradient gathered, the row bias all-reduced), the up bias's
+    slice all-reduced over the batch axis; each kernel's block gathered over the batch
+    axis, and its slice's gradient reduce-scattered there (counted at its whole
+    payload, as every reduce-scatter). With m = 1 the model axis sends nothing."""
+    rows, group = BATCH // (d * m), BATCH // d
+    model_axis = (rows * FEATURES + group * OUTPUTS + rows * OUTPUTS) * (m > 1)
+    model_axis += OUTPUTS + HIDDEN // m
+    slices = FEATURES * HIDDEN // m + HIDDEN // m * OUTPUTS
+    return model_axis + slices // d + slices
+
+
+def check_held(held, d, m):
+    """Each replica: 1/(d*m) of each kernel and of its Adam slots, 1/m of the up bias."""
+    for path, (parts, whole) in held.items():
+        share = m if "bias" in path else d * m
+        assert parts == [whole // share] * len(parts), path
+    kernels = {path for path in held if path.endswith("kernel")}
+    assert kernels == {"up/kernel", "down/kernel"}
+    assert {path for path in held if "kernel_" in path} == {
+        f"slot/{layer}_kernel_{slot}" for layer in ("up", "down")
+        for slot in ("momentum", "velocity")}
+
+
+PREFIX = "sharded_"  # the pair's layer names in the shared 4-worker launch
+LAUNCHED = {PREFIX + key: axes for key, axes in SHARDED.items()}
+
+
+def launched(strategy, directory):
+    """On each of the 4 workers of tests/tp_mesh_jobs.py's launch (a 2 x 2 mesh whose
+    layout map holds `LAUNCHED`): the pair named `PREFIX` trained, what this worker's
+    replica holds, the bytes, and its save (every worker: a collective)."""
+    import functools
+
+    before = strategy.bytes_communicated
+    weights, model = train(strategy, functools.partial(pair, prefix=PREFIX))
+    out = {"weights": weights, "bytes": strategy.bytes_communicated - before,
+           "held": {key.replace(PREFIX, ""): v for key, v in held(model).items()},
+           "saved": os.path.join(directory, f"sharded_{strategy.rank}.keras")}
+    model.save(out["saved"])
+    return out
 
 
 def held(model) -> dict:

@@ -15,7 +15,10 @@ lookup). How each runs: `tfdist.strategies._tp_layers`. Any other layer with a s
 variable is refused in one error naming it and its layout.
 
 A split variable's gradient is whole on its replica (the layer saw every row), so the
-strategy does not all-reduce it.
+strategy does not all-reduce it (on a data x model mesh it sums it over the batch axis).
+On a mesh with d > 1 a Dense or EinsumDense kernel laid out with "batch" on its other
+axis (``("batch", "model")``, ``("model", "batch")``) is also fully sharded over the
+batch axis: `tfdist.strategies._tp_batch`.
 """
 
 from __future__ import annotations

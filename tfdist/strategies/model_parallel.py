@@ -104,7 +104,7 @@ class ModelParallelStrategy(TensorParallelMixin, SyncGradientsMixin,
 
     Args:
         layout_map: ``{variable path regex: layout}``, a layout being a tuple of axis
-            names (``"model"`` once, else None) or a
+            names (``"model"`` once, ``"batch"`` at most once, else None) or a
             ``keras.distribution.TensorLayout``; or a ``keras.distribution.LayoutMap``.
         devices: Device names; default: every local GPU, or else every logical CPU.
         communication_options, compression: As `tfdist.MirroredStrategy`; the
@@ -117,7 +117,10 @@ class ModelParallelStrategy(TensorParallelMixin, SyncGradientsMixin,
             ``DeviceMesh((d, m), ["batch", "model"])``: replica r has data index
             ``r // m`` and model index ``r % m``, holds slice ``r % m`` of each split
             variable, and its model-axis collectives run within its group of m
-            (TF's collective V2 ops, `tfdist.comm.groups`).
+            (TF's collective V2 ops, `tfdist.comm.groups`). There a Dense or
+            EinsumDense kernel laid out ``("batch", "model")`` or ``("model",
+            "batch")`` is also sharded over the d replicas of the batch axis: each
+            stores 1/(d*m) of it (`tfdist.strategies._tp_batch`).
 
     Attributes:
         tensor_parallel: The `tfdist.strategies._tensor_parallel.TensorParallel` plan.
