@@ -19,7 +19,7 @@ import pytest
 from helpers import assert_weights_close
 
 from tp_fsdp_jobs import STEPS, check_held, sharded_pair_floats
-from tp_jobs import FEATURES, HIDDEN, OUTPUTS
+from tp_jobs import FEATURES, HIDDEN, OUTPUTS, train
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -99,6 +99,31 @@ def test_sharded_pair_on_a_2_x_1_mesh_matches_one_device(logical_cpus):
     np.testing.assert_allclose(mesh["predict"], reference["predict"], atol=1e-5)
     check_held(mesh["held"], 2, 1)
     assert mesh["bytes"] == 4 * sharded_pair_floats(2, 1) * STEPS
+
+
+def test_sharded_attention_block_on_a_2_x_1_mesh_matches_one_device(logical_cpus):
+    """MultiHeadAttention's EinsumDense kernels laid out ("batch", "model", None) and
+    ("model", None, "batch"), and its feed-forward pair as above: half of each held."""
+    import tfdist
+    from tfdist._hooks.tensor_parallel import split_of, tf_value
+
+    from tp_fsdp_jobs import SHARDED_HEADS
+    from tp_jobs import attention_block, attention_data
+
+    x, y = attention_data()
+    strategy = tfdist.ModelParallelStrategy(layout_map=SHARDED_HEADS, model_parallel=1)
+    weights, model = train(strategy, attention_block, optimizer="sgd", x=x, y=y)
+    assert_weights_close(weights, train(None, attention_block, optimizer="sgd", x=x, y=y)[0],
+                         atol=1e-5)
+    sharded = {v.path: [int(np.prod(c.shape)) * 2 for c in tf_value(v).values]
+               for v in model.weights
+               if split_of(v) is not None and split_of(v).batch_axis is not None}
+    assert sorted(sharded) == sorted(["mha/query/kernel", "mha/key/kernel",
+                                      "mha/value/kernel", "mha/attention_output/kernel",
+                                      "up/kernel", "down/kernel"])
+    for v in model.weights:
+        if v.path in sharded:
+            assert sharded[v.path] == [int(np.prod(split_of(v).full_shape))] * 2, v.path
 
 
 def test_a_batch_axis_that_does_not_divide_or_an_embedding_is_refused(logical_cpus):

@@ -16,6 +16,9 @@ from tp_jobs import BATCH, FEATURES, HIDDEN, OUTPUTS, data, pair, train
 
 SHARDED = {"up/kernel": ("batch", "model"), "down/kernel": ("model", "batch")}
 STEPS = 2 * (32 // BATCH)  # two epochs of 32 rows
+# tp_jobs.attention_block's EinsumDense kernels: by heads, and over "batch" on another axis.
+SHARDED_HEADS = {"mha/(query|key|value)/kernel": ("batch", "model", None),
+                 "mha/attention_output/kernel": ("model", None, "batch"), **SHARDED}
 
 
 def sharded_pair_floats(d, m):
