@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tfdist.strategies._tp_ops import _merge, _move_from_front, _move_to_front
+from tfdist.strategies._tp_ops import merge, move_from_front, move_to_front
 
 
 def block(whole, split, replica: int):
@@ -62,15 +62,15 @@ def gather(split, local):
 
     @tf.custom_gradient
     def op(x):
-        front = _move_to_front(x, axis)
-        whole = _merge(lambda d, v: communicator.in_group(groups, "all_gather", d, v), front)
+        front = move_to_front(x, axis)
+        whole = merge(lambda d, v: communicator.in_group(groups, "all_gather", d, v), front)
 
         def grad(dy):
-            flat = tf.reshape(_move_to_front(tf.convert_to_tensor(dy), axis), [-1])
-            mine = _merge(lambda d, v: communicator.in_group(groups, "reduce_scatter", d, v,
+            flat = tf.reshape(move_to_front(tf.convert_to_tensor(dy), axis), [-1])
+            mine = merge(lambda d, v: communicator.in_group(groups, "reduce_scatter", d, v,
                                                              "sum"), flat)
-            return _move_from_front(tf.reshape(mine, tf.shape(front)), axis)
+            return move_from_front(tf.reshape(mine, tf.shape(front)), axis)
 
-        return _move_from_front(whole, axis), grad
+        return move_from_front(whole, axis), grad
 
     return op(local)
