@@ -62,14 +62,15 @@ def gather(split, local):
 
     @tf.custom_gradient
     def op(x):
-        front = move_to_front(x, axis)
+        front = move_to_front(x, axis)  # static: the stored block's shape
         whole = merge(lambda d, v: communicator.in_group(groups, "all_gather", d, v), front)
+        whole = tf.ensure_shape(whole, [front.shape[0] * split.batches, *front.shape[1:]])
 
         def grad(dy):
             flat = tf.reshape(move_to_front(tf.convert_to_tensor(dy), axis), [-1])
             mine = merge(lambda d, v: communicator.in_group(groups, "reduce_scatter", d, v,
                                                              "sum"), flat)
-            return move_from_front(tf.reshape(mine, tf.shape(front)), axis)
+            return move_from_front(tf.reshape(mine, front.shape), axis)
 
         return move_from_front(whole, axis), grad
 
