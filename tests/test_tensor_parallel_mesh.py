@@ -8,7 +8,9 @@ process of 4 logical CPUs and on 4 workers under tfdist launch (engine "tf"). Ea
 replica holds half of each split variable; bytes_communicated counts the model-axis
 collectives of a group of 2. A save on the 4 workers loads in a plain process and on a
 1 x 4 mesh and continues as the reference. Keras' ModelParallel on DeviceMesh((2, 2))
-runs as the same strategy.
+runs as the same strategy. The launch also trains the pair with its kernels laid out
+("batch", "model") / ("model", "batch"), each worker holding a quarter of each
+(tests/test_tensor_parallel_fsdp.py runs it in one process).
 
 The one-process runs need 4 logical CPUs, which a pytest process (2) cannot have: they
 run as one script (`tp_mesh_jobs.main`), after the one launch (its save is loaded
@@ -183,14 +185,6 @@ def test_model_parallel_must_divide_the_replicas_and_horovod_is_refused(logical_
                                          r"engine='horovod'"):
         tfdist.MultiWorkerModelParallelStrategy(layout_map=PAIR, model_parallel=1,
                                                 engine="horovod")
-    strategy = tfdist.ModelParallelStrategy(layout_map={"up/kernel": ("batch", "model")},
-                                            model_parallel=1)
-    with pytest.raises(ValueError, match=r"tensor parallel plus fully sharded is not "
-                                         r"implemented.*Received: layout=\('batch', 'model'\)"):
-        with strategy.scope():
-            from tp_jobs import pair
-
-            pair()
 
 
 @pytest.mark.multiprocess
@@ -216,3 +210,23 @@ def test_keras_model_parallel_on_a_2_x_2_mesh_of_four_workers(launched, one_proc
             "MultiWorkerModelParallelStrategy", "tf", 2)
         assert_weights_close(run["weights"], one_process["reference"]["pair"]["weights"],
                              atol=1e-5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_four_workers_shard_batch_model_kernels_and_save_whole(launched, one_process):
+    """The pair laid out ("batch", "model") / ("model", "batch") on the 4 workers
+    (tests/test_tensor_parallel_fsdp.py runs it in one process): equal to one device,
+    each worker 1/4 of each kernel, exact bytes, a save loading in a plain process."""
+    import keras
+
+    from tp_fsdp_jobs import check_held, sharded_pair_floats
+
+    reference = one_process["reference"]["pair"]["weights"]
+    for result in launched:
+        run = result["sharded"]
+        assert_weights_close(run["weights"], reference, atol=1e-5)
+        check_held(run["held"], 2, 2)
+        assert run["bytes"] == 4 * sharded_pair_floats(2, 2) * STEPS
+    loaded = keras.saving.load_model(launched[0]["sharded"]["saved"]).get_weights()
+    assert_weights_close(loaded, launched[0]["sharded"]["weights"], atol=0)

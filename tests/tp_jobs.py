@@ -20,17 +20,19 @@ def data(n=32, seed=0):
             rng.normal(size=(n, OUTPUTS)).astype("float32"))
 
 
-def pair(norm=False, between=None):
+def pair(norm=False, between=None, prefix=""):
+    """The column/row Dense pair, its layers named ``prefix + "up"`` and ``"down"``."""
     import keras
 
     inputs = keras.Input((FEATURES,))
-    h = keras.layers.Dense(HIDDEN, activation=None if between else "relu", name="up")(inputs)
+    h = keras.layers.Dense(HIDDEN, activation=None if between else "relu",
+                           name=prefix + "up")(inputs)
     if between:  # element-wise layers between the pair: the activation stays split
         for made in between():
             h = made(h)
     if norm:  # needs every feature: the column output is gathered first
         h = keras.layers.LayerNormalization(name="norm")(h)
-    return keras.Model(inputs, keras.layers.Dense(OUTPUTS, name="down")(h))
+    return keras.Model(inputs, keras.layers.Dense(OUTPUTS, name=prefix + "down")(h))
 
 
 def attention_block():

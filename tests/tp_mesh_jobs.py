@@ -12,13 +12,14 @@ import sys
 
 import numpy as np
 
+from tp_fsdp_jobs import LAUNCHED
 from tp_jobs import (BATCH, HEAD, HEADS, PAIR, attention_block, attention_data, hybrid_cnn,
                      image_data, pair, train)
 
 VOCAB_SIZE, TOKENS, WIDTH = 16, 3, 8
 EMBEDDED = {"table/embeddings": ("model", None), "head/kernel": (None, "model")}
 TIED = {"tied/embeddings": ("model", None)}
-LAYOUTS = {**PAIR, **HEADS, **HEAD, **EMBEDDED, **TIED}
+LAYOUTS = {**PAIR, **HEADS, **HEAD, **EMBEDDED, **TIED, **LAUNCHED}
 
 
 def embedded():
@@ -200,8 +201,12 @@ def launched_task():
     model = results["hybrid"]["model"]
     path = os.path.join(os.environ["TFDIST_TEST_DIR"], f"hybrid_{strategy.rank}.keras")
     model.save(path)
+    from tp_fsdp_jobs import launched
+
+    # The pair with kernels laid out ("batch", "model") / ("model", "batch").
+    sharded = launched(strategy, os.environ["TFDIST_TEST_DIR"])
     return {"rank": strategy.rank, "replicas": strategy.num_replicas_in_sync,
-            "saved": path, "keras": keras_run, **_plain(results)}
+            "saved": path, "keras": keras_run, "sharded": sharded, **_plain(results)}
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ Why: Keras 3 makes a variable's TF value in the private ``_initialize`` of
 ``keras.src.backend.tensorflow.core.Variable`` and keeps its shape in the private
 ``_shape``. A variable the layout map splits gets a mirrored TF variable whose replica r
 holds slice r (its Keras shape is the slice's, so the layer's own math and the
-optimizer's slots work on slices), made here. ``numpy``/``__array__`` (saves,
+optimizer's slots work on slices), made here. A slice also sharded over the "batch"
+axis is stored as its block (the Keras shape is the block's, as are the slots'), and
+gathered when its split layer's call reads it. ``numpy``/``__array__`` (saves,
 ``get_weights``) read the value directly and ``assign`` (loads, ``set_weights``) checks
 the whole shape first: both are patched to gather or cut the whole value. An optimizer
 slot made from a split variable (``TFOptimizer.add_variable_from_reference``) is split
@@ -143,7 +145,7 @@ def install_split_hooks() -> None:
                                                       trainable=self.trainable,
                                                       name=self.name))
                 self._value._tfdist_split = split
-                self._shape = split.local_shape
+                self._shape = split.stored_shape
                 return
         initialize(self, value)
 
@@ -156,7 +158,11 @@ def install_split_hooks() -> None:
                 f"(axis {split.axis} of {list(split.full_shape)}): only its layer's call "
                 "in the strategy's fit, evaluate or predict reads it. Received: a read "
                 "outside them (a direct model(x) call?)")
-        return to_tensor(self, dtype=dtype, name=name)
+        value = to_tensor(self, dtype=dtype, name=name)
+        if split is not None and split.batch_axis is not None and getattr(
+                _CALL, "active", False) and not (tf_hooks.in_update() or in_symbolic_scope()):
+            value = split.gather(value)  # its block, gathered over the batch axis
+        return value
 
     def numpy_(self):
         split = split_of(self)

@@ -15,11 +15,13 @@ loads its distribution module); backend-agnostic Keras 3 code then needs no tfdi
   `tfdist.ModelParallelStrategy` (tensor parallelism, docs/tensor_parallel.md) with the
   layout map's axes renamed "batch" and "model" (`model_layouts`), or
   `tfdist.MultiWorkerModelParallelStrategy` on several processes; on a ``(d, m)`` mesh
-  the same with ``model_parallel=m`` (engine "tf" across processes).
+  the same with ``model_parallel=m`` (engine "tf" across processes), where a kernel
+  laid out ``("batch", "model")`` or ``("model", "batch")`` is also fully sharded over
+  the batch axis (`tfdist.strategies._tp_batch`).
 
 ``set_distribution(d)`` and ``with d.scope():`` make the strategy TF's default
 (``tf.distribute.experimental_set_strategy``): build the model after it. A layout on a
-mesh axis that is neither the batch axis nor the model axis of a ``(1, m)`` mesh is
+mesh axis that is neither the batch axis nor the model axis of a ``(d, m)`` mesh is
 refused when its variable is created. In a multi-worker job each worker reads the shard of every global batch that
 Keras' ``Distribution.distribute_dataset`` gives it (``auto_shard_dataset``).
 """
@@ -168,8 +170,9 @@ def refuse_layout(field: str, value, layout, batch: str, why: str) -> ValueError
         f"tfdist cannot run the layout {_axes(layout)!r} of {field.split('.')[0]} {value!r} "
         "on TensorFlow: "
         f"{why}. tfdist lays variables out over the batch axis {batch!r} (fully sharded "
-        f"parameters) or over the other axis of a (1, m) mesh, m > 1 (tensor "
-        f"parallelism). Received: {field}={value!r}, layout={_axes(layout)!r}")
+        f"parameters), over the other axis of a (d, m) mesh, m > 1 (tensor "
+        f"parallelism), or over both. Received: {field}={value!r}, "
+        f"layout={_axes(layout)!r}")
 
 
 def check_variable_layout(distribution, path: str, layout) -> None:

@@ -245,7 +245,8 @@ def clip_sharded(distribution, communicator, optimizer, grads, sharded, copies=1
         grads: Per variable: its gradient (reduced, or this replica's slice of it).
         sharded: Per variable: whether its gradient is a slice.
         copies: How many replicas hold each slice (the d of a d x m tensor-parallel
-            mesh, whose batch axis has summed them): its squares are counted once.
+            mesh, whose batch axis has summed them): its squares are counted once. An
+            int, or one per variable.
     """
     import tensorflow as tf
 
@@ -260,8 +261,10 @@ def clip_sharded(distribution, communicator, optimizer, grads, sharded, copies=1
         total = tf.distribute.get_replica_context().merge_call(
             lambda d, v: communicator.all_reduce(d, [v], [None], op="sum")[0],
             args=(tf.stack([local[i] for i in cut]),))
-        if copies > 1:
-            total = total / copies
+        counts = [copies[positions[i]] for i in cut] if isinstance(copies, (list, tuple)) \
+            else [copies] * len(cut)
+        if any(c > 1 for c in counts):
+            total = total / tf.constant(counts, total.dtype)
         for k, i in enumerate(cut):
             local[i] = total[k]
     out = list(grads)

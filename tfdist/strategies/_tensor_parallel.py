@@ -15,7 +15,10 @@ lookup). How each runs: `tfdist.strategies._tp_layers`. Any other layer with a s
 variable is refused in one error naming it and its layout.
 
 A split variable's gradient is whole on its replica (the layer saw every row), so the
-strategy does not all-reduce it.
+strategy does not all-reduce it (on a data x model mesh it sums it over the batch axis).
+On a mesh with d > 1 a Dense or EinsumDense kernel laid out with "batch" on its other
+axis (``("batch", "model")``, ``("model", "batch")``) is also fully sharded over the
+batch axis: `tfdist.strategies._tp_batch`.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import numpy as np
 
 from tfdist.comm.communicator import initial_value, per_replica, replica_ids
 from tfdist.comm.groups import ReplicaGroups
+from tfdist.strategies import _tp_batch as _batch
 from tfdist.strategies import _tp_layers as layers
 from tfdist.strategies._tp_layers import COLUMN, FEATURES, ROW, VOCAB
 
@@ -41,30 +45,54 @@ class ModelAxis:
         self.inner, self.groups = communicator, groups
 
     def all_gather(self, distribution, value):
+        if self.groups.size == 1:  # m = 1: each replica is its own group, nothing sent
+            return value
         return self.inner.in_group(self.groups, "all_gather", distribution, value)
 
     def reduce_scatter(self, distribution, values, op="sum"):
+        if self.groups.size == 1:
+            return list(values)
         return [self.inner.in_group(self.groups, "reduce_scatter", distribution, v, op)
                 for v in values]
 
 
 @dataclasses.dataclass(eq=False)
 class Split:
-    """How one variable is cut: ``full_shape`` in ``replicas`` equal slices on ``axis``."""
+    """How one variable is cut: ``full_shape`` in ``replicas`` equal slices on ``axis``
+    (``local_shape``: one slice, as its layer's call sees it); with ``batch_axis``, each
+    slice stored in ``batches`` (d) blocks on that axis over the "batch" axis
+    (`tfdist.strategies._tp_batch`)."""
 
     plan: "TensorParallel"
     path: str
     axis: int
     full_shape: tuple
     local_shape: tuple
+    batch_axis: int | None = None
+    batches: int = 1
+
+    @property
+    def stored_shape(self) -> tuple:
+        """What each replica stores: its slice, or its block of it."""
+        shape = list(self.local_shape)
+        if self.batch_axis is not None:
+            shape[self.batch_axis] //= self.batches
+        return tuple(shape)
 
     def like(self, path: str) -> "Split":
         """The same cut for another variable of the same shape (an optimizer slot)."""
         return dataclasses.replace(self, path=path)
 
+    def gather(self, local):
+        """Replica context: the slice from this replica's stored ``local`` (as it is
+        without a batch axis; else gathered over the batch group)."""
+        return local if self.batch_axis is None else _batch.gather(self, local)
+
     def full_numpy(self, value):
         """The whole value from every replica's slice (cross-replica; with several
         workers an all-gather, so every worker must call it)."""
+        if self.batch_axis is not None:
+            return _batch.full_numpy(self, value)
         strategy, m = self.plan.strategy, self.plan.replicas
         if getattr(strategy, "num_workers", 1) == 1:  # model index r holds slice r % m
             return np.concatenate([np.asarray(v) for v in value.values[:m]], axis=self.axis)
@@ -81,9 +109,8 @@ class Split:
         if tuple(value.shape) != self.full_shape:
             raise ValueError(f"The value assigned to {self.path!r} must have shape "
                              f"{list(self.full_shape)}. Received: shape={list(value.shape)}")
-        parts = np.split(value, self.plan.replicas, axis=self.axis)
         for component, replica in zip(target.values, replica_ids(self.plan.strategy)):
-            component.assign(parts[replica % self.plan.replicas])
+            component.assign(_batch.block(value, self, replica))
 
 
 def layout_axes(layout) -> tuple:
@@ -209,13 +236,15 @@ class TensorParallel:
             raise ValueError(
                 f"The layout of {path!r} must name 'model' once and have one entry per "
                 f"axis of its shape {list(shape)}. Received: layout={axes}")
-        if "batch" in axes and self.batch_groups is not None:
-            raise ValueError(
-                f"A split variable is not also sharded over a 'batch' axis of size "
-                f"{self.strategy.num_replicas_in_sync // self.replicas} (tensor parallel "
-                f"plus fully sharded is not implemented): lay {path!r} out on 'model' "
-                f"only. Received: layout={axes}")
         axis = axes.index(MODEL)
+        if "batch" in axes and self.batch_groups is not None:
+            d = self.batch_groups.size
+            at = axes.index("batch")
+            if axes.count("batch") > 1 or shape[at] % d:
+                raise ValueError(
+                    f"Variable {path!r} of shape {list(shape)} cannot be sharded on axis "
+                    f"{at} over the {d} replicas of the 'batch' axis (name 'batch' once, on "
+                    f"an axis that is a multiple of {d}). Received: layout={axes}")
         if not trainable or shape[axis] % self.replicas:
             raise ValueError(
                 f"Variable {path!r} of shape {list(shape)} cannot be split on axis {axis} "
@@ -233,14 +262,22 @@ class TensorParallel:
         """
         import tensorflow as tf
 
+        axes = self.layout_of(path)
+        batch_axis = None
+        if axes is not None and "batch" in axes and self.batch_groups is not None:
+            batch_axis = axes.index("batch")
+        local = list(shape)
+        local[axis] //= self.replicas
+        split = Split(self, path, axis, tuple(shape), tuple(local), batch_axis,
+                      self.batch_groups.size if batch_axis is not None else 1)
         with tf.init_scope():
             full = initial_value(self.strategy, value, arguments["dtype"])
             full = full.numpy()
-            parts = np.split(full, self.replicas, axis=axis)
-            created = tf.Variable(parts[0], **arguments)
-            for component, replica in zip(created.values, replica_ids(self.strategy)):
-                component.assign(parts[replica % self.replicas])
-        return created, Split(self, path, axis, tuple(shape), tuple(parts[0].shape))
+            ids = replica_ids(self.strategy)
+            created = tf.Variable(_batch.block(full, split, ids[0]), **arguments)
+            for component, replica in zip(created.values, ids):
+                component.assign(_batch.block(full, split, replica))
+        return created, split
 
     # ---- layers ---------------------------------------------------------------------
 
@@ -281,6 +318,13 @@ class TensorParallel:
                     f"features) only. Received: layer {layer.name!r} "
                     f"({type(layer).__name__}) with {own[0].path!r} laid out "
                     f"{self.layout_of(own[0].path)} (split on axis {split.axis})")
+            sharded = [v for v in own if split_of(v).batch_axis is not None]
+            if sharded and kind not in (COLUMN, ROW):
+                raise ValueError(
+                    "A variable split over 'model' is also sharded over 'batch' for Dense "
+                    "and EinsumDense kernels only: lay it out on 'model' alone. Received: "
+                    f"layer {layer.name!r} ({type(layer).__name__}) with "
+                    f"{sharded[0].path!r} laid out {self.layout_of(sharded[0].path)}")
             if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode",
                                                                 None):
                 raise ValueError(f"ModelParallelStrategy does not split a LoRA or quantized "

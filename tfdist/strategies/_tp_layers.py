@@ -217,7 +217,7 @@ def keras_tensor(x):
 def _column(communicator, m, layer, x, keep_split):
     import tensorflow as tf
 
-    rows = int(layer.kernel.shape[0])
+    rows = kernel_shape(layer)[0]
     if x.shape[-1] != rows:
         raise ValueError(f"Column-parallel layer {layer.name!r} takes every input feature "
                          f"({rows}). Received: an input of shape {x.shape}")
@@ -231,7 +231,7 @@ def _column(communicator, m, layer, x, keep_split):
 def _row(communicator, m, layer, x, keep_split):
     import tensorflow as tf
 
-    rows = int(layer.kernel.shape[0])
+    rows = kernel_shape(layer)[0]
     if x.shape[-1] == rows * m:  # whole features, own rows: every row, own features
         x = ops.own_block(ops.gather_rows(communicator, x, m), len(x.shape) - 1, m)
     elif x.shape[-1] != rows:
@@ -303,7 +303,7 @@ def _einsum_row(communicator, m, layer, x, keep_split):
     import tensorflow as tf
 
     axis = einsum_axes(layer, ROW)
-    local = int(layer.kernel.shape[split_axis(layer)])
+    local = kernel_shape(layer)[split_axis(layer)]
     if x.shape[axis] == local * m:  # whole, own rows: every row, own slice
         x = ops.own_block(ops.gather_rows(communicator, x, m), axis % len(x.shape), m)
     elif x.shape[axis] != local:
@@ -320,3 +320,11 @@ def split_axis(layer) -> int:
     from tfdist._hooks.tensor_parallel import split_of
 
     return split_of(layer.kernel).axis
+
+
+def kernel_shape(layer) -> tuple:
+    """The shape of the kernel slice ``layer``'s call multiplies by (its stored block
+    gathered over the batch axis when sharded there)."""
+    from tfdist._hooks.tensor_parallel import split_of
+
+    return split_of(layer.kernel).local_shape

@@ -25,7 +25,8 @@ accounted communicator (``bytes_communicated``).
 from __future__ import annotations
 
 
-def _merge(fn, *args):
+def merge(fn, *args):
+    """``fn(strategy, *args)`` in cross-replica context, from a replica function."""
     import tensorflow as tf
 
     return tf.distribute.get_replica_context().merge_call(fn, args=args)
@@ -45,7 +46,7 @@ def model_index(replicas):
 
 
 def _all_gather(communicator, x):
-    return _merge(lambda d, v: communicator.all_gather(d, v), x)
+    return merge(lambda d, v: communicator.all_gather(d, v), x)
 
 
 def _reduce_scatter(communicator, x, replicas):
@@ -53,7 +54,7 @@ def _reduce_scatter(communicator, x, replicas):
     import tensorflow as tf
 
     flat = tf.reshape(x, [-1])
-    out = _merge(lambda d, v: communicator.reduce_scatter(d, [v], op="sum")[0], flat)
+    out = merge(lambda d, v: communicator.reduce_scatter(d, [v], op="sum")[0], flat)
     rows = tf.shape(x)[0] // replicas
     return tf.reshape(out, tf.concat([[rows], tf.shape(x)[1:]], 0))
 
@@ -104,7 +105,8 @@ def scatter_rows(communicator, x, replicas):
     return op(x)
 
 
-def _move_to_front(x, axis):
+def move_to_front(x, axis):
+    """``x`` with ``axis`` moved first (the axis a group gather concatenates on)."""
     import tensorflow as tf
 
     rank = len(x.shape)
@@ -112,7 +114,8 @@ def _move_to_front(x, axis):
     return tf.transpose(x, [axis] + [i for i in range(rank) if i != axis])
 
 
-def _move_from_front(x, axis):
+def move_from_front(x, axis):
+    """The inverse of `move_to_front`."""
     import tensorflow as tf
 
     rank = len(x.shape)
@@ -131,7 +134,7 @@ def gather_features(communicator, x, replicas, axis=-1):
 
     @tf.custom_gradient
     def op(x):
-        whole = _move_from_front(_all_gather(communicator, _move_to_front(x, axis)), axis)
+        whole = move_from_front(_all_gather(communicator, move_to_front(x, axis)), axis)
 
         def grad(dy):
             rows = _all_gather(communicator, tf.convert_to_tensor(dy))

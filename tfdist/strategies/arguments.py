@@ -163,8 +163,10 @@ def check_multi_worker_model_parallel(layout_map, model_parallel=None,
         raise ValueError("MultiWorkerModelParallelStrategy does not shard optimizer state. "
                          "Received: shard_optimizer_state=True")
     if kwargs.get("shard_parameters"):  # fully sharded parameters (issue #33)
-        raise ValueError("MultiWorkerModelParallelStrategy does not shard parameters over "
-                         "the batch axis yet. Received: shard_parameters=True")
+        raise ValueError("MultiWorkerModelParallelStrategy shards parameters over the batch "
+                         "axis from its layout map only (a kernel laid out ('batch', "
+                         "'model') with model_parallel below the replicas). Received: "
+                         "shard_parameters=True")
     check_multi_worker(**kwargs)
     given = dict(kwargs, layout_map=layout_map)
     if model_parallel is not None:

@@ -66,17 +66,21 @@ class TensorParallelMixin:
             # parameters.
             from tfdist.strategies._fsdp import clip_sharded
 
-            plan = self.tensor_parallel
+            d = self.num_replicas_in_sync // self.tensor_parallel.model_parallel
+            copies = [1 if split_of(v) is not None and split_of(v).batch_axis is not None
+                      else d for _, v in out]  # a block sharded over "batch": held once
             clipped = clip_sharded(self, self.communicator, optimizer, [g for g, _ in out],
-                                   [split_of(v) is not None for _, v in out],
-                                   copies=self.num_replicas_in_sync // plan.model_parallel)
+                                   [split_of(v) is not None for _, v in out], copies=copies)
             out = [(g, v) for g, (_, v) in zip(clipped, out)]
         return out
 
     def _reduce_split(self, grads_and_vars):
         plan = self.tensor_parallel
+        # A block sharded over the batch axis arrives summed over it (its gather's
+        # gradient is a reduce-scatter there).
         split = [i for i, (g, v) in enumerate(grads_and_vars)
-                 if g is not None and split_of(v) is not None]
+                 if g is not None and split_of(v) is not None
+                 and split_of(v).batch_axis is None]
         if plan.batch_groups is None or not split:
             return grads_and_vars
         summed = tf.distribute.get_replica_context().merge_call(
@@ -100,7 +104,7 @@ class ModelParallelStrategy(TensorParallelMixin, SyncGradientsMixin,
 
     Args:
         layout_map: ``{variable path regex: layout}``, a layout being a tuple of axis
-            names (``"model"`` once, else None) or a
+            names (``"model"`` once, ``"batch"`` at most once, else None) or a
             ``keras.distribution.TensorLayout``; or a ``keras.distribution.LayoutMap``.
         devices: Device names; default: every local GPU, or else every logical CPU.
         communication_options, compression: As `tfdist.MirroredStrategy`; the
@@ -113,7 +117,10 @@ class ModelParallelStrategy(TensorParallelMixin, SyncGradientsMixin,
             ``DeviceMesh((d, m), ["batch", "model"])``: replica r has data index
             ``r // m`` and model index ``r % m``, holds slice ``r % m`` of each split
             variable, and its model-axis collectives run within its group of m
-            (TF's collective V2 ops, `tfdist.comm.groups`).
+            (TF's collective V2 ops, `tfdist.comm.groups`). There a Dense or
+            EinsumDense kernel laid out ``("batch", "model")`` or ``("model",
+            "batch")`` is also sharded over the d replicas of the batch axis: each
+            stores 1/(d*m) of it (`tfdist.strategies._tp_batch`).
 
     Attributes:
         tensor_parallel: The `tfdist.strategies._tensor_parallel.TensorParallel` plan.

@@ -275,8 +275,10 @@ ALONE = {"multi_worker_model_parallel": {
     "accumulate_steps": _NO_ACCUMULATION,
     "shard_optimizer_state": Refused("does not shard optimizer state",
                                      {"layout_map": _SPLIT, "shard_optimizer_state": True}),
-    # An option of multi_worker once fully sharded parameters (issue #33) are merged.
-    "shard_parameters": Refused("does not shard parameters over the batch axis yet",
+    # Kernels are sharded over the batch axis by their layout ("batch", "model"), not
+    # by multi_worker's flag (tests/test_tensor_parallel_fsdp.py).
+    "shard_parameters": Refused("shards parameters over the batch axis from its layout "
+                                "map only",
                                 {"layout_map": _SPLIT, "shard_parameters": True})},
     "model_average": {
     "accumulate_steps": Refused("accumulate_steps is for the synchronous strategies",

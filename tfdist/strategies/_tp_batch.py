@@ -1,0 +1,77 @@
+"""A split variable also sharded over the "batch" axis: a kernel laid out
+``("batch", "model")`` or ``("model", "batch")`` on a ``(d, m)`` data x model mesh,
+d > 1 (`tfdist.strategies._tensor_parallel`), as Keras' ``ModelParallel`` lays it out on
+JAX: tensor parallelism over "model", fully sharded parameters (issue #33) over "batch".
+
+Replica r (data index ``r // m``, model index ``r % m``) stores block ``r // m`` (of d,
+on the axis laid out "batch") of its model slice ``r % m``: 1/(d*m) of the variable.
+When its layer runs, the slice is all-gathered within the replica's batch group (the d
+replicas of its model index, `tfdist.comm.groups`); the gather's gradient is
+reduce-scattered there, so each replica receives its block's gradient summed over the
+batch axis (the strategy does not reduce it again). Both go through the strategy's
+accounted communicator (``bytes_communicated``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tfdist.strategies._tp_ops import merge, move_from_front, move_to_front
+
+
+def block(whole, split, replica: int):
+    """Replica ``replica``'s stored block of the whole numpy value ``whole``."""
+    m = split.plan.replicas
+    part = np.split(whole, m, axis=split.axis)[replica % m]
+    if split.batch_axis is None:
+        return part
+    return np.split(part, split.batches, axis=split.batch_axis)[replica // m]
+
+
+def assemble(blocks, split):
+    """The whole numpy value from every replica's block (in replica order)."""
+    m = split.plan.replicas
+    slices = [np.concatenate([blocks[i * m + j] for i in range(split.batches)],
+                             axis=split.batch_axis) for j in range(m)]
+    return np.concatenate(slices, axis=split.axis)
+
+
+def full_numpy(split, value):
+    """Cross-replica: the whole value of the mirrored blocks ``value`` (with several
+    workers an all-gather of every replica's block, so every worker must call it)."""
+    strategy = split.plan.strategy
+    if getattr(strategy, "num_workers", 1) == 1:
+        return assemble([np.asarray(v) for v in value.values], split)
+    import tensorflow as tf
+
+    from tfdist.comm.communicator import per_replica
+
+    parts = [tf.convert_to_tensor(v)[None] for v in value.values]
+    stacked = np.asarray(strategy.gather(per_replica(parts, always_wrap=True), axis=0))
+    return assemble(list(stacked), split)
+
+
+def gather(split, local):
+    """Replica context: this replica's model slice from the blocks of its batch group
+    (all-gathered on the "batch" axis; gradient: reduce-scattered, each replica keeping
+    its block summed over the group)."""
+    import tensorflow as tf
+
+    plan, axis = split.plan, split.batch_axis
+    communicator, groups = plan.strategy.communicator, plan.batch_groups
+
+    @tf.custom_gradient
+    def op(x):
+        front = move_to_front(x, axis)  # static: the stored block's shape
+        whole = merge(lambda d, v: communicator.in_group(groups, "all_gather", d, v), front)
+        whole = tf.ensure_shape(whole, [front.shape[0] * split.batches, *front.shape[1:]])
+
+        def grad(dy):
+            flat = tf.reshape(move_to_front(tf.convert_to_tensor(dy), axis), [-1])
+            mine = merge(lambda d, v: communicator.in_group(groups, "reduce_scatter", d, v,
+                                                             "sum"), flat)
+            return move_from_front(tf.reshape(mine, front.shape), axis)
+
+        return move_from_front(whole, axis), grad
+
+    return op(local)
