@@ -166,6 +166,9 @@ class HorovodCommunicator(StrategyCommunicator):
 
         if op not in ("sum", "mean"):
             raise ValueError(f"op must be one of ['sum', 'mean']. Received: op={op!r}")
+        if kind not in ("all_gather", "all_reduce", "reduce_scatter"):
+            raise ValueError("kind must be one of ['all_gather', 'all_reduce', "
+                             f"'reduce_scatter']. Received: kind={kind!r}")
         (part,) = distribution.experimental_local_results(value)  # one replica
         ranks = group.members(replica_ids(distribution)[0])  # replica r is rank r
         with tf.device(part.device):
