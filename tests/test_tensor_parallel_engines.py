@@ -105,11 +105,24 @@ def test_horovod_mesh_needs_one_replica_per_process():
     """Horovod's process sets group processes: a mesh over several local replicas (a
     worker's GPUs) is refused in one line before Horovod starts."""
     from tfdist.engines.base import EngineSetup
-    from tfdist.engines.horovod import ops
     from tfdist.engines.horovod.engine import HorovodEngine
 
     setup = EngineSetup(devices=("/cpu:0", "/cpu:1"), model_parallel=1)
     with pytest.raises(ValueError, match=r"one replica per process .*use engine='tf'\. "
                                          r"Received: model_parallel=1, 2 local replicas"):
         HorovodEngine(setup).create_extended(None, None, None)
-    assert not ops.is_initialized()
+
+
+def test_process_sets_are_refused_once_horovod_runs_without_them(monkeypatch):
+    """Horovod makes process sets when it starts: a mesh whose strategy comes after
+    Horovod started (a world of 4 here, without them) is refused in one line."""
+    import types
+
+    from tfdist.engines.horovod import ops
+
+    monkeypatch.setattr(ops, "_hvd", types.SimpleNamespace(size=lambda: 4))
+    monkeypatch.setattr(ops, "_process_sets", {})
+    ops.declare_process_sets([[0, 1, 2, 3], [5]])  # every rank, or one: no set needed
+    with pytest.raises(ValueError, match=r"already running .* without the process sets .*"
+                                         r"Received: process sets=\[\[0, 1\], \[2, 3\]\]"):
+        ops.declare_process_sets([[1, 0], [2, 3], [0, 1]])
