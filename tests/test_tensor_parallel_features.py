@@ -196,9 +196,10 @@ def test_mixed_bfloat16_matches_one_device(logical_cpus):
 # ---- restarts: code run inside the launched tasks ------------------------------------------
 
 
-def _restarted_task():
-    """On each of 2 workers: the pair split across them, trained 3 epochs with a backup;
-    worker-1 killed in epoch 1 of the first start. Returns what it ran and ended with."""
+def _restarted_task(engine="tf", model_parallel=None):
+    """On each worker: the pair split across them (or over a data x model mesh of
+    ``model_parallel``), trained 3 epochs with a backup; worker-1 killed in epoch 1 of
+    the first start. Returns what it ran and ended with."""
     import keras
 
     import tfdist
@@ -206,9 +207,9 @@ def _restarted_task():
     from tfdist._hooks.tensor_parallel import split_of, tf_value
     from tfdist.keras import callbacks as cbs
 
-    strategy = tfdist.MultiWorkerModelParallelStrategy(layout_map=PAIR, engine="tf",
-                                                       startup_timeout=60,
-                                                       collective_timeout=120)
+    strategy = tfdist.MultiWorkerModelParallelStrategy(
+        layout_map=PAIR, engine=engine, model_parallel=model_parallel, startup_timeout=60,
+        collective_timeout=120)
     me, restart = os.environ[env.TASK], int(os.environ[env.RESTART])
     epochs_run = []
 
@@ -231,6 +232,7 @@ def _restarted_task():
     split = [v for v in list(model.weights) + list(model.optimizer.variables)
              if split_of(v) is not None]
     out = {"restart": restart, "epochs_run": epochs_run, "weights": weights,
+           "engine": strategy.engine, "bytes": strategy.bytes_communicated,
            "held": sum(int(np.prod(tf_value(v).values[0].shape)) for v in split),
            "whole": sum(int(np.prod(split_of(v).full_shape)) for v in split)}
     if strategy.is_chief:

@@ -171,7 +171,7 @@ def test_a_2_x_2_save_loads_plain_and_on_a_1_x_4_mesh_and_continues(launched, on
         w.size for w in whole)
 
 
-def test_model_parallel_must_divide_the_replicas_and_horovod_is_refused(logical_cpus):
+def test_model_parallel_must_divide_the_replicas(logical_cpus):
     import tfdist
 
     from tp_jobs import PAIR
@@ -181,10 +181,6 @@ def test_model_parallel_must_divide_the_replicas_and_horovod_is_refused(logical_
         tfdist.ModelParallelStrategy(layout_map=PAIR, model_parallel=3)
     with pytest.raises(ValueError, match=r"Received: model_parallel=0"):
         tfdist.ModelParallelStrategy(layout_map=PAIR, model_parallel=0)
-    with pytest.raises(ValueError, match=r"use engine='tf'\. Received: model_parallel=1, "
-                                         r"engine='horovod'"):
-        tfdist.MultiWorkerModelParallelStrategy(layout_map=PAIR, model_parallel=1,
-                                                engine="horovod")
 
 
 @pytest.mark.multiprocess

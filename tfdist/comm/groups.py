@@ -33,6 +33,22 @@ _instances = itertools.count(INSTANCE_KEY_START)
 AXES = ("batch", "model")
 
 
+def axis_members(replicas: int, model_parallel: int, axis: str, group: int) -> list[int]:
+    """The replicas of group ``group`` of ``axis`` (`ReplicaGroups`), in position order."""
+    m = model_parallel
+    if axis == "model":
+        return list(range(group * m, (group + 1) * m))
+    return list(range(group, replicas, m))
+
+
+def mesh_groups(replicas: int, model_parallel: int) -> list[list[int]]:
+    """Every group of both axes of the ``(replicas // m, m)`` mesh: the d "model" groups,
+    then the m "batch" groups."""
+    m = model_parallel
+    return ([axis_members(replicas, m, "model", g) for g in range(replicas // m)]
+            + [axis_members(replicas, m, "batch", g) for g in range(m)])
+
+
 class ReplicaGroups:
     """One axis of the ``(replicas // model_parallel, model_parallel)`` mesh.
 
@@ -68,6 +84,11 @@ class ReplicaGroups:
         """The index of ``replica``'s group on this axis."""
         m = self.model_parallel
         return replica // m if self.axis == "model" else replica % m
+
+    def members(self, replica: int) -> list[int]:
+        """The replicas of ``replica``'s group on this axis, in position order."""
+        return axis_members(self.replicas, self.model_parallel, self.axis,
+                            self.group_of(replica))
 
     def position(self, replica: int) -> int:
         """``replica``'s position in its group (TF ranks a group's devices in the

@@ -39,6 +39,9 @@ class EngineSetup:
             may trade a collective's latency for quiet links.
         devices: This process's replicas, or None for stock
             ``MultiWorkerMirroredStrategy``'s (its GPUs, else one CPU).
+        model_parallel: The size m of the "model" axis of the data x model mesh the
+            strategy forms (`tfdist.comm.groups`), or None. An engine whose groups must
+            exist when it starts (Horovod's process sets) makes them from it.
     """
 
     cluster: ClusterSpec | None = None
@@ -49,6 +52,7 @@ class EngineSetup:
     collective_timeout_name: str = "collective_timeout"
     exchanges_rarely: bool = False
     devices: tuple[str, ...] | None = None
+    model_parallel: int | None = None
 
 
 class Engine(abc.ABC):

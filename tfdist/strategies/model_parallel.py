@@ -152,9 +152,11 @@ class MultiWorkerModelParallelStrategy(TensorParallelMixin, MultiWorkerMirroredS
     Args:
         layout_map: As `ModelParallelStrategy`.
         cluster_resolver: As `tfdist.MultiWorkerMirroredStrategy`.
-        model_parallel: As `ModelParallelStrategy`, over every replica of every worker
-            (m < n needs ``engine="tf"``: the Horovod engine has no group collectives;
-            with ``model_parallel`` given, ``engine="auto"`` picks ``"tf"``).
+        model_parallel: As `ModelParallelStrategy`, over every replica of every worker.
+            With m < n the model-axis collectives run within groups: TF's collective
+            V2 ops under ``engine="tf"``, Horovod's ops within process sets under
+            ``engine="horovod"`` (one replica per process). With ``model_parallel``
+            given, ``engine="auto"`` picks ``"tf"``.
         **kwargs: `tfdist.MultiWorkerMirroredStrategy`'s arguments
             (``shard_optimizer_state`` and ``accumulate_steps`` refused).
 
@@ -171,5 +173,12 @@ class MultiWorkerModelParallelStrategy(TensorParallelMixin, MultiWorkerMirroredS
         if os.environ.get(env.ELASTIC_ADDR):
             raise ValueError("An elastic job cannot re-form split variables over a new "
                              "number of workers. Received: tfdist launch --min-workers")
+        self._mesh_model_parallel = model_parallel
         super().__init__(**kwargs)
         self._init_tensor_parallel(layout_map, model_parallel)
+
+    def _engine_setup(self, options, **more):
+        # The engine learns the mesh before it starts (Horovod declares its process
+        # sets then).
+        more.setdefault("model_parallel", self._mesh_model_parallel)
+        return super()._engine_setup(options, **more)

@@ -230,6 +230,8 @@ _TP_LAUNCHED = _TP + "test_two_workers_split_the_model_axis_across_processes[tf]
 _MESH = T + "test_tensor_parallel_mesh.py::"
 _MESH_ONE = _MESH + "test_one_process_2_x_2_mesh_matches_one_device"
 _MESH_LAUNCHED = _MESH + "test_four_workers_2_x_2_mesh_match_one_device"
+_HOROVOD_MESH = (T + "test_tensor_parallel_engines.py::"
+                 "test_horovod_2_x_2_mesh_restarts_and_matches_one_process")
 
 
 def _split_launched_pairs() -> dict:
@@ -246,17 +248,18 @@ def _split_launched_pairs() -> dict:
         ("compression", MAX_RESTARTS): Composes(
             (_PAIRS_TEST + "test_compressed_training_resumes_from_a_save", restarted),
             note="a cast on the wire: no state of its own to resume"),
-        ("model_parallel", MAX_RESTARTS): Refused(
-            "a restarted job's resume of split variables is not tested yet",
-            {"layout_map": _SPLIT, "model_parallel": 2}),
+        ("model_parallel", MAX_RESTARTS): Composes(
+            (_HOROVOD_MESH, _RESTART), note="the backup holds the whole weights and slots; "
+                                            "a restart splits them over the mesh again"),
         frozenset({"layout_map", "model_parallel"}): Composes((_MESH_LAUNCHED,)),
         frozenset({"compression", "model_parallel"}): Composes(
             (_MESH_ONE, _MESH_LAUNCHED),
             note="the same TensorParallelMixin and accounted group collectives on one host "
                  "and across workers"),
-        frozenset({"engine", "model_parallel"}): Refused(
-            "needs collectives within groups of replicas, which engine='horovod' does not "
-            "have", {"layout_map": _SPLIT, "model_parallel": 1, "engine": "horovod"}),
+        frozenset({"engine", "model_parallel"}): Composes(
+            (_MESH_LAUNCHED, _HOROVOD_MESH),
+            note="engine 'tf': TF's collective V2 ops within groups; engine 'horovod': "
+                 "Horovod's ops within process sets"),
     }
     for mode, mode_test in ((MULTI_NODE, _NODES), (SPARK, _SPARK), (RAY, _RAY)):
         pairs[("model_parallel", mode)] = Composes((_MESH_LAUNCHED, mode_test))

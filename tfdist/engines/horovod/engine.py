@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 import os
 
-from tfdist.comm.communicator import StrategyCommunicator
+from tfdist.comm.communicator import StrategyCommunicator, replica_ids
+from tfdist.comm.groups import mesh_groups
 from tfdist.engines import peers as peer_probes
 from tfdist.engines.base import Engine, summary
 from tfdist.engines.horovod import elastic, membership, ops, rendezvous
@@ -38,6 +39,7 @@ class HorovodEngine(Engine):
     """
 
     supports_elastic = True
+    supports_groups = True
 
     def create_extended(self, strategy, cluster_resolver, options):
         import tensorflow as tf
@@ -49,6 +51,9 @@ class HorovodEngine(Engine):
 
         del options  # its timeout is in the setup (Gloo's timeout)
         setup = self.setup
+        devices = list(setup.devices or multi_worker_devices())
+        if setup.model_parallel is not None:
+            self._declare_mesh(len(devices))
         if setup.exchanges_rarely and not ops.is_initialized():
             os.environ.setdefault(CYCLE_TIME_ENV, QUIET_CYCLE_MS)
         # An elastic job forms from the launcher's membership, whatever TF_CONFIG lists
@@ -65,10 +70,26 @@ class HorovodEngine(Engine):
         # The replicas of stock MultiWorkerMirroredStrategy (and of engine="tf"): every
         # local GPU, else one CPU per worker, logical CPUs or not; or the setup's.
         tf_hooks.assign_collective_key_base(strategy)
-        extended = HorovodExtended(strategy, list(setup.devices or multi_worker_devices()))
+        extended = HorovodExtended(strategy, devices)
         # The resolver TF's engine would hand to TF: stock code reads it.
         extended.set_cluster_resolver(tf_cluster_resolver(cluster_resolver, setup.cluster))
         return extended
+
+    def _declare_mesh(self, local_replicas: int) -> None:
+        """Declares the process sets of the data x model mesh (every group of both axes),
+        which Horovod makes when it starts. One replica per process: a group of
+        replicas is then a set of processes."""
+        setup = self.setup
+        if local_replicas > 1:
+            raise ValueError(
+                "A data x model mesh under engine='horovod' needs one replica per process "
+                "(Horovod's process sets group processes): use engine='tf'. Received: "
+                f"model_parallel={setup.model_parallel}, {local_replicas} local replicas")
+        size = int(os.environ.get("HOROVOD_SIZE") or (
+            setup.cluster.num_workers if setup.cluster is not None else 1))
+        m = setup.model_parallel
+        if 0 < m < size and size % m == 0:  # else the strategy refuses m, or m = n
+            ops.declare_process_sets(mesh_groups(size, m))
 
     def make_inner_communicator(self, name):
         del name
@@ -133,11 +154,35 @@ class HorovodEngine(Engine):
 
 
 class HorovodCommunicator(StrategyCommunicator):
-    """The extended's reductions, and Horovod's own reduce-scatter across processes.
-    No collectives within groups of replicas: Horovod's process sets are not wired in
-    (a data x model mesh is refused under this engine)."""
+    """The extended's reductions, Horovod's own reduce-scatter across processes, and
+    collectives within the groups of a data x model mesh: Horovod's allgather,
+    allreduce and reduce-scatter (`ops.reducescatter`) within the group's process set (declared when Horovod
+    started: `HorovodEngine`), one replica per process."""
 
-    supports_groups = False
+    supports_groups = True
+
+    def in_group(self, group, kind, distribution, value, op="sum"):
+        import tensorflow as tf
+
+        if op not in ("sum", "mean"):
+            raise ValueError(f"op must be one of ['sum', 'mean']. Received: op={op!r}")
+        if kind not in ("all_gather", "all_reduce", "reduce_scatter"):
+            raise ValueError("kind must be one of ['all_gather', 'all_reduce', "
+                             f"'reduce_scatter']. Received: kind={kind!r}")
+        (part,) = distribution.experimental_local_results(value)  # one replica
+        ranks = group.members(replica_ids(distribution)[0])  # replica r is rank r
+        with tf.device(part.device):
+            part = tf.convert_to_tensor(part)
+            if len(ranks) == 1:
+                return tf.identity(part)
+            within = ops.process_set(ranks)
+            if kind == "all_gather":
+                return ops.allgather(part, process_set=within)
+            if kind == "all_reduce":
+                return ops.allreduce([part], op="average" if op == "mean" else "sum",
+                                     process_set=within)[0]
+            scattered = ops.reducescatter(part, process_set=within)
+            return scattered / len(ranks) if op == "mean" else scattered
 
     def reduce_scatter_workers(self, distribution, tensor):
         del distribution

@@ -27,6 +27,10 @@ _WIRE_FOR = {"uint32": "int64", "uint16": "int32", "int16": "int32", "bfloat16":
 
 _hvd = None
 _op_count = itertools.count()
+# Process sets (rank tuples) `hvd` declares when it starts Horovod (`declare_process_sets`),
+# and the ProcessSet of each once started.
+_declared: list[tuple[int, ...]] = []
+_process_sets: dict[tuple[int, ...], object] = {}
 
 
 def _op_name(name: str | None, kind: str) -> str:
@@ -49,9 +53,56 @@ def hvd():
     if _hvd is None:
         module = import_horovod()
         if not module.is_initialized():
-            module.init()
+            sets = [module.ProcessSet(list(ranks)) for ranks in _declared]
+            module.init(process_sets=sets or None)
+            _process_sets.update({tuple(ps.ranks): ps for ps in sets})
         _hvd = module
     return _hvd
+
+
+def declare_process_sets(groups) -> None:
+    """Makes `hvd` start Horovod with a process set per group of ranks (each of 2 ranks
+    or more, not every rank), as Horovod wants them: declared at ``hvd.init()``, the
+    same list on every rank.
+
+    Args:
+        groups: Lists of ranks.
+
+    Raises:
+        ValueError: Horovod is already running in this process without one of them.
+    """
+    wanted = list(dict.fromkeys(tuple(sorted(g)) for g in groups if len(g) > 1))
+    if _hvd is None:
+        _declared[:] = wanted
+        return
+    missing = [list(g) for g in wanted if g not in _process_sets and len(g) != _hvd.size()]
+    if missing:
+        raise ValueError(
+            "Horovod is already running in this process without the process sets a data x "
+            "model mesh needs (they are declared when Horovod starts): make the mesh's "
+            f"strategy first in the process. Received: process sets={missing}")
+
+
+def process_sets() -> list[tuple[int, ...]]:
+    """The ranks of each process set Horovod was started with (`declare_process_sets`)."""
+    return sorted(_process_sets)
+
+
+def process_set(ranks):
+    """Horovod's process set of ``ranks`` (declared with `declare_process_sets`; every
+    rank: the global one).
+
+    Raises:
+        ValueError: it was not declared.
+    """
+    h = hvd()
+    ranks = tuple(sorted(ranks))
+    if len(ranks) == h.size():
+        return h.global_process_set
+    if ranks not in _process_sets:
+        raise ValueError("Horovod has no process set of these ranks: declare it before "
+                         f"Horovod starts (declare_process_sets). Received: ranks={list(ranks)}")
+    return _process_sets[ranks]
 
 
 def import_horovod():
@@ -141,7 +192,8 @@ def _to_wire(tensor):
     return wire, restore
 
 
-def allreduce(tensors: list, op: str = "average", name: str | None = None) -> list:
+def allreduce(tensors: list, op: str = "average", name: str | None = None,
+              process_set=None) -> list:
     """All-reduces each tensor across all Horovod processes.
 
     Works eagerly and inside ``tf.function``. Every rank must call it with tensors of
@@ -152,6 +204,8 @@ def allreduce(tensors: list, op: str = "average", name: str | None = None) -> li
         op: ``"average"`` (divide by `size()`) or ``"sum"``.
         name: Optional name prefix for the Horovod ops (default: one from call order,
             the same on every rank).
+        process_set: Reduce within this Horovod process set (`process_set`) only;
+            default: every rank.
 
     Returns:
         A list of reduced tensors, same dtypes and order as ``tensors``.
@@ -166,19 +220,21 @@ def allreduce(tensors: list, op: str = "average", name: str | None = None) -> li
     wires, restores = zip(*(_to_wire(t) for t in tensors))
     # Integers are summed and divided here: Horovod's Average on ints truncates.
     name = _op_name(name, "allreduce")
+    within = _within(process_set)
+    count = process_set.size() if process_set is not None else h.size()
     results = []
     hop = h.Sum if op == "sum" or not all(w.dtype.is_floating for w in wires) else h.Average
     for i, wire in enumerate(wires):
-        results.append(h.allreduce(wire, op=hop, name=f"{name}_{i}"))
+        results.append(h.allreduce(wire, op=hop, name=f"{name}_{i}", **within))
     out = []
     for wire, restore, tensor in zip(results, restores, tensors):
         value = restore(wire)
         dtype = tensor.dtype
         if op == "average" and hop == h.Sum:
             if dtype.is_floating:
-                value = value / tf.cast(h.size(), dtype)
+                value = value / tf.cast(count, dtype)
             else:
-                value = tf.cast(tf.math.floordiv(tf.cast(value, tf.int64), h.size()), dtype)
+                value = tf.cast(tf.math.floordiv(tf.cast(value, tf.int64), count), dtype)
         out.append(value)
     return out
 
@@ -202,15 +258,18 @@ def broadcast_variables(variables, root_rank: int = 0) -> None:
         v.assign(broadcast(v.read_value() if hasattr(v, "read_value") else v, root_rank))
 
 
-def allgather(tensor, name: str | None = None):
-    """Concatenates ``tensor`` from every rank along axis 0 (dims > 0 must agree)."""
+def allgather(tensor, name: str | None = None, process_set=None):
+    """Concatenates ``tensor`` from every rank (of ``process_set``, in rank order) along
+    axis 0 (dims > 0 must agree)."""
     wire, restore = _to_wire(tensor)
-    return restore(hvd().allgather(wire, name=_op_name(name, "allgather")))
+    return restore(hvd().allgather(wire, name=_op_name(name, "allgather"),
+                                   **_within(process_set)))
 
 
-def reducescatter(tensor, name: str | None = None):
-    """Sums ``tensor`` over every rank and returns this rank's 1/size of it along
-    axis 0 (its length must be a multiple of `size()`).
+def reducescatter(tensor, name: str | None = None, process_set=None):
+    """Sums ``tensor`` over every rank (of ``process_set``) and returns this rank's
+    1/size of it along axis 0 (its length must be a multiple of the size), blocks in
+    rank order.
 
     Runs as an alltoall of the blocks and a local sum, which sends the bytes of a ring
     reduce-scatter. Horovod's own ``reducescatter`` is not used: on Gloo
@@ -222,7 +281,14 @@ def reducescatter(tensor, name: str | None = None):
     import tensorflow as tf
 
     h = hvd()
+    size = process_set.size() if process_set is not None else h.size()
     wire, restore = _to_wire(tensor)
-    blocks = tf.reshape(wire, tf.concat([[h.size(), -1], tf.shape(wire)[1:]], 0))
-    received = h.alltoall(blocks, name=_op_name(name, "reducescatter"))
+    blocks = tf.reshape(wire, tf.concat([[size, -1], tf.shape(wire)[1:]], 0))
+    received = h.alltoall(blocks, name=_op_name(name, "reducescatter"),
+                          **_within(process_set))
     return restore(tf.reduce_sum(tf.reshape(received, tf.shape(blocks)), axis=0))
+
+
+def _within(process_set) -> dict:
+    """Horovod's keyword for an op within ``process_set`` (none: every rank)."""
+    return {} if process_set is None else {"process_set": process_set}
