@@ -154,10 +154,10 @@ class HorovodEngine(Engine):
 
 
 class HorovodCommunicator(StrategyCommunicator):
-    """The extended's reductions, Horovod's own reduce-scatter across processes, and
-    collectives within the groups of a data x model mesh: Horovod's allgather,
-    allreduce and reduce-scatter (`ops.reducescatter`) within the group's process set (declared when Horovod
-    started: `HorovodEngine`), one replica per process."""
+    """The extended's reductions, a reduce-scatter across processes
+    (`ops.reducescatter`), and collectives within the groups of a data x model mesh:
+    Horovod's allgather, allreduce and that reduce-scatter within the group's process
+    set (declared when Horovod started: `HorovodEngine`), one replica per process."""
 
     supports_groups = True
 
