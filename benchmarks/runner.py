@@ -54,10 +54,13 @@ SECTIONS = (
 )
 QUICK_TIMEOUT = 300.0
 QUICK_JOBS = 3  # a smoke run: sections overlap (their launches wait on start-ups)
-# The longest quick sections (most launches), started first when sections overlap, so
-# that the run does not end on one long section alone (RESULTS.md keeps SECTIONS' order).
-LONGEST_FIRST = ("elastic", "fsdp", "overhead", "zero", "slow_link", "straggler",
-                 "model_average")
+# The longest quick sections (most CPU: their launches), started first when sections
+# overlap, so that the run does not end on one long section alone (RESULTS.md keeps
+# SECTIONS' order). By a quick run's CPU seconds (elastic 70, fsdp 40, parameter_server
+# 30, ..., tensor_parallel 22; the others 18 or less): tensor_parallel, 14th in SECTIONS,
+# otherwise started last and ran its last 30-60 s alone.
+LONGEST_FIRST = ("elastic", "fsdp", "parameter_server", "overhead", "slow_link", "zero",
+                 "straggler", "model_average", "tensor_parallel", "allreduce")
 FULL_TIMEOUT = 1800.0
 _NOISE = re.compile(r"oneDNN custom operations|cpu_feature_guard|AVX2 AVX512|rebuild "
                     r"TensorFlow with|absl::InitializeLog|^\s*$|WARNING: All log messages")
