@@ -54,10 +54,13 @@ SECTIONS = (
 )
 QUICK_TIMEOUT = 300.0
 QUICK_JOBS = 3  # a smoke run: sections overlap (their launches wait on start-ups)
-# The longest quick sections (most launches), started first when sections overlap, so
-# that the run does not end on one long section alone (RESULTS.md keeps SECTIONS' order).
-LONGEST_FIRST = ("elastic", "fsdp", "overhead", "zero", "slow_link", "straggler",
-                 "model_average")
+# The longest quick sections (most CPU: their launches), started first when sections
+# overlap, so that the run does not end on one long section alone (RESULTS.md keeps
+# SECTIONS' order). By a quick run's CPU seconds (elastic 70, fsdp 40, parameter_server
+# 30, ..., tensor_parallel 22; the others 18 or less): tensor_parallel, 14th in SECTIONS,
+# otherwise started last and ran its last 30-60 s alone.
+LONGEST_FIRST = ("elastic", "fsdp", "parameter_server", "overhead", "slow_link", "zero",
+                 "straggler", "model_average", "tensor_parallel", "allreduce")
 FULL_TIMEOUT = 1800.0
 _NOISE = re.compile(r"oneDNN custom operations|cpu_feature_guard|AVX2 AVX512|rebuild "
                     r"TensorFlow with|absl::InitializeLog|^\s*$|WARNING: All log messages")
@@ -126,7 +129,7 @@ def run_section(name: str, quick: bool, out: Path, timeout: float, log_dir: Path
                     tail = (tail + [line])[-60:]
                     if not line.startswith("[") or line.startswith(f"[{name}]"):
                         _say(line if line.startswith(f"[{name}]") else f"[{name}] {line}")
-            code = proc.wait()
+            code, cpu = _reap(proc)
         except BaseException:
             _stop_group(proc)
             raise
@@ -134,7 +137,7 @@ def run_section(name: str, quick: bool, out: Path, timeout: float, log_dir: Path
             timer.cancel()
             _running.discard(proc)
     seconds = time.time() - started
-    result = {"command": shown, "seconds": seconds, "returncode": code,
+    result = {"command": shown, "seconds": seconds, "cpu_seconds": cpu, "returncode": code,
               "log": str(log_path), "tail": "\n".join(tail[-25:])}
     md, js = _newest(out, name, ".md", started), _newest(out, name, ".json", started)
     result["markdown"] = str(md) if md else None
@@ -156,8 +159,20 @@ def run_section(name: str, quick: bool, out: Path, timeout: float, log_dir: Path
             why = f"exited with code {code}: {_last_error(tail)}"
         result.update(status="failed", why=why)
     _say(f"[{name}] {result['status']}" + (f": {result['why']}" if result.get("why") else "")
-         + f" ({seconds:.0f} s)")
+         + f" ({seconds:.0f} s" + ("" if cpu is None else f", {cpu:.0f} s of CPU") + ")")
     return result
+
+
+def _reap(proc) -> tuple[int, float]:
+    """Waits for ``proc``: its exit code, and the CPU seconds (user and system) of it and
+    of every descendant it waited for (its launched tasks); None if a deadline's stop
+    reaped it first."""
+    try:
+        _, status, usage = os.wait4(proc.pid, 0)
+    except ChildProcessError:
+        return proc.wait(), None
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, usage.ru_utime + usage.ru_stime
 
 
 def _stop_group(proc, grace: float = 20.0):
@@ -260,7 +275,9 @@ def write_results(out: Path, results: dict, facts: dict, quick: bool, seconds: f
     lines += ["## Sections", "",
               markdown_table([["section", "status", "time", "command"]] + [
                   [name, r["status"] + (f": {r['why']}" if r.get("why") else ""),
-                   f"{r.get('seconds', 0):.0f} s", f"`{r['command']}`" if r.get("command")
+                   f"{r.get('seconds', 0):.0f} s" + (f" ({r['cpu_seconds']:.0f} s CPU)"
+                                                     if r.get("cpu_seconds") else ""),
+                   f"`{r['command']}`" if r.get("command")
                    else "-"] for name, r in results.items()]), "",
               "Run any section alone from the checkout: `python -m benchmarks.<name> "
               "[--quick]` (slow_link needs root for `ip netns`). Raw numbers: "

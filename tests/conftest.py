@@ -38,6 +38,10 @@ def pytest_configure(config):
         sys.meta_path.insert(0, _NoTensorFlow())
         return
     if config.pluginmanager.hasplugin("dsession") and not hasattr(config, "workerinput"):
+        # The controller hands out the files in LONGEST_FIRST's order: xdist would
+        # otherwise re-sort them by their number of tests (its --loadscope-reorder
+        # default), so that a long file of few tests (test_bench.py) started last.
+        config.option.loadscopereorder = False
         return
     import tfdist
 
@@ -61,18 +65,35 @@ def logical_cpus():
 
 
 # The longest files first, so that with `pytest -n 2 --dist loadfile` (make test) no long
-# file starts last while the other worker sits idle. Order within a file is kept.
-LONGEST_FIRST = ("test_notebooks.py", "test_faults.py", "test_elastic_state.py",
-                 "test_parameter_server.py", "test_bench.py", "test_elastic_losses.py",
-                 "test_ray.py", "test_multi_worker.py", "test_multi_node.py",
-                 "test_horovod.py", "test_train_resume.py", "test_spark.py", "test_engines.py",
-                 "test_ps_save.py", "test_ps_sharded.py", "test_stock_compat.py",
-                 "test_model_average.py", "test_slurm.py")
+# file starts last while the other worker sits idle; the other files follow, those with
+# more tests first. Order within a file is kept. Seconds: about each file's in make test
+# (its tests among the slowest 25 of recent CI runs, summed; the two new tensor-parallel
+# files guessed). The quick bench (three sections at a time) starts beside CPU-bound
+# files of generous timeouts; Ray's and Spark's start-ups and the 5 s fault timeouts
+# (notebooks, test_faults, test_ray) come after it.
+LONGEST_FIRST = (
+    "test_bench.py",  # 260
+    "test_tensor_parallel_mesh.py", "test_train_resume.py", "test_fsdp.py",  # 110 120 60
+    "test_notebooks.py", "test_faults.py", "test_ray.py",  # 260 150 130
+    "test_tensor_parallel_engines.py", "test_tensor_parallel_fsdp.py",  # new: 80?
+    "test_parameter_server.py", "test_model_average_local.py", "test_ps_save.py",  # 75 70 63
+    "test_stock_patterns.py", "test_model_average_delay.py", "test_fsdp_memory.py",  # 55 50 47
+    "test_slurm.py", "test_model_average_fragments.py", "test_ps_frozen.py",  # 47 47 45
+    "test_spark.py", "test_stock_compat.py", "test_elastic_state.py",  # 45 42 40
+    "test_multi_worker.py", "test_multi_node.py", "test_horovod.py", "test_engines.py",
+    "test_elastic.py", "test_elastic_losses.py", "test_train_engines.py",  # 38 36 34
+    "test_tensor_parallel.py", "test_ps_sharded.py", "test_model_average.py",  # 34
+    "test_zero.py", "test_tensor_parallel_features.py", "test_engine_seam.py")  # 31
 
 
 def pytest_collection_modifyitems(session, config, items):
+    tests = {}
+    for item in items:
+        tests[item.path.name] = tests.get(item.path.name, 0) + 1
+
     def rank(item):
         name = item.path.name
-        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+        return (LONGEST_FIRST.index(name), 0) if name in LONGEST_FIRST else (
+            len(LONGEST_FIRST), -tests[name])
 
     items.sort(key=rank)  # stable: each file keeps its own order
