@@ -51,6 +51,21 @@ def parse_section_args(parser: argparse.ArgumentParser, argv=None) -> argparse.N
     return args
 
 
+def engine_section_args(name: str, doc: str | None, argv=None,
+                        more=None) -> argparse.Namespace:
+    """A section's arguments with ``--engine``: `section_parser`'s, then ``more(parser)``'s
+    (a section's own, if given), parsed; ``args.engine`` is "horovod" if Horovod works
+    here, else "tf", unless given."""
+    parser = section_parser(f"benchmarks.{name}", doc)
+    parser.add_argument("--engine", choices=("horovod", "tf"), default=None,
+                        help="default: horovod if installed, else tf")
+    if more is not None:
+        more(parser)
+    args = parse_section_args(parser, argv)
+    args.engine = args.engine or ("tf" if horovod_missing() else "horovod")
+    return args
+
+
 def output_dir(output: str | Path | None, quick: bool) -> Path:
     """``output``, or by default benchmarks/ (QUICK_DIR with --quick), created."""
     path = Path(output or (QUICK_DIR if quick else BENCH_DIR)).resolve()
