@@ -20,8 +20,8 @@ BENCH_DIR = REPO_ROOT / "benchmarks"  # where the committed results live
 QUICK_DIR = Path(tempfile.gettempdir()) / "tfdist-bench-quick"
 
 # A section's process exits without the interpreter's last garbage collection over
-# TensorFlow's objects (seconds on a busy machine), as launched tasks do
-# (`tfdist.runners.task_main`): atexit runs it after the handlers registered later.
+# TensorFlow's objects (seconds on a busy machine), as the tests' job scripts do:
+# atexit runs it after the handlers registered later.
 atexit.register(gc.freeze)
 
 

@@ -154,6 +154,20 @@ def kill_worker_1(epochs_run: list):
     return KillWorker1()
 
 
+def exit_without_a_last_collection() -> None:
+    """Leaves the objects alive now to the process's end (a test job script's last call).
+
+    The interpreter's last garbage collection walks every object TensorFlow made: seconds
+    on a busy machine, while the launcher waits for the task to exit. Frozen objects are
+    not walked; streams are still flushed and ``atexit`` handlers (Horovod's shutdown)
+    still run. tfdist's own launched tasks keep the collection (see
+    `tfdist.runners.task_main`).
+    """
+    import gc
+
+    gc.freeze()
+
+
 def serve_ps_from_a_child(pid_path) -> None:
     """In a ps task: serves from a child process (whose pid goes to ``pid_path``, for the
     test to kill), then stays up until the chief's port closes, like a failed pod's slot.
