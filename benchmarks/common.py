@@ -20,8 +20,8 @@ BENCH_DIR = REPO_ROOT / "benchmarks"  # where the committed results live
 QUICK_DIR = Path(tempfile.gettempdir()) / "tfdist-bench-quick"
 
 # A section's process exits without the interpreter's last garbage collection over
-# TensorFlow's objects (seconds on a busy machine), as launched tasks do
-# (`tfdist.runners.task_main`): atexit runs it after the handlers registered later.
+# TensorFlow's objects (seconds on a busy machine), as the tests' job scripts do:
+# atexit runs it after the handlers registered later.
 atexit.register(gc.freeze)
 
 
@@ -48,6 +48,21 @@ def parse_section_args(parser: argparse.ArgumentParser, argv=None) -> argparse.N
     """Parses ``argv``; ``args.output`` becomes an existing directory (a `Path`)."""
     args = parser.parse_args(argv)
     args.output = output_dir(args.output, args.quick)
+    return args
+
+
+def engine_section_args(name: str, doc: str | None, argv=None,
+                        more=None) -> argparse.Namespace:
+    """A section's arguments with ``--engine``: `section_parser`'s, then ``more(parser)``'s
+    (a section's own, if given), parsed; ``args.engine`` is "horovod" if Horovod works
+    here, else "tf", unless given."""
+    parser = section_parser(f"benchmarks.{name}", doc)
+    parser.add_argument("--engine", choices=("horovod", "tf"), default=None,
+                        help="default: horovod if installed, else tf")
+    if more is not None:
+        more(parser)
+    args = parse_section_args(parser, argv)
+    args.engine = args.engine or ("tf" if horovod_missing() else "horovod")
     return args
 
 

@@ -31,9 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import (horovod_missing, machine_info, markdown_table,
-                               parse_section_args, pyplot, run_tasks, save_figure,
-                               section_parser, write_section)
+from benchmarks.common import (engine_section_args, machine_info, markdown_table, pyplot,
+                               run_tasks, save_figure, write_section)
 
 NAME = "fsdp"
 TITLE = "Fully sharded parameters (ZeRO-3): memory, bytes and step time per worker"
@@ -281,13 +280,9 @@ def _plot(out: Path, cap: dict) -> None:
 
 
 def main(argv=None) -> dict:
-    parser = section_parser(f"benchmarks.{NAME}", __doc__)
-    parser.add_argument("--engine", choices=("horovod", "tf"), default=None,
-                        help="default: horovod if installed, else tf")
-    parser.add_argument("--cap-mb", type=int, default=1536,
-                        help="each worker's memory cap in part 2 (MiB)")
-    args = parse_section_args(parser, argv)
-    engine = args.engine or ("tf" if horovod_missing() else "horovod")
+    args = engine_section_args(NAME, __doc__, argv, lambda parser: parser.add_argument(
+        "--cap-mb", type=int, default=1536, help="each worker's memory cap in part 2 (MiB)"))
+    engine = args.engine
     config = settings(args.quick)
     data = {"machine": machine_info(), "engine": engine, "settings": config,
             **measure(engine, config)}

@@ -28,9 +28,8 @@ from __future__ import annotations
 
 import sys
 
-from benchmarks.common import (horovod_missing, machine_info, markdown_table,
-                               parse_section_args, pyplot, run_tasks, save_figure,
-                               section_parser, write_section)
+from benchmarks.common import (engine_section_args, machine_info, markdown_table, pyplot,
+                               run_tasks, save_figure, write_section)
 from benchmarks.tp_workloads import worker_task
 
 NAME = "tensor_parallel"
@@ -237,11 +236,8 @@ def report(engine: str, config: dict, summary: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    parser = section_parser(f"benchmarks.{NAME}", __doc__)
-    parser.add_argument("--engine", choices=("horovod", "tf"), default=None,
-                        help="default: horovod if installed, else tf")
-    args = parse_section_args(parser, argv)
-    engine = args.engine or ("tf" if horovod_missing() else "horovod")
+    args = engine_section_args(NAME, __doc__, argv)
+    engine = args.engine
     config = settings(args.quick)
     data = {"machine": machine_info(), "engine": engine, "settings": config,
             **measure(engine, config)}

@@ -31,8 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import (horovod_missing, machine_info, markdown_table,
-                               parse_section_args, run_tasks, section_parser, write_section)
+from benchmarks.common import (engine_section_args, machine_info, markdown_table, run_tasks,
+                               write_section)
 
 NAME = "zero"
 TITLE = "Sharded optimizer state (ZeRO-2): memory, step time and bytes per worker"
@@ -134,11 +134,8 @@ def _ratios(runs: dict) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = section_parser(f"benchmarks.{NAME}", __doc__)
-    parser.add_argument("--engine", choices=("horovod", "tf"), default=None,
-                        help="default: horovod if installed, else tf")
-    args = parse_section_args(parser, argv)
-    engine = args.engine or ("tf" if horovod_missing() else "horovod")
+    args = engine_section_args(NAME, __doc__, argv)
+    engine = args.engine
     config = settings(args.quick)
     runs = {}
     for n in config["workers"]:

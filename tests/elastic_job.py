@@ -160,7 +160,7 @@ def main(out, epochs, kill=""):
 
 
 if __name__ == "__main__":
-    from tfdist.runners.task_main import exit_without_a_last_collection
+    from helpers import exit_without_a_last_collection
 
     main(*sys.argv[1:2], int(sys.argv[2]), *sys.argv[3:4])
     exit_without_a_last_collection()  # as a function's task: no wait on the last GC

@@ -132,6 +132,42 @@ def require_horovod():
     pytest.skip(comm.INSTALL_HINT)
 
 
+def kill_worker_1(epochs_run: list):
+    """A Keras callback for a launched task: appends each epoch it begins to
+    ``epochs_run``, and SIGKILLs worker-1 after batch 1 of epoch 1 of the job's first
+    start (restart 0), so that a restart must resume mid-run."""
+    import keras
+
+    from tfdist import env
+
+    me, restart = os.environ[env.TASK], int(os.environ[env.RESTART])
+
+    class KillWorker1(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            epochs_run.append(epoch)
+            self._epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            if restart == 0 and me == "worker-1" and self._epoch == 1 and batch == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    return KillWorker1()
+
+
+def exit_without_a_last_collection() -> None:
+    """Leaves the objects alive now to the process's end (a test job script's last call).
+
+    The interpreter's last garbage collection walks every object TensorFlow made: seconds
+    on a busy machine, while the launcher waits for the task to exit. Frozen objects are
+    not walked; streams are still flushed and ``atexit`` handlers (Horovod's shutdown)
+    still run. tfdist's own launched tasks keep the collection (see
+    `tfdist.runners.task_main`).
+    """
+    import gc
+
+    gc.freeze()
+
+
 def serve_ps_from_a_child(pid_path) -> None:
     """In a ps task: serves from a child process (whose pid goes to ``pid_path``, for the
     test to kill), then stays up until the chief's port closes, like a failed pod's slot.

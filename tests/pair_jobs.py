@@ -35,7 +35,7 @@ def compressed(out, epochs, kill=""):
 
 
 if __name__ == "__main__":
-    from tfdist.runners.task_main import exit_without_a_last_collection
+    from helpers import exit_without_a_last_collection
 
     {"compressed": compressed}[sys.argv[1]](sys.argv[2], int(sys.argv[3]), *sys.argv[4:5])
     exit_without_a_last_collection()  # as a function's task: no wait on the last GC

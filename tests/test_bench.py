@@ -166,6 +166,22 @@ def test_bench_outside_a_source_checkout_points_to_python_m_benchmarks(monkeypat
     assert err.count("\n") == 1 and "python -m benchmarks" in err, err
 
 
+@pytest.mark.unit
+def test_engine_sections_default_to_horovod_where_it_works(tmp_path, monkeypatch):
+    """benchmarks/{fsdp,zero,tensor_parallel}.py's arguments: --engine, else horovod if
+    the runner found it working, else tf; a section's own arguments after them."""
+    from benchmarks.common import HOROVOD_MISSING_ENV, engine_section_args
+
+    out = ["--quick", "--output", str(tmp_path)]
+    for missing, engine in (("", "horovod"), ("not installed", "tf")):
+        monkeypatch.setenv(HOROVOD_MISSING_ENV, missing)
+        assert engine_section_args("zero", None, out).engine == engine
+    assert engine_section_args("zero", None, [*out, "--engine", "tf"]).engine == "tf"
+    args = engine_section_args("fsdp", None, [*out, "--cap-mb", "7"], lambda parser:
+                               parser.add_argument("--cap-mb", type=int, default=1))
+    assert (args.engine, args.cap_mb, args.output) == ("tf", 7, tmp_path)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(900)

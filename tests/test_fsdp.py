@@ -283,3 +283,59 @@ def test_accumulate_steps_equals_the_unsharded_accumulation(logical_cpus):
                                        min_shard_elements=MIN_ELEMENTS)
     with pytest.raises(ValueError, match="does not clip by norm yet. Received: clipnorm=0.1"):
         train(strategy, "adam", batch_size=GLOBAL_BATCH // 2, clipnorm=0.1)
+
+
+@pytest.mark.parametrize("options", [
+    {"shard_parameters": True, "min_shard_elements": 4},
+    {"layout_map": {"table/embeddings": ("model", None)}},
+    {"shard_optimizer_state": True},
+    {},
+], ids=["fully-sharded", "vocab-parallel", "zero", "mirrored"])
+def test_global_clipnorm_with_duplicate_ids_equals_one_device(logical_cpus, options):
+    """An Embedding looking up the same ids several times in a batch: Keras' clipping on
+    one device squares its ``IndexedSlices`` gradient occurrence by occurrence (each
+    looked-up row, before the duplicates are summed), so every strategy does the same.
+    The dense gradient's norm is smaller here and would clip less (8e-4 off)."""
+    import contextlib
+
+    import keras
+    import tensorflow as tf
+
+    import tfdist
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 3, size=(32, 3)).astype("int32")  # 3 ids of 10: duplicates
+    y = rng.normal(size=(32, 2)).astype("float32")
+
+    def build():
+        ids = keras.Input((3,), dtype="int32")
+        h = keras.layers.Flatten()(keras.layers.Embedding(10, 4, name="table")(ids))
+        return keras.Model(ids, keras.layers.Dense(2, name="head")(h))
+
+    def fit(strategy, clip=0.05):
+        keras.utils.set_random_seed(1)
+        initial = build().get_weights()
+        with strategy.scope() if strategy is not None else contextlib.nullcontext():
+            model = build()
+            for variable, value in zip(model.weights, initial):
+                variable.assign(value)
+            model.compile(keras.optimizers.SGD(0.1, global_clipnorm=clip), "mse")
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        return [np.asarray(w) for w in model.get_weights()]
+
+    keras.utils.set_random_seed(1)
+    model = build()
+    with tf.GradientTape() as tape:
+        loss = keras.losses.MeanSquaredError()(y[:8], model(x[:8]))
+    table = tape.gradient(loss, model.trainable_variables)[0]
+    assert isinstance(table, tf.IndexedSlices)
+    occurrences = float(tf.reduce_sum(tf.square(table.values)))
+    dense = float(tf.reduce_sum(tf.square(tf.convert_to_tensor(table))))
+    assert occurrences > 1.1 * dense  # the duplicates make the two norms differ
+
+    make = (tfdist.ModelParallelStrategy if "layout_map" in options
+            else tfdist.MirroredStrategy)
+    ref = fit(None)
+    assert_weights_close(fit(make(**options)), ref, atol=1e-5)
+    unclipped = fit(None, clip=None)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(ref, unclipped)) > 1e-3  # it bit

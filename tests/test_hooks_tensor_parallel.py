@@ -50,6 +50,25 @@ def test_attention_parts_and_masks(logical_cpus):
     assert keras_mask_of(masked) is not None
 
 
+def test_keras_mask_is_set_and_cleared(logical_cpus):
+    """set_keras_mask wraps Keras' private backend.set_keras_mask (the attention split
+    by heads puts its rows' mask on the query and output)."""
+    import keras
+    from keras.src import backend
+
+    from tfdist._hooks.tensor_parallel import keras_mask_of, set_keras_mask
+
+    assert callable(getattr(backend, "set_keras_mask", None)), (
+        "Keras no longer has backend.set_keras_mask: tfdist._hooks.tensor_parallel."
+        "set_keras_mask must be rewritten")
+    x = keras.ops.ones((1, 3, 4))
+    mask = keras.ops.convert_to_tensor([[True, False, True]])
+    set_keras_mask(x, mask)
+    assert keras_mask_of(x) is mask
+    set_keras_mask(x, None)
+    assert keras_mask_of(x) is None
+
+
 def test_symbolic_scope_and_update_replica_id():
     from keras.src.backend.common.symbolic_scope import SymbolicScope
 

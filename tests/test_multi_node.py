@@ -313,12 +313,11 @@ def test_with_no_restart_left_both_nodes_fail_naming_the_task_and_node(tmp_path)
 
 
 _RESUME = """
-    import json, os, signal, sys
-    import keras
+    import json, os, sys
     import numpy as np
     import tfdist
     from tfdist.keras import callbacks as cbs
-    from helpers import classification_data, mlp
+    from helpers import classification_data, kill_worker_1, mlp
     from test_multi_worker import GLOBAL_BATCH, _compile
 
     # TF's engine: the one whose faults (a killed peer) tfdist names.
@@ -331,18 +330,9 @@ _RESUME = """
         model = mlp()
         _compile(model, "sgd")
     epochs_run = []
-
-    class KillWorker1(keras.callbacks.Callback):  # on node 1, in epoch 2 of the first start
-        def on_epoch_begin(self, epoch, logs=None):
-            epochs_run.append(epoch)
-            self.epoch = epoch
-
-        def on_train_batch_end(self, batch, logs=None):
-            if restart == 0 and me == "worker-1" and self.epoch == 1 and batch == 1:
-                os.kill(os.getpid(), signal.SIGKILL)
-
     model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=3, shuffle=False, verbose=0,
-              callbacks=[cbs.BackupAndRestore(), KillWorker1()])
+              callbacks=[cbs.BackupAndRestore(),
+                         kill_worker_1(epochs_run)])  # worker-1 is on node 1
     np.savez(os.path.join(out, me + ".npz"), *model.get_weights())
     with open(os.path.join(out, me + ".json"), "w") as f:
         json.dump({"restart": restart, "epochs_run": epochs_run}, f)

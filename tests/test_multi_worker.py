@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from helpers import (RESULT_DIR_MARK, assert_no_leftover_processes, assert_weights_close,
-                     classification_data, mlp, run_cluster)
+                     classification_data, kill_worker_1, mlp, run_cluster)
 
 GLOBAL_BATCH = 16
 N_IDS = 48
@@ -181,8 +181,6 @@ def _fault_task(result_dir, mode, victim):
 
 
 def _resume_task(out_dir):
-    import keras
-
     import tfdist
     from tfdist.keras import callbacks as cbs
 
@@ -202,20 +200,11 @@ def _resume_task(out_dir):
 
     epochs_run = []
 
-    class KillWorker1(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            epochs_run.append(epoch)
-            self._epoch = epoch
-
-        def on_train_batch_end(self, batch, logs=None):
-            if restart == 0 and me == "worker-1" and self._epoch == 1 and batch == 1:
-                os.kill(os.getpid(), signal.SIGKILL)
-
     csv_logger = cbs.MetricsLogger(os.path.join(out_dir, "metrics.csv"), append=True)
     json_logger = cbs.MetricsLogger(os.path.join(out_dir, "metrics.jsonl"), append=True)
     history = model.fit(
         x, y, batch_size=GLOBAL_BATCH, epochs=3, shuffle=False, verbose=0,
-        callbacks=[cbs.BackupAndRestore(), KillWorker1(),
+        callbacks=[cbs.BackupAndRestore(), kill_worker_1(epochs_run),
                    SpyCheckpoint(os.path.join(out_dir, "ckpt-{epoch}.weights.h5"),
                                  save_weights_only=True),
                    csv_logger, json_logger])

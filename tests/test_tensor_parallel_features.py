@@ -5,12 +5,11 @@ holding the same initial weights and seeing the same global batch (atol 1e-5).""
 
 import contextlib
 import os
-import signal
 
 import numpy as np
 import pytest
 
-from helpers import assert_weights_close
+from helpers import assert_weights_close, kill_worker_1
 
 from test_multi_node import hosts  # noqa: F401 (the fixture: two network namespaces)
 from tp_jobs import BATCH, PAIR, data, pair
@@ -210,24 +209,15 @@ def _restarted_task(engine="tf", model_parallel=None):
     strategy = tfdist.MultiWorkerModelParallelStrategy(
         layout_map=PAIR, engine=engine, model_parallel=model_parallel, startup_timeout=60,
         collective_timeout=120)
-    me, restart = os.environ[env.TASK], int(os.environ[env.RESTART])
+    restart = int(os.environ[env.RESTART])
     epochs_run = []
-
-    class KillWorker1(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            epochs_run.append(epoch)
-            self._epoch = epoch
-
-        def on_train_batch_end(self, batch, logs=None):
-            if restart == 0 and me == "worker-1" and self._epoch == 1 and batch == 1:
-                os.kill(os.getpid(), signal.SIGKILL)
 
     def adam(clip=0.5):  # clipped by the whole model's norm, summed across the workers
         return keras.optimizers.Adam(0.01, global_clipnorm=clip)
 
     x, y = data()
     weights = _fit(strategy, pair, adam, x, y, epochs=3,
-                   callbacks=[cbs.BackupAndRestore(), KillWorker1()])
+                   callbacks=[cbs.BackupAndRestore(), kill_worker_1(epochs_run)])
     model = _fit.model
     split = [v for v in list(model.weights) + list(model.optimizer.variables)
              if split_of(v) is not None]

@@ -137,22 +137,32 @@ def launched_task(engine):
     return out
 
 
-def keras_launched_task():
-    """Backend-agnostic Keras on each of 2 workers: ModelParallel over a (1, 2) mesh of
-    every device, the pair trained on a tf.data dataset of global batches."""
+def keras_pair(layouts, shape=None):
+    """Backend-agnostic Keras in a launched task: ModelParallel laid out by ``layouts``
+    over a mesh of every worker's devices (``shape``, by default ``(1, all)``), the pair
+    trained on a tf.data dataset of global batches. Returns ``(weights, strategy)``:
+    the weights and the tfdist strategy Keras' distribution made."""
     import keras
     import tensorflow as tf
 
     keras.distribution.initialize()
-    devices = keras.distribution.list_devices()
+    shape = shape or (1, len(keras.distribution.list_devices()))
     keras.distribution.set_distribution(keras.distribution.ModelParallel(
-        layout_map=layout_map(PAIR.items(), shape=(1, len(devices)))))
+        layout_map=layout_map(layouts.items(), shape=shape)))
     try:
         x, y = data()
         weights, model = train(None, pair,
                                x=tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH))
-        strategy = model.distribute_strategy
     finally:
         keras.distribution.set_distribution(None)
-    return {"strategy": type(strategy).__name__, "weights": weights, "devices": devices,
+    return weights, model.distribute_strategy
+
+
+def keras_launched_task():
+    """On each of 2 workers: `keras_pair` split over a (1, 2) mesh of every device."""
+    import keras
+
+    weights, strategy = keras_pair(PAIR)
+    return {"strategy": type(strategy).__name__, "weights": weights,
+            "devices": keras.distribution.list_devices(),
             "bytes": strategy.bytes_communicated}

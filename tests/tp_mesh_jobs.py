@@ -14,7 +14,7 @@ import numpy as np
 
 from tp_fsdp_jobs import LAUNCHED
 from tp_jobs import (BATCH, HEAD, HEADS, PAIR, attention_block, attention_data, hybrid_cnn,
-                     image_data, pair, train)
+                     image_data, keras_pair, pair, train)
 
 VOCAB_SIZE, TOKENS, WIDTH = 16, 3, 8
 EMBEDDED = {"table/embeddings": ("model", None), "head/kernel": (None, "model")}
@@ -174,26 +174,10 @@ def launched_task():
     """On each of 4 workers (one replica each, a 2 x 2 mesh, engine "tf"): the pair under
     Keras' ModelParallel on DeviceMesh((2, 2)), then every model under its strategy;
     the hybrid CNN saved (every worker: gathering the slices is a collective)."""
-    import keras
-    import tensorflow as tf
-
-    from helpers import layout_map
-
     # One strategy per process (TF configures its collectives once): Keras'
     # ModelParallel on DeviceMesh((2, 2)) makes it, trains the pair on a dataset of
     # global batches, then every model trains under the same strategy.
-    keras.distribution.initialize()
-    keras.distribution.set_distribution(keras.distribution.ModelParallel(
-        layout_map=layout_map(LAYOUTS.items(), shape=(2, 2))))
-    try:
-        from tp_jobs import data
-
-        x, y = data()
-        keras_weights, model = train(None, pair,
-                                     x=tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH))
-        strategy = model.distribute_strategy
-    finally:
-        keras.distribution.set_distribution(None)
+    keras_weights, strategy = keras_pair(LAYOUTS, shape=(2, 2))
     keras_run = {"weights": keras_weights, "strategy": type(strategy).__name__,
                  "engine": strategy.engine,
                  "model_parallel": strategy.tensor_parallel.model_parallel}

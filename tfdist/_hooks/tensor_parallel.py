@@ -18,7 +18,7 @@ Which layers consume a layer's output is the private ``_outbound_nodes``, a mode
 layers its private ``_flatten_layers``, and which layer made an output its private
 ``_keras_history``; a tensor's Keras mask its private ``get_keras_mask`` (and ``set_keras_mask``); a
 MultiHeadAttention's projections its private ``_query_dense`` (etc.).
-``tests/test_tensor_parallel.py`` fails loudly when a Keras upgrade removes these.
+``tests/test_hooks_tensor_parallel.py`` fails loudly when a Keras upgrade removes these.
 Nothing changes for any other variable.
 
 The strategy side is duck-typed: the running strategy's ``tensor_parallel`` attribute

@@ -4,7 +4,6 @@ Usage: ``python -m tfdist.runners.task_main PAYLOAD RESULT_DIR``. The payload is
 by the parent launcher into its private temporary directory, never read from the network.
 """
 
-import gc
 import os
 import sys
 from pathlib import Path
@@ -22,20 +21,13 @@ def main() -> None:
     tmp = Path(result_dir, f"{task}.result.pkl.tmp")
     tmp.write_bytes(cloudpickle.dumps(value))
     tmp.replace(Path(result_dir, f"{task}.result.pkl"))
-    # Not exit_without_a_last_collection(): a task that skipped its last collection
-    # left a parameter-server job's next launch without a chief
-    # (tests/test_ps_save.py::test_sharded_model_saves_resumes_after_a_ps_kill_loads_plain_and_reshards).
-
-
-def exit_without_a_last_collection() -> None:
-    """Leaves the objects alive now to the process's end (test job scripts call it).
-
-    The interpreter's last garbage collection walks every object TensorFlow made: seconds
-    on a busy machine, while the launcher waits for the task to exit. Frozen objects are
-    not walked; streams are still flushed and ``atexit`` handlers (Horovod's shutdown)
-    still run.
-    """
-    gc.freeze()
+    # The interpreter's last garbage collection is kept (3-5 s on a busy machine): a
+    # parameter-server chief with little to do listens for about 2 s, and its workers
+    # and ps must see its port open once before they wait for it to close
+    # (`tfdist.strategies.parameter_server.wait_for_chief`). Without the collection, one
+    # that first polled after the chief had gone waited for it to start and failed
+    # (tests/test_ps_save.py's 1-ps job). Test job scripts skip it
+    # (tests/helpers.exit_without_a_last_collection).
 
 
 if __name__ == "__main__":

@@ -241,6 +241,10 @@ def clip_sharded(distribution, communicator, optimizer, grads, sharded, copies=1
     Keras clips again afterwards; on clipped gradients that is a no-op (every local
     norm is then at most the clip).
 
+    An ``IndexedSlices``' values are squared as they are, duplicate ids included: Keras
+    does so on one device (``ops.square`` squares each occurrence before the duplicates
+    are summed), so the norm is not the dense gradient's, on purpose.
+
     Args:
         grads: Per variable: its gradient (reduced, or this replica's slice of it).
         sharded: Per variable: whether its gradient is a slice.
