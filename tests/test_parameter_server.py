@@ -617,3 +617,37 @@ def test_killed_and_crashed_workers_restart_alone_and_every_step_applies_once(
     # Data is not exactly once: a step run again reads another batch.
     batches_per_step = 1 if mode == "async" else 2
     assert sum(chief["by_worker"]) >= batches_per_step * chief["requested"] + ONCE_CRASHES
+
+
+def test_a_chief_that_listens_only_between_two_polls_is_seen(monkeypatch):
+    """A short job's chief may listen for about a second only: a worker polling the
+    chief every ``poll_seconds`` (1 s) could miss it and wait for a chief that never
+    comes. Until the chief is seen it is polled every COME_UP_POLL_SECONDS."""
+    from tfdist.strategies import parameter_server as ps
+
+    polled, seen = threading.Event(), threading.Event()
+    listening = ps._is_listening
+
+    def watched(address, timeout=1.0):
+        up = listening(address, timeout)
+        (seen if up else polled).set()
+        return up
+
+    monkeypatch.setattr(ps, "_is_listening", watched)
+    chief = socket.socket()
+    chief.bind(("127.0.0.1", 0))
+    address = "127.0.0.1:%d" % chief.getsockname()[1]
+
+    def up_between_polls():
+        polled.wait(10)  # the worker's first poll found nothing
+        chief.listen()
+        seen.wait(0.6)  # well inside the 1 s between two polls of poll_seconds
+        chief.close()
+
+    thread = threading.Thread(target=up_between_polls)
+    thread.start()
+    try:
+        ps.wait_for_chief(address, poll_seconds=1.0, misses=1, startup_timeout=5)
+    finally:
+        thread.join()
+    assert seen.is_set()

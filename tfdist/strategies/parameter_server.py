@@ -62,6 +62,9 @@ def validate_ps_cluster(spec: ClusterSpec) -> None:
                          f"{spec.task.index}")
 
 
+COME_UP_POLL_SECONDS = 0.05
+
+
 def _is_listening(address: str, timeout: float = 1.0) -> bool:
     host, port = address.rsplit(":", 1)
     try:
@@ -77,7 +80,10 @@ def wait_for_chief(address: str, poll_seconds: float = 1.0, misses: int = 3,
 
     The chief's gRPC server listens while the chief process lives. Its port being
     closed ``misses`` polls in a row means the chief has finished (or died; with
-    `tfdist launch` a failed chief stops the whole job anyway).
+    `tfdist launch` a failed chief stops the whole job anyway). Until the chief is seen
+    the port is polled every `COME_UP_POLL_SECONDS` at most: a short job's chief
+    listens for little more than a second, and a task that missed it would wait for a
+    chief that never comes.
 
     Args:
         address: The chief's ``host:port``.
@@ -94,7 +100,7 @@ def wait_for_chief(address: str, poll_seconds: float = 1.0, misses: int = 3,
     while not seen and not _is_listening(address):
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"nothing listens on {address} after {startup_timeout:g}s")
-        time.sleep(poll_seconds)
+        time.sleep(min(poll_seconds, COME_UP_POLL_SECONDS))
     missed = 0
     while missed < misses:
         time.sleep(poll_seconds)
