@@ -182,6 +182,14 @@ def test_engine_sections_default_to_horovod_where_it_works(tmp_path, monkeypatch
     assert (args.engine, args.cap_mb, args.output) == ("tf", 7, tmp_path)
 
 
+def _log_tail(section: dict, characters: int = 6000) -> str:
+    """The end of a section's log: the worker's own error is above the launcher's line."""
+    log = section.get("log")
+    if not log or not Path(log).exists():
+        return "(no log)"
+    return Path(log).read_text(errors="replace")[-characters:]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(900)
@@ -208,7 +216,7 @@ def test_quick_bench_writes_a_report_with_every_section(tmp_path):
         assert f"## {title}" in report, f"section {name} missing from RESULTS.md"
         section = status["sections"][name]
         assert section["status"] in ("ok", "skipped"), textwrap.shorten(
-            f"{name} {section}", 3000)
+            f"{name} {section}", 3000) + "\n" + _log_tail(section)
     for heading in ("## Machine and versions", "## Goals", "## Sections"):
         assert heading in report
 
