@@ -116,3 +116,52 @@ def test_horovod_peer_error_names_an_outage_as_an_outage(servers, monkeypatch):
         "to have exited; it may still run. Horovod said: Horovod has been shut down. This "
         "was caused by an exception on one of the ranks."), error.message
     assert "worker-2 is not running" not in error.message
+
+
+class _FlakyRendezvous:
+    """An HTTP server at a port that fails its first ``failures`` hellos (as a port
+    still held by another job would), then takes them."""
+
+    def __init__(self, failures: int):
+        import http.server
+        import threading
+
+        outer, self.puts = self, []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_PUT(self):  # noqa: N802 - http.server's name
+                outer.puts.append(self.path)
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                self.send_response(500 if len(outer.puts) <= failures else 200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, format, *args):  # noqa: A002
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.port = self.server.server_address[1]
+
+
+@pytest.mark.unit
+def test_a_hello_that_fails_at_first_is_retried_until_rank_0_takes_it():
+    from tfdist.engines.horovod import rendezvous
+
+    flaky = _FlakyRendezvous(failures=2)
+    try:
+        rendezvous._say_hello("127.0.0.1", flaky.port, 1, 30.0, "worker-0")
+    finally:
+        flaky.server.shutdown()
+    assert flaky.puts == ["/tfdist-hello/1"] * 3
+
+
+@pytest.mark.unit
+def test_a_hello_nobody_takes_times_out_naming_rank_0():
+    from tfdist.engines.horovod import rendezvous
+    from tfdist.launch import find_free_ports
+
+    port = find_free_ports(1)[0]
+    with pytest.raises(TimeoutError, match=rf"worker-0 did not open Horovod's rendezvous "
+                                           rf"at 127.0.0.1:{port} within 0.5s"):
+        rendezvous._say_hello("127.0.0.1", port, 1, 0.5, "worker-0")

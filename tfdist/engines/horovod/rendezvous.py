@@ -74,8 +74,7 @@ def init_from_cluster(cluster, timeout_seconds: float = 60.0,
         _wait_for_hellos(server, names, timeout_seconds)
     else:
         _serve_liveness(*_split(getattr(cluster, cluster.task.type)[cluster.task.index]))
-        _wait_for_port(leader_host, leader_port, timeout_seconds, training[0].name)
-        _say_hello(leader_host, leader_port, slot.rank)
+        _say_hello(leader_host, leader_port, slot.rank, timeout_seconds, training[0].name)
     _peers.clear()
     _peers.update({t.name: getattr(cluster, t.type)[t.index] for t in training
                    if t != cluster.task})
@@ -117,13 +116,36 @@ def _task_of(slot, hosts: list[str]) -> int:
 _HELLO_SCOPE = "tfdist-hello"
 
 
-def _say_hello(host: str, port: int, rank: int) -> None:
-    """Tells rank 0 that this rank is up, before Gloo's rendezvous (which would abort)."""
+def _say_hello(host: str, port: int, rank: int, timeout_seconds: float,
+               owner: str) -> None:
+    """Tells rank 0 (``owner``, at ``host:port``) that this rank is up, before Gloo's
+    rendezvous (which would abort), retrying until ``timeout_seconds`` pass.
+
+    Every failure is retried, not only a refused connection: until rank 0 listens, the
+    port may answer for something else (a job that held it a moment ago, or, rarely, a
+    TCP connection to itself), and a rank 0 that cannot bind it is restarted on new
+    ports by the launcher.
+
+    Raises:
+        TimeoutError: rank 0 did not take the hello in time (names it).
+    """
+    import time
     import urllib.request
 
+    deadline = time.monotonic() + timeout_seconds
     request = urllib.request.Request(f"http://{host}:{port}/{_HELLO_SCOPE}/{rank}",
                                      data=b"1", method="PUT")
-    urllib.request.urlopen(request, timeout=10).close()
+    while True:
+        try:
+            urllib.request.urlopen(request, timeout=10).close()
+            return
+        except OSError as error:  # urllib's URLError and HTTPError are OSErrors
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{owner} did not open Horovod's rendezvous at {host}:{port} within "
+                    f"{timeout_seconds:g}s ({error}): is it running, and reachable from "
+                    "here?") from None
+            time.sleep(0.2)
 
 
 def _wait_for_hellos(server, names: dict, timeout_seconds: float) -> None:
@@ -219,23 +241,6 @@ def peer_addresses() -> dict[str, str]:
     `init_from_cluster` started Horovod (under ``horovodrun`` nothing answers).
     """
     return dict(_peers)
-
-
-def _wait_for_port(host: str, port: int, timeout_seconds: float, owner: str) -> None:
-    import socket
-    import time
-
-    deadline = time.monotonic() + timeout_seconds
-    while True:
-        try:
-            socket.create_connection((host, port), timeout=2).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"{owner} did not open Horovod's rendezvous at {host}:{port} within "
-                    f"{timeout_seconds:g}s: is it running, and reachable from here?") from None
-            time.sleep(0.2)
 
 
 def _interface_of(host: str) -> str:
