@@ -122,7 +122,7 @@ class _FlakyRendezvous:
     """An HTTP server at a port that fails its first ``failures`` hellos (as a port
     still held by another job would), then takes them."""
 
-    def __init__(self, failures: int):
+    def __init__(self, failures: int, port: int = 0):
         import http.server
         import threading
 
@@ -139,7 +139,7 @@ class _FlakyRendezvous:
             def log_message(self, format, *args):  # noqa: A002
                 pass
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.port = self.server.server_address[1]
 
@@ -165,3 +165,33 @@ def test_a_hello_nobody_takes_times_out_naming_rank_0():
     with pytest.raises(TimeoutError, match=rf"worker-0 did not open Horovod's rendezvous "
                                            rf"at 127.0.0.1:{port} within 0.5s"):
         rendezvous._say_hello("127.0.0.1", port, 1, 0.5, "worker-0")
+
+
+@pytest.mark.unit
+def test_a_hello_answered_by_a_non_http_peer_is_retried():
+    import threading
+
+    from tfdist.engines.horovod import rendezvous
+
+    stranger = socket.socket()
+    stranger.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    stranger.bind(("127.0.0.1", 0))
+    stranger.listen()
+    port, started = stranger.getsockname()[1], []
+
+    def answer_garbage_then_become_rank_0():
+        connection, _ = stranger.accept()
+        connection.recv(4096)
+        connection.sendall(b"not http\r\n\r\n")
+        connection.close()
+        stranger.close()
+        started.append(_FlakyRendezvous(failures=0, port=port))
+
+    thread = threading.Thread(target=answer_garbage_then_become_rank_0)
+    thread.start()
+    try:
+        rendezvous._say_hello("127.0.0.1", port, 1, 30.0, "worker-0")
+    finally:
+        thread.join()
+        started[0].server.shutdown()
+    assert started[0].puts == ["/tfdist-hello/1"]

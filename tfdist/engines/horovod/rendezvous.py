@@ -129,6 +129,7 @@ def _say_hello(host: str, port: int, rank: int, timeout_seconds: float,
     Raises:
         TimeoutError: rank 0 did not take the hello in time (names it).
     """
+    import http.client
     import time
     import urllib.request
 
@@ -139,7 +140,8 @@ def _say_hello(host: str, port: int, rank: int, timeout_seconds: float,
         try:
             urllib.request.urlopen(request, timeout=10).close()
             return
-        except OSError as error:  # urllib's URLError and HTTPError are OSErrors
+        except (OSError, http.client.HTTPException) as error:  # a non-HTTP answer (a
+            # self-connect reads its own request back) is BadStatusLine, not an OSError
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"{owner} did not open Horovod's rendezvous at {host}:{port} within "
