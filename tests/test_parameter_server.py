@@ -651,3 +651,19 @@ def test_a_chief_that_listens_only_between_two_polls_is_seen(monkeypatch):
     finally:
         thread.join()
     assert seen.is_set()
+
+
+def test_a_connection_to_itself_is_not_a_listening_chief(monkeypatch):
+    """Polling a local port nobody listens on can, rarely, connect the polling socket
+    to itself (its source port is the polled port: TCP simultaneous open). That is no
+    chief."""
+    from tfdist.strategies import parameter_server as ps
+
+    lonely = socket.socket()
+    lonely.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    lonely.bind(("127.0.0.1", 0))
+    address = lonely.getsockname()
+    lonely.connect(address)  # nobody listens: the socket is connected to itself
+    assert lonely.getpeername() == address
+    monkeypatch.setattr(ps.socket, "create_connection", lambda *args, **kwargs: lonely)
+    assert not ps._is_listening("127.0.0.1:%d" % address[1])

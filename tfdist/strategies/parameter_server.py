@@ -68,8 +68,10 @@ COME_UP_POLL_SECONDS = 0.05
 def _is_listening(address: str, timeout: float = 1.0) -> bool:
     host, port = address.rsplit(":", 1)
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
-            return True
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as sock:
+            # A TCP connection to itself (source port == the polled port) succeeds with
+            # nobody listening.
+            return sock.getsockname() != sock.getpeername()
     except OSError:
         return False
 
