@@ -28,6 +28,7 @@ from tfdist.comm.accounting import ByteCounter, payload_bytes
 from tfdist.comm.compression import get_compression
 
 OPS = ("sum", "mean")
+KINDS = ("all_gather", "all_reduce", "reduce_scatter")  # of `Communicator.in_group`
 
 
 class Communicator(abc.ABC):
@@ -165,6 +166,14 @@ def _check_op(op: str) -> str:
     return op
 
 
+def check_in_group(kind: str, op: str) -> None:
+    """Refuses a ``kind`` or ``op`` that `Communicator.in_group` does not run, in one
+    wording for every engine's communicator."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {list(KINDS)}. Received: kind={kind!r}")
+    _check_op(op)
+
+
 class StrategyCommunicator(Communicator):
     """The strategy's own cross-device ops (``distribution.extended.batch_reduce_to``).
 
@@ -181,9 +190,10 @@ class StrategyCommunicator(Communicator):
 
     def in_group(self, group, kind, distribution, value, op="sum"):
         """TF's collective V2 ops within each group (`tfdist.comm.groups`)."""
+        check_in_group(kind, op)
         if kind == "all_gather":
             return group.all_gather(distribution, value)
-        return getattr(group, kind)(distribution, value, _check_op(op))
+        return getattr(group, kind)(distribution, value, op)
 
     def all_reduce(self, distribution, values, destinations, op="mean"):
         import tensorflow as tf
