@@ -150,6 +150,18 @@ def initial_value(distribution, value, dtype):
     return full
 
 
+def gather_numpy(distribution, value, axis: int = 0):
+    """Cross-replica: every replica's piece of ``value`` (a mirrored variable's
+    components, one per local replica, on every worker), concatenated on ``axis`` in
+    replica order, as a numpy array. The strategy's ``gather``: with several workers a
+    collective, so every worker must call it."""
+    import numpy as np
+    import tensorflow as tf
+
+    parts = [tf.convert_to_tensor(v) for v in value.values]
+    return np.asarray(distribution.gather(per_replica(parts, always_wrap=True), axis=axis))
+
+
 def per_replica(parts, always_wrap: bool = False):
     """``parts`` (one per local replica) as one per-replica value (a tensor if one,
     unless ``always_wrap``)."""

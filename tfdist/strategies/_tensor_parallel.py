@@ -28,7 +28,7 @@ import re
 
 import numpy as np
 
-from tfdist.comm.communicator import initial_value, per_replica, replica_ids
+from tfdist.comm.communicator import gather_numpy, initial_value, per_replica, replica_ids
 from tfdist.comm.groups import ReplicaGroups
 from tfdist.strategies import _tp_batch as _batch
 from tfdist.strategies import _tp_layers as layers
@@ -96,11 +96,7 @@ class Split:
         strategy, m = self.plan.strategy, self.plan.replicas
         if getattr(strategy, "num_workers", 1) == 1:  # model index r holds slice r % m
             return np.concatenate([np.asarray(v) for v in value.values[:m]], axis=self.axis)
-        import tensorflow as tf
-
-        parts = [tf.convert_to_tensor(v) for v in value.values]
-        whole = np.asarray(strategy.gather(per_replica(parts, always_wrap=True),
-                                           axis=self.axis))
+        whole = gather_numpy(strategy, value, axis=self.axis)
         return np.take(whole, range(self.full_shape[self.axis]), axis=self.axis)
 
     def assign_full(self, target, value):
