@@ -87,9 +87,9 @@ class HorovodEngine(Engine):
                 f"model_parallel={setup.model_parallel}, {local_replicas} local replicas")
         size = int(os.environ.get("HOROVOD_SIZE") or (
             setup.cluster.num_workers if setup.cluster is not None else 1))
-        m = setup.model_parallel
-        if 0 < m < size and size % m == 0:  # else the strategy refuses m, or m = n
-            ops.declare_process_sets(mesh_groups(size, m))
+        # The strategy's rule (`is_mesh`): an m that does not divide is refused here,
+        # before Horovod starts, in the strategy's words; m = n declares none.
+        ops.declare_process_sets(mesh_groups(size, setup.model_parallel))
 
     def make_inner_communicator(self, name):
         del name
