@@ -29,7 +29,7 @@ import re
 import numpy as np
 
 from tfdist.comm.communicator import gather_numpy, initial_value, per_replica, replica_ids
-from tfdist.comm.groups import ReplicaGroups
+from tfdist.comm.groups import ReplicaGroups, is_mesh
 from tfdist.strategies import _tp_batch as _batch
 from tfdist.strategies import _tp_layers as layers
 from tfdist.strategies._tp_layers import COLUMN, FEATURES, ROW, VOCAB
@@ -147,7 +147,7 @@ class TensorParallel:
         n = strategy.num_replicas_in_sync
         self.model_parallel = n if model_parallel is None else model_parallel
         self.model_groups = self.batch_groups = None
-        if self.model_parallel < n:
+        if is_mesh(n, self.model_parallel):
             timeout = getattr(getattr(strategy, "communication", None), "timeout_seconds",
                               None)
             devices = strategy.extended.worker_devices
