@@ -70,6 +70,27 @@ def test_strategies_do_not_reach_into_the_horovod_engine_for_elastic_fit():
     assert not [m for m in imported if m and m.startswith("tfdist.engines")], imported
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("kind, op, refused", [
+    ("gather", "sum", "kind must be one of ['all_gather', 'all_reduce', 'reduce_scatter']. "
+                      "Received: kind='gather'"),
+    ("all_reduce", "max", "op must be one of ['sum', 'mean']. Received: op='max'"),
+    ("all_gather", "max", "op must be one of ['sum', 'mean']. Received: op='max'"),
+])
+def test_both_engines_refuse_a_collective_within_groups_in_the_same_words(kind, op, refused):
+    """The TF and Horovod engines' communicators check ``in_group``'s kind and op at
+    once (before any group, strategy or value is looked at), with one message."""
+    from tfdist.comm.communicator import StrategyCommunicator
+    from tfdist.engines.horovod.engine import HorovodCommunicator
+
+    said = []
+    for communicator in (StrategyCommunicator(), HorovodCommunicator()):
+        with pytest.raises(ValueError) as error:
+            communicator.in_group(None, kind, None, None, op=op)
+        said.append(str(error.value))
+    assert said == [refused, refused]
+
+
 def test_engines_are_built_from_data():
     from tfdist.engines import engine_class
     from tfdist.engines.base import EngineSetup

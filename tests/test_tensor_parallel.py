@@ -14,7 +14,7 @@ import pytest
 from helpers import assert_weights_close, layout_map
 
 from tp_jobs import (BATCH, DIM, FEATURES, HEAD, HEADS, OUTPUTS, PAIR, attention_block,
-                     attention_data, hybrid_cnn, image_data)
+                     attention_data, gathered_as_by_workers, hybrid_cnn, image_data)
 from tp_jobs import data as _data
 from tp_jobs import pair as _pair
 from tp_jobs import train as _train
@@ -31,6 +31,9 @@ def test_column_row_pair_matches_one_device(logical_cpus):
     # Each replica holds half of each split kernel (and of the column layer's bias).
     split = {v.path: v for v in trained.weights if split_of(v) is not None}
     assert sorted(split) == ["down/kernel", "up/bias", "up/kernel"]
+    for path, (local, gathered) in gathered_as_by_workers(strategy, trained).items():
+        assert local.shape == split_of(split[path]).full_shape, path
+        np.testing.assert_array_equal(gathered, local, err_msg=path)
     whole = sum(math.prod(split_of(v).full_shape) for v in split.values())
     for replica in range(2):
         held = sum(math.prod(tf_value(v).values[replica].shape) for v in split.values())

@@ -121,8 +121,31 @@ def test_process_sets_are_refused_once_horovod_runs_without_them(monkeypatch):
     from tfdist.engines.horovod import ops
 
     monkeypatch.setattr(ops, "_hvd", types.SimpleNamespace(size=lambda: 4))
-    monkeypatch.setattr(ops, "_process_sets", {})
+    monkeypatch.setattr(ops, "_sets", ops.ProcessSets())
     ops.declare_process_sets([[0, 1, 2, 3], [5]])  # every rank, or one: no set needed
     with pytest.raises(ValueError, match=r"already running .* without the process sets .*"
                                          r"Received: process sets=\[\[0, 1\], \[2, 3\]\]"):
         ops.declare_process_sets([[1, 0], [2, 3], [0, 1]])
+
+
+def test_horovod_declares_the_strategys_mesh_groups(monkeypatch):
+    """The engine declares the process sets of the mesh by the strategy's rule
+    (`tfdist.comm.groups.is_mesh`): an m that does not divide the world is refused in
+    the strategy's words before Horovod starts; m = n declares none."""
+    from tfdist.engines.base import EngineSetup
+    from tfdist.engines.horovod import ops
+    from tfdist.engines.horovod.engine import HorovodEngine
+
+    monkeypatch.setenv("HOROVOD_SIZE", "4")
+    monkeypatch.setattr(ops, "_hvd", None)  # Horovod not started in this process
+    declared = {}
+    for m in (2, 4):
+        monkeypatch.setattr(ops, "_sets", ops.ProcessSets())
+        HorovodEngine(EngineSetup(devices=("/cpu:0",), model_parallel=m))._declare_mesh(1)
+        declared[m] = ops._sets.declared
+    assert declared == {2: [(0, 1), (2, 3), (0, 2), (1, 3)], 4: []}
+    with pytest.raises(ValueError, match=r"^model_parallel must divide the 4 replicas in "
+                                         r"sync \(a 4 // m x m mesh\)\. Received: "
+                                         r"model_parallel=3$"):
+        HorovodEngine(EngineSetup(devices=("/cpu:0",), model_parallel=3)).create_extended(
+            None, None, None)

@@ -19,7 +19,7 @@ import pytest
 from helpers import assert_weights_close
 
 from tp_fsdp_jobs import STEPS, check_held, sharded_pair_floats
-from tp_jobs import FEATURES, HIDDEN, OUTPUTS, train
+from tp_jobs import FEATURES, HIDDEN, OUTPUTS, gathered_as_by_workers, train
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -124,6 +124,12 @@ def test_sharded_attention_block_on_a_2_x_1_mesh_matches_one_device(logical_cpus
     for v in model.weights:
         if v.path in sharded:
             assert sharded[v.path] == [int(np.prod(split_of(v).full_shape))] * 2, v.path
+    # Several workers gather the blocks (`_tp_batch.full_numpy`) and the split biases:
+    # the same whole values.
+    wholes = gathered_as_by_workers(strategy, model)
+    assert set(sharded) < set(wholes)
+    for path, (local, gathered) in wholes.items():
+        np.testing.assert_array_equal(gathered, local, err_msg=path)
 
 
 def test_a_batch_axis_that_does_not_divide_or_an_embedding_is_refused(logical_cpus):

@@ -166,3 +166,20 @@ def keras_launched_task():
     return {"strategy": type(strategy).__name__, "weights": weights,
             "devices": keras.distribution.list_devices(),
             "bytes": strategy.bytes_communicated}
+
+
+def gathered_as_by_workers(strategy, model):
+    """``{path: (whole, whole as several workers take it)}`` for each split variable of
+    ``model``: the one worker's local assembly of its replicas' pieces, and the same
+    pieces through the strategy's gather (`tfdist.comm.communicator.gather_numpy`),
+    which a job of several workers takes (``num_workers`` set to 2 meanwhile)."""
+    from tfdist._hooks.tensor_parallel import split_of, tf_value
+
+    split = [v for v in model.weights if split_of(v) is not None]
+    local = [split_of(v).full_numpy(tf_value(v)) for v in split]
+    strategy.num_workers = 2  # shadows the class's 1: full_numpy gathers
+    try:
+        gathered = [split_of(v).full_numpy(tf_value(v)) for v in split]
+    finally:
+        del strategy.num_workers
+    return {v.path: pair for v, pair in zip(split, zip(local, gathered))}

@@ -28,6 +28,7 @@ from tfdist.comm.accounting import ByteCounter, payload_bytes
 from tfdist.comm.compression import get_compression
 
 OPS = ("sum", "mean")
+KINDS = ("all_gather", "all_reduce", "reduce_scatter")  # of `Communicator.in_group`
 
 
 class Communicator(abc.ABC):
@@ -149,6 +150,18 @@ def initial_value(distribution, value, dtype):
     return full
 
 
+def gather_numpy(distribution, value, axis: int = 0):
+    """Cross-replica: every replica's piece of ``value`` (a mirrored variable's
+    components, one per local replica, on every worker), concatenated on ``axis`` in
+    replica order, as a numpy array. The strategy's ``gather``: with several workers a
+    collective, so every worker must call it."""
+    import numpy as np
+    import tensorflow as tf
+
+    parts = [tf.convert_to_tensor(v) for v in value.values]
+    return np.asarray(distribution.gather(per_replica(parts, always_wrap=True), axis=axis))
+
+
 def per_replica(parts, always_wrap: bool = False):
     """``parts`` (one per local replica) as one per-replica value (a tensor if one,
     unless ``always_wrap``)."""
@@ -163,6 +176,14 @@ def _check_op(op: str) -> str:
     if op not in OPS:
         raise ValueError(f"op must be one of {list(OPS)}. Received: op={op!r}")
     return op
+
+
+def check_in_group(kind: str, op: str) -> None:
+    """Refuses a ``kind`` or ``op`` that `Communicator.in_group` does not run, in one
+    wording for every engine's communicator."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {list(KINDS)}. Received: kind={kind!r}")
+    _check_op(op)
 
 
 class StrategyCommunicator(Communicator):
@@ -181,9 +202,10 @@ class StrategyCommunicator(Communicator):
 
     def in_group(self, group, kind, distribution, value, op="sum"):
         """TF's collective V2 ops within each group (`tfdist.comm.groups`)."""
+        check_in_group(kind, op)
         if kind == "all_gather":
             return group.all_gather(distribution, value)
-        return getattr(group, kind)(distribution, value, _check_op(op))
+        return getattr(group, kind)(distribution, value, op)
 
     def all_reduce(self, distribution, values, destinations, op="mean"):
         import tensorflow as tf

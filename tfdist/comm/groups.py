@@ -41,10 +41,26 @@ def axis_members(replicas: int, model_parallel: int, axis: str, group: int) -> l
     return list(range(group, replicas, m))
 
 
+def is_mesh(replicas: int, model_parallel: int) -> bool:
+    """Whether a "model" axis of size m forms a data x model mesh of the n ``replicas``
+    (m < n), the one rule the strategies and the engines follow.
+
+    Raises:
+        ValueError: m does not divide n.
+    """
+    if replicas % model_parallel:
+        raise ValueError(f"model_parallel must divide the {replicas} replicas in sync (a "
+                         f"{replicas} // m x m mesh). Received: model_parallel={model_parallel}")
+    return model_parallel < replicas
+
+
 def mesh_groups(replicas: int, model_parallel: int) -> list[list[int]]:
     """Every group of both axes of the ``(replicas // m, m)`` mesh: the d "model" groups,
-    then the m "batch" groups."""
+    then the m "batch" groups; none when m = n (`is_mesh`, which refuses an m that does
+    not divide n)."""
     m = model_parallel
+    if not is_mesh(replicas, m):
+        return []
     return ([axis_members(replicas, m, "model", g) for g in range(replicas // m)]
             + [axis_members(replicas, m, "batch", g) for g in range(m)])
 

@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from tfdist.comm.communicator import initial_value, per_replica, replica_ids
+from tfdist.comm.communicator import gather_numpy, initial_value, per_replica, replica_ids
 from tfdist.strategies import _zero_sparse as _sparse
 from tfdist.strategies.arguments import MIN_SHARD_ELEMENTS
 
@@ -59,11 +59,7 @@ class Shard:
 
     def full_numpy(self, value):
         """Cross-replica: the whole value as a numpy array (a collective)."""
-        import tensorflow as tf
-
-        parts = [tf.convert_to_tensor(v) for v in value.values]
-        full = self.plan.strategy.gather(per_replica(parts, always_wrap=True), axis=0)
-        return np.asarray(full)[:self.size].reshape(self.shape)
+        return gather_numpy(self.plan.strategy, value)[:self.size].reshape(self.shape)
 
     def local_whole(self, value):
         """Cross-replica, in a graph: the whole value from this worker's slices (the

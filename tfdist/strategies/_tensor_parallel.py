@@ -28,8 +28,8 @@ import re
 
 import numpy as np
 
-from tfdist.comm.communicator import initial_value, per_replica, replica_ids
-from tfdist.comm.groups import ReplicaGroups
+from tfdist.comm.communicator import gather_numpy, initial_value, per_replica, replica_ids
+from tfdist.comm.groups import ReplicaGroups, is_mesh
 from tfdist.strategies import _tp_batch as _batch
 from tfdist.strategies import _tp_layers as layers
 from tfdist.strategies._tp_layers import COLUMN, FEATURES, ROW, VOCAB
@@ -96,11 +96,7 @@ class Split:
         strategy, m = self.plan.strategy, self.plan.replicas
         if getattr(strategy, "num_workers", 1) == 1:  # model index r holds slice r % m
             return np.concatenate([np.asarray(v) for v in value.values[:m]], axis=self.axis)
-        import tensorflow as tf
-
-        parts = [tf.convert_to_tensor(v) for v in value.values]
-        whole = np.asarray(strategy.gather(per_replica(parts, always_wrap=True),
-                                           axis=self.axis))
+        whole = gather_numpy(strategy, value, axis=self.axis)
         return np.take(whole, range(self.full_shape[self.axis]), axis=self.axis)
 
     def assign_full(self, target, value):
@@ -151,7 +147,7 @@ class TensorParallel:
         n = strategy.num_replicas_in_sync
         self.model_parallel = n if model_parallel is None else model_parallel
         self.model_groups = self.batch_groups = None
-        if self.model_parallel < n:
+        if is_mesh(n, self.model_parallel):
             timeout = getattr(getattr(strategy, "communication", None), "timeout_seconds",
                               None)
             devices = strategy.extended.worker_devices

@@ -42,13 +42,10 @@ def full_numpy(split, value):
     strategy = split.plan.strategy
     if getattr(strategy, "num_workers", 1) == 1:
         return assemble([np.asarray(v) for v in value.values], split)
-    import tensorflow as tf
+    from tfdist.comm.communicator import gather_numpy
 
-    from tfdist.comm.communicator import per_replica
-
-    parts = [tf.convert_to_tensor(v)[None] for v in value.values]
-    stacked = np.asarray(strategy.gather(per_replica(parts, always_wrap=True), axis=0))
-    return assemble(list(stacked), split)
+    blocks = np.split(gather_numpy(strategy, value), strategy.num_replicas_in_sync)
+    return assemble(blocks, split)
 
 
 def gather(split, local):

@@ -12,6 +12,7 @@ import tensorflow as tf
 from tfdist import env
 from tfdist._hooks import tf as tf_hooks
 from tfdist._hooks.tensor_parallel import install_split_hooks, split_of
+from tfdist.comm.groups import is_mesh
 from tfdist.devices import default_devices, validate_devices
 from tfdist.engines.registry import AUTO, engine_with_groups
 from tfdist.strategies._sync import SyncGradientsMixin
@@ -28,10 +29,8 @@ class TensorParallelMixin:
 
     def _init_tensor_parallel(self, layout_map, model_parallel=None) -> None:
         n = self.num_replicas_in_sync
-        if model_parallel is not None and n % model_parallel:
-            raise ValueError(f"model_parallel must divide the {n} replicas in sync (a "
-                             f"{n} // m x m mesh). Received: model_parallel={model_parallel}")
-        if model_parallel not in (None, n) and not self.communicator.supports_groups:
+        mesh = model_parallel is not None and is_mesh(n, model_parallel)  # m divides n
+        if mesh and not self.communicator.supports_groups:
             raise ValueError(
                 f"A data x model mesh (model_parallel < replicas) needs collectives within "
                 f"groups of replicas, which engine={getattr(self, 'engine', None)!r} does not "

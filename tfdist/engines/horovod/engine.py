@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 
-from tfdist.comm.communicator import StrategyCommunicator, replica_ids
+from tfdist.comm.communicator import StrategyCommunicator, check_in_group, replica_ids
 from tfdist.comm.groups import mesh_groups
 from tfdist.engines import peers as peer_probes
 from tfdist.engines.base import Engine, summary
@@ -87,9 +87,9 @@ class HorovodEngine(Engine):
                 f"model_parallel={setup.model_parallel}, {local_replicas} local replicas")
         size = int(os.environ.get("HOROVOD_SIZE") or (
             setup.cluster.num_workers if setup.cluster is not None else 1))
-        m = setup.model_parallel
-        if 0 < m < size and size % m == 0:  # else the strategy refuses m, or m = n
-            ops.declare_process_sets(mesh_groups(size, m))
+        # The strategy's rule (`is_mesh`): an m that does not divide is refused here,
+        # before Horovod starts, in the strategy's words; m = n declares none.
+        ops.declare_process_sets(mesh_groups(size, setup.model_parallel))
 
     def make_inner_communicator(self, name):
         del name
@@ -162,13 +162,9 @@ class HorovodCommunicator(StrategyCommunicator):
     supports_groups = True
 
     def in_group(self, group, kind, distribution, value, op="sum"):
+        check_in_group(kind, op)
         import tensorflow as tf
 
-        if op not in ("sum", "mean"):
-            raise ValueError(f"op must be one of ['sum', 'mean']. Received: op={op!r}")
-        if kind not in ("all_gather", "all_reduce", "reduce_scatter"):
-            raise ValueError("kind must be one of ['all_gather', 'all_reduce', "
-                             f"'reduce_scatter']. Received: kind={kind!r}")
         (part,) = distribution.experimental_local_results(value)  # one replica
         ranks = group.members(replica_ids(distribution)[0])  # replica r is rank r
         with tf.device(part.device):

@@ -27,10 +27,31 @@ _WIRE_FOR = {"uint32": "int64", "uint16": "int32", "int16": "int32", "bfloat16":
 
 _hvd = None
 _op_count = itertools.count()
-# Process sets (rank tuples) `hvd` declares when it starts Horovod (`declare_process_sets`),
-# and the ProcessSet of each once started.
-_declared: list[tuple[int, ...]] = []
-_process_sets: dict[tuple[int, ...], object] = {}
+
+
+class ProcessSets:
+    """The process sets of a data x model mesh in this process: the rank tuples `hvd`
+    declares when it starts Horovod (`declare_process_sets`), and the ProcessSet of each
+    once started (what Horovod's ops take).
+
+    Kept here because Horovod lists its process sets only through private members
+    (``HorovodBasics._get_process_set_ids_and_ranks``: ids and ranks, not the ProcessSet
+    objects); publicly it has only ``global_process_set`` and the sets given to
+    ``hvd.init()``.
+    """
+
+    def __init__(self):
+        self.declared: list[tuple[int, ...]] = []
+        self.started: dict[tuple[int, ...], object] = {}
+
+    def init(self, module) -> None:
+        """``module.init()`` with a ProcessSet of each declared rank tuple, kept."""
+        made = [module.ProcessSet(list(ranks)) for ranks in self.declared]
+        module.init(process_sets=made or None)
+        self.started.update({tuple(ps.ranks): ps for ps in made})
+
+
+_sets = ProcessSets()
 
 
 def _op_name(name: str | None, kind: str) -> str:
@@ -53,9 +74,7 @@ def hvd():
     if _hvd is None:
         module = import_horovod()
         if not module.is_initialized():
-            sets = [module.ProcessSet(list(ranks)) for ranks in _declared]
-            module.init(process_sets=sets or None)
-            _process_sets.update({tuple(ps.ranks): ps for ps in sets})
+            _sets.init(module)
         _hvd = module
     return _hvd
 
@@ -73,9 +92,9 @@ def declare_process_sets(groups) -> None:
     """
     wanted = list(dict.fromkeys(tuple(sorted(g)) for g in groups if len(g) > 1))
     if _hvd is None:
-        _declared[:] = wanted
+        _sets.declared[:] = wanted
         return
-    missing = [list(g) for g in wanted if g not in _process_sets and len(g) != _hvd.size()]
+    missing = [list(g) for g in wanted if g not in _sets.started and len(g) != _hvd.size()]
     if missing:
         raise ValueError(
             "Horovod is already running in this process without the process sets a data x "
@@ -85,7 +104,7 @@ def declare_process_sets(groups) -> None:
 
 def process_sets() -> list[tuple[int, ...]]:
     """The ranks of each process set Horovod was started with (`declare_process_sets`)."""
-    return sorted(_process_sets)
+    return sorted(_sets.started)
 
 
 def process_set(ranks):
@@ -99,10 +118,10 @@ def process_set(ranks):
     ranks = tuple(sorted(ranks))
     if len(ranks) == h.size():
         return h.global_process_set
-    if ranks not in _process_sets:
+    if ranks not in _sets.started:
         raise ValueError("Horovod has no process set of these ranks: declare it before "
                          f"Horovod starts (declare_process_sets). Received: ranks={list(ranks)}")
-    return _process_sets[ranks]
+    return _sets.started[ranks]
 
 
 def import_horovod():
