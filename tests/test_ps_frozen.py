@@ -121,6 +121,35 @@ def test_watchdog_names_a_silent_ps_and_not_the_workers_whose_steps_wait_for_it(
         watchdog.stop()
 
 
+def test_a_tf_error_naming_a_frozen_ps_waits_for_the_watchdog_to_name_it(
+        servers):  # noqa: F811
+    """Under load, a gRPC connection the chief opens to a ps after it froze may fail
+    (UnavailableError, "timed out before receiving SETTINGS frame") before the probes
+    find the ps silent: the chief raises the watchdog's error, naming the ps, not TF's.
+    An error naming a ps that answers is left to the chief at once."""
+    import types
+
+    from tfdist.strategies.parameter_server import StepTimeoutError, _StepWatchdog
+
+    coordinator = types.SimpleNamespace(_cluster=types.SimpleNamespace(
+        workers=[_FakeWorker(0)]))
+    watchdog = _StepWatchdog(coordinator, [servers["answering"]], 4.0, 60,
+                             ps_addresses=[servers["answering"], servers["silent"]])
+    watchdog.EXIT_GRACE_SECONDS = 3600  # never exit the test process
+    unavailable = "failed to connect to all addresses. Additional GRPC error information " \
+                  "from remote target /job:ps/replica:0/task:{} while calling Enqueue"
+    try:
+        watchdog.settle(RuntimeError(unavailable.format(0)))  # ps-0 answers: no wait
+        assert watchdog.error is None
+        with pytest.raises(StepTimeoutError) as info:
+            watchdog.settle(RuntimeError(unavailable.format(1)))
+        assert info.value.tasks == ["ps-1"]
+        assert str(info.value).startswith("ps-1 is not responding: its server has not "
+                                          "answered for 2s"), info.value
+    finally:
+        watchdog.stop()
+
+
 def test_watchdog_blames_a_hung_worker_only_after_every_ps_answered(
         servers, tmp_path):  # noqa: F811
     """A step overdue while a ps has not yet answered a probe begun after it went overdue

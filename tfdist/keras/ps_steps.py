@@ -435,8 +435,12 @@ def _new_step_id():
 
 def _join(strategy):
     """``coordinator.join()``, or the strategy's `StepTimeoutError` (see ``step_timeout``)."""
-    while not wait_for_closures(strategy.coordinator, 1.0):
-        strategy.raise_if_steps_timed_out()
+    try:
+        while not wait_for_closures(strategy.coordinator, 1.0):
+            strategy.raise_if_steps_timed_out()
+    except tf.errors.UnavailableError as error:
+        strategy.raise_if_steps_timed_out(error)
+        raise
 
 
 def _is_worker_lost(error) -> bool:
@@ -463,6 +467,7 @@ def _fetch(strategy, remote_value, retry=None):
         raise
     except tf.errors.UnavailableError as error:
         if not _is_worker_lost(error):
+            strategy.raise_if_steps_timed_out(error)  # a frozen ps: named, not TF's words
             raise
         return None if retry is None else _fetch(strategy, retry(), retry)
 

@@ -7,6 +7,7 @@ None); ``fit`` asks it for its error while it waits for steps.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -75,6 +76,7 @@ class _StepWatchdog:
         self._dead = {}  # worker index -> since when nothing listens at its address
         self._ps_silent = {}  # ps index -> when its server stopped answering
         self._ps_answered = {}  # ps index -> when its last answered probe began
+        self._ps_probing = set()  # ps indices whose probe is in flight
         self._startup_timeout = startup_timeout
         self._flagged = {}  # overdue key (a step's token, or a silence) -> (index, when)
         for kind, tasks in (("worker", addresses), ("ps", ps_addresses)):
@@ -88,6 +90,8 @@ class _StepWatchdog:
             (self._ps_silent, {})
         while self.error is None and not self._stopped:
             began = time.monotonic()
+            if kind == "ps":
+                self._ps_probing.add(index)
             answer = is_responsive(address, self._probe_timeout)
             if answer and kind == "ps":
                 self._ps_answered[index] = began
@@ -96,6 +100,8 @@ class _StepWatchdog:
                     since.setdefault(index, time.monotonic())
                 else:
                     since.pop(index, None)
+            if kind == "ps":  # after its silence is recorded: `settle` sees one or the other
+                self._ps_probing.discard(index)
             time.sleep(self._interval)
 
     def _watch(self):
@@ -196,6 +202,26 @@ class _StepWatchdog:
             self._fail(StepTimeoutError(f"{name} is overdue: {why}; asking tfdist launch "
                                         f"to {request} it failed: {error}", [name]))
             return path
+
+    def settle(self, error) -> None:
+        """Raises this watchdog's `StepTimeoutError` instead of TF's ``error`` when
+        ``error`` names a ps that is not answering, once the probes have decided.
+
+        A frozen ps usually hangs the chief, and the probes name it after
+        ``step_timeout / 2`` (at most 30 s). But a connection TF opens to it after it
+        froze fails on its own after 20 s ("timed out before receiving SETTINGS frame"),
+        which would end the chief with TF's words. Returns at once if no named ps is
+        silent or being probed (a healthy server answers a probe in milliseconds;
+        ``error`` is then the chief's to raise)."""
+        named = {int(i) for i in re.findall(r"/job:ps/replica:\d+/task:(\d+)", str(error))}
+        deadline = time.monotonic() + self._probe_timeout + 2 * self._interval
+        while self.error is None and time.monotonic() < deadline and \
+                any(self._is_unanswered(i) for i in named):
+            time.sleep(0.05)
+        self.raise_if_failed()
+
+    def _is_unanswered(self, index) -> bool:
+        return index in self._ps_silent or index in self._ps_probing
 
     def _fail(self, error):
         if self.error is not None:

@@ -306,10 +306,19 @@ class ParameterServerStrategy(handoff.KerasHandoff, tf.distribute.ParameterServe
         """Seconds a step may run on a worker (None: no limit)."""
         return self._step_timeout
 
-    def raise_if_steps_timed_out(self) -> None:
-        """Raises `StepTimeoutError` if the step watchdog gave up (see ``step_timeout``)."""
-        if self._watchdog is not None:
-            self._watchdog.raise_if_failed()
+    def raise_if_steps_timed_out(self, error=None) -> None:
+        """Raises `StepTimeoutError` if the step watchdog gave up (see ``step_timeout``).
+
+        Args:
+            error: A TF error the chief received; if it names a ps the watchdog finds
+                not answering, waits for the watchdog to name that ps (at most
+                ``step_timeout / 2``, 30 s) and raises its error instead.
+        """
+        if self._watchdog is None:
+            return
+        if error is not None:
+            self._watchdog.settle(error)
+        self._watchdog.raise_if_failed()
 
     @property
     def bytes_communicated(self) -> int:
