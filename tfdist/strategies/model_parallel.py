@@ -66,9 +66,9 @@ class TensorParallelMixin:
             # parameters.
             from tfdist.strategies._fsdp import clip_sharded
 
-            d = self.num_replicas_in_sync // self.tensor_parallel.model_parallel
-            copies = [1 if split_of(v) is not None and split_of(v).batch_axis is not None
-                      else d for _, v in out]  # a block sharded over "batch": held once
+            m = self.tensor_parallel.model_parallel
+            copies = [_copies(split_of(v), self.num_replicas_in_sync // m, m)
+                      for _, v in out]
             clipped = clip_sharded(self, self.communicator, optimizer, [g for g, _ in out],
                                    [split_of(v) is not None for _, v in out], copies=copies)
             out = [(g, v) for g, (_, v) in zip(clipped, out)]
@@ -88,6 +88,15 @@ class TensorParallelMixin:
         for i, grad in zip(split, summed):
             grads_and_vars[i] = (grad, grads_and_vars[i][1])
         return grads_and_vars
+
+
+def _copies(split, d, m) -> int:
+    """How many replicas hold the same part of a split variable: its slice d (one per
+    data index), a block sharded over "batch" once, a block over "batch" alone m (the
+    replicas of a model group)."""
+    if split is None or split.batch_axis is None:
+        return d
+    return m if split.axis is None else 1
 
 
 class ModelParallelStrategy(TensorParallelMixin, SyncGradientsMixin,
