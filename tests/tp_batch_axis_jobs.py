@@ -73,6 +73,51 @@ def keras_mesh():
         keras.distribution.set_distribution(None)
 
 
+def halves_pair():
+    """tp_jobs.pair with its row layer's product summed as the mesh sums it: two
+    half-products over the hidden axis, each rounded to the compute dtype, then added
+    (one device, another reduction order)."""
+    import keras
+
+    class Halves(keras.layers.Dense):
+        def call(self, inputs):
+            from keras import ops
+
+            x1, x2 = ops.split(inputs, 2, axis=-1)
+            k1, k2 = ops.split(ops.convert_to_tensor(self.kernel), 2, axis=0)
+            return ops.matmul(x1, k1) + ops.matmul(x2, k2) + self.bias
+
+    from tp_jobs import HIDDEN
+
+    inputs = keras.Input((FEATURES,))
+    h = keras.layers.Dense(HIDDEN, activation="relu", name="up")(inputs)
+    return keras.Model(inputs, Halves(OUTPUTS, name="down")(h))
+
+
+def mixed(policy, mesh):
+    """The ("batch", "model") pair of tests/tp_fsdp_jobs.py under the Keras dtype policy
+    ``policy`` (Keras wraps Adam in a LossScaleOptimizer for "mixed_float16"): trained
+    on the 2 x 2 ``mesh()``, on one device, and on one device in the mesh's order of the
+    row layer's sum; the optimizer's class, the final loss scales (mesh, one device),
+    and each replica's stored elements."""
+    import keras
+
+    from tp_jobs import pair
+
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        weights, model = train(mesh(), pair)
+        reference, plain = train(None, pair)
+        return {"mesh": weights, "optimizer": type(model.optimizer).__name__,
+                "scales": [float(np.asarray(m.optimizer.dynamic_scale))
+                           for m in (model, plain)],
+                "compute_dtype": model.get_layer("down").compute_dtype,
+                "held": held(model), "reference": reference,
+                "halves": train(None, halves_pair)[0]}
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
 def main(out_path, directory):
     import tfdist
 
@@ -83,9 +128,16 @@ def main(out_path, directory):
         return tfdist.ModelParallelStrategy(layout_map=STACK, devices=devices,
                                             model_parallel=m)
 
+    def pair_mesh():
+        from tp_fsdp_jobs import SHARDED
+
+        return tfdist.ModelParallelStrategy(layout_map=SHARDED, model_parallel=2)
+
     saved = os.path.join(directory, "stack.keras")
     results = {"2x1": run(mesh(2, 1)), "2x2": run(mesh(2, 2), save=saved),
-               "reference": run(None), "keras": keras_mesh(), "saved": saved}
+               "reference": run(None), "keras": keras_mesh(), "saved": saved,
+               "float16": mixed("mixed_float16", pair_mesh),
+               "float32": train(None, __import__("tp_jobs").pair)[0]}
     with open(out_path, "wb") as f:
         pickle.dump(results, f)
 
