@@ -133,9 +133,16 @@ def main(out_path, directory):
 
         return tfdist.ModelParallelStrategy(layout_map=SHARDED, model_parallel=2)
 
+    def sgd():
+        import keras
+
+        return keras.optimizers.SGD(0.1, global_clipnorm=0.05)
+
     saved = os.path.join(directory, "stack.keras")
     results = {"2x1": run(mesh(2, 1)), "2x2": run(mesh(2, 2), save=saved),
                "reference": run(None), "keras": keras_mesh(), "saved": saved,
+               "clipped": {"mesh": train(mesh(2, 2), stack, optimizer=sgd)[0],
+                           "reference": train(None, stack, optimizer=sgd)[0]},
                "float16": mixed("mixed_float16", pair_mesh),
                "float32": train(None, __import__("tp_jobs").pair)[0]}
     with open(out_path, "wb") as f:
