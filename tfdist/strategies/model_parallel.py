@@ -113,7 +113,7 @@ class ModelParallelStrategy(TensorParallelMixin, SyncGradientsMixin,
 
     Args:
         layout_map: ``{variable path regex: layout}``, a layout being a tuple of axis
-            names (``"model"`` once, ``"batch"`` at most once, else None) or a
+            names (``"model"`` and ``"batch"`` each at most once, else None) or a
             ``keras.distribution.TensorLayout``; or a ``keras.distribution.LayoutMap``.
         devices: Device names; default: every local GPU, or else every logical CPU.
         communication_options, compression: As `tfdist.MirroredStrategy`; the
@@ -129,7 +129,8 @@ class ModelParallelStrategy(TensorParallelMixin, SyncGradientsMixin,
             (TF's collective V2 ops, `tfdist.comm.groups`). There a Dense or
             EinsumDense kernel laid out ``("batch", "model")`` or ``("model",
             "batch")`` is also sharded over the d replicas of the batch axis: each
-            stores 1/(d*m) of it (`tfdist.strategies._tp_batch`).
+            stores 1/(d*m) of it (`tfdist.strategies._tp_batch`); a variable laid out
+            over "batch" alone (``("batch", None)``) is stored 1/d per replica.
 
     Attributes:
         tensor_parallel: The `tfdist.strategies._tensor_parallel.TensorParallel` plan.
