@@ -239,14 +239,7 @@ class TensorParallel:
         (stored as its block of d, as Keras on JAX shards it), else None (replicated)."""
         if "batch" not in axes or self.batch_groups is None:
             return None  # on d = 1 the "batch" entry means nothing
-        d, at = self.batch_groups.size, axes.index("batch")
-        if len(axes) != len(shape) or axes.count("batch") > 1 or any(
-                a not in (None, "batch") for a in axes) or shape[at] % d or not trainable:
-            raise ValueError(
-                f"Variable {path!r} of shape {list(shape)} cannot be sharded on axis {at} "
-                f"over the {d} replicas of the 'batch' axis (it must be trainable, its "
-                f"layout name 'batch' once, on an axis that is a multiple of {d}, with one "
-                f"entry per axis). Received: layout={axes}")
+        _batch.check_alone(path, shape, axes, trainable, self.batch_groups.size)
         return BATCH_ONLY
 
     def _checked(self, path, shape, axes, trainable):
