@@ -157,9 +157,6 @@ def test_what_batch_alone_cannot_shard_is_refused(logical_cpus):
                                          r"sharded on axis 1 over the 2 replicas"):
         with mesh({"odd/kernel": (None, "batch")}).scope():
             keras.layers.Dense(3, name="odd").build((None, FEATURES))
-    with pytest.raises(ValueError, match=r"'norm/moving_mean' .* must be trainable"):
-        with mesh({"norm/moving_mean": ("batch",)}).scope():
-            keras.layers.BatchNormalization(name="norm").build((None, FEATURES))
 
     def embedded():
         inputs = keras.Input((3,), dtype="int32")
@@ -196,3 +193,34 @@ def test_batch_alone_means_nothing_without_a_batch_axis(logical_cpus):
         layer = keras.layers.Dense(4, name="a")
         layer.build((None, FEATURES))
     assert split_of(layer.kernel) is None  # d = 1: replicated, as on one device
+
+
+def test_batch_normalization_statistics_over_batch_stay_whole(logical_cpus):
+    """A BatchNormalization's moving statistics laid out ("batch",) on a 2 x 1 mesh are
+    not trainable: each replica keeps them whole (Keras on JAX would shard their storage),
+    next to a kernel over "batch" alone that is sharded; training equals one device."""
+    import keras
+
+    import tfdist
+    from tfdist._hooks.tensor_parallel import split_of
+    from tp_jobs import train
+
+    def normed():
+        inputs = keras.Input((FEATURES,))
+        # No bias before the normalization: its true gradient is zero, Adam's step noise.
+        h = keras.layers.Dense(WIDE, use_bias=False, name="a")(inputs)
+        h = keras.layers.BatchNormalization(synchronized=True, name="norm")(h)
+        return keras.Model(inputs, keras.layers.Dense(OUTPUTS, name="b")(h))
+
+    strategy = tfdist.ModelParallelStrategy(
+        layout_map={"norm/moving_(mean|variance)": ("batch",), "a/kernel": ("batch", None)},
+        model_parallel=1)
+    weights, model = train(strategy, normed, epochs=1)
+    norm = model.get_layer("norm")
+    assert split_of(norm.moving_mean) is None and split_of(norm.moving_variance) is None
+    assert split_of(model.get_layer("a").kernel) is not None
+    reference = train(None, normed, epochs=1)[0]
+    assert_weights_close(weights, reference, atol=1e-5)
+    paths = [v.path for v in model.weights]  # the statistics moved from (0, 1)
+    for variable, start in ((norm.moving_mean, 0), (norm.moving_variance, 1)):
+        assert np.max(np.abs(weights[paths.index(variable.path)] - start)) > 1e-3

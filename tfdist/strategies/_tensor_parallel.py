@@ -235,11 +235,13 @@ class TensorParallel:
         return axis
 
     def _batch_only(self, path, shape, axes, trainable):
-        """`BATCH_ONLY` for a layout naming "batch" and not "model" on a mesh with d > 1
-        (stored as its block of d, as Keras on JAX shards it), else None (replicated)."""
-        if "batch" not in axes or self.batch_groups is None:
+        """`BATCH_ONLY` for a trainable variable laid out over "batch" and not "model" on a
+        mesh with d > 1 (stored as its block of d, as Keras on JAX shards it), else None
+        (replicated: a non-trainable one, such as a BatchNormalization statistic, stays
+        whole on every replica)."""
+        if "batch" not in axes or self.batch_groups is None or not trainable:
             return None  # on d = 1 the "batch" entry means nothing
-        _batch.check_alone(path, shape, axes, trainable, self.batch_groups.size)
+        _batch.check_alone(path, shape, axes, self.batch_groups.size)
         return BATCH_ONLY
 
     def _checked(self, path, shape, axes, trainable):

@@ -23,16 +23,16 @@ import numpy as np
 from tfdist.strategies._tp_ops import merge, move_from_front, move_to_front
 
 
-def check_alone(path, shape, axes, trainable, d) -> None:
-    """Raises unless a variable laid out over "batch" alone can be stored 1/d."""
+def check_alone(path, shape, axes, d) -> None:
+    """Raises unless a trainable variable laid out over "batch" alone can be stored 1/d."""
     at = axes.index("batch")
     if len(axes) != len(shape) or axes.count("batch") > 1 or any(
-            a not in (None, "batch") for a in axes) or shape[at] % d or not trainable:
+            a not in (None, "batch") for a in axes) or shape[at] % d:
         raise ValueError(
             f"Variable {path!r} of shape {list(shape)} cannot be sharded on axis {at} "
-            f"over the {d} replicas of the 'batch' axis (it must be trainable, its "
-            f"layout name 'batch' once, on an axis that is a multiple of {d}, with one "
-            f"entry per axis). Received: layout={axes}")
+            f"over the {d} replicas of the 'batch' axis (its layout must name 'batch' "
+            f"once, on an axis that is a multiple of {d}, with one entry per axis). "
+            f"Received: layout={axes}")
 
 
 def block(whole, split, replica: int):
