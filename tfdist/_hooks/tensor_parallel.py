@@ -7,7 +7,9 @@ Why: Keras 3 makes a variable's TF value in the private ``_initialize`` of
 holds slice r (its Keras shape is the slice's, so the layer's own math and the
 optimizer's slots work on slices), made here. A slice also sharded over the "batch"
 axis is stored as its block (the Keras shape is the block's, as are the slots'), and
-gathered when its split layer's call reads it. ``numpy``/``__array__`` (saves,
+gathered when its split layer's call reads it. A variable laid out over "batch" alone
+is stored as its block too and gathered when any layer reads it in a replica function
+(while Keras infers shapes, its block is repeated to the whole shape). ``numpy``/``__array__`` (saves,
 ``get_weights``) read the value directly and ``assign`` (loads, ``set_weights``) checks
 the whole shape first: both are patched to gather or cut the whole value. An optimizer
 slot made from a split variable (``TFOptimizer.add_variable_from_reference``) is split
@@ -113,6 +115,26 @@ def in_shape_inference() -> bool:
     return in_symbolic_scope()
 
 
+def _batch_only_read(variable, split, value):
+    """A read of a variable laid out over "batch" alone (``value``: this replica's
+    block): gathered whole in a replica function, the block itself in an optimizer's
+    update, repeated to the whole shape while Keras infers shapes (only shapes count)."""
+    import tensorflow as tf
+    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+
+    if tf_hooks.in_update():
+        return value
+    if in_symbolic_scope():
+        return tf.concat([value] * split.batches, axis=split.batch_axis)
+    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+        raise ValueError(
+            f"Variable {variable.path!r} is sharded over the 'batch' axis (axis "
+            f"{split.batch_axis} of {list(split.full_shape)}): only the strategy's fit, "
+            "evaluate or predict reads it. Received: a read outside them (a direct "
+            "model(x) call?)")
+    return split.gather(value)
+
+
 def install_split_hooks() -> None:
     """Patches Keras' TF variable once. Idempotent; chains to any earlier patch."""
     import tensorflow as tf
@@ -151,6 +173,8 @@ def install_split_hooks() -> None:
 
     def __tf_tensor__(self, dtype=None, name=None):
         split = split_of(self)
+        if split is not None and split.axis is None:
+            return _batch_only_read(self, split, to_tensor(self, dtype=dtype, name=name))
         if split is not None and not (getattr(_CALL, "active", False) or tf_hooks.in_update()
                                       or in_symbolic_scope()):
             raise ValueError(

@@ -18,7 +18,8 @@ A split variable's gradient is whole on its replica (the layer saw every row), s
 strategy does not all-reduce it (on a data x model mesh it sums it over the batch axis).
 On a mesh with d > 1 a Dense or EinsumDense kernel laid out with "batch" on its other
 axis (``("batch", "model")``, ``("model", "batch")``) is also fully sharded over the
-batch axis: `tfdist.strategies._tp_batch`.
+batch axis, and a variable laid out over "batch" alone (``("batch", None)``) is stored
+as its block of d: `tfdist.strategies._tp_batch`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from tfdist.strategies import _tp_layers as layers
 from tfdist.strategies._tp_layers import COLUMN, FEATURES, ROW, VOCAB
 
 MODEL = "model"
+BATCH_ONLY = "batch"  # `TensorParallel.split_axis` of a variable laid out over "batch" alone
 
 
 class ModelAxis:
@@ -61,11 +63,12 @@ class Split:
     """How one variable is cut: ``full_shape`` in ``replicas`` equal slices on ``axis``
     (``local_shape``: one slice, as its layer's call sees it); with ``batch_axis``, each
     slice stored in ``batches`` (d) blocks on that axis over the "batch" axis
-    (`tfdist.strategies._tp_batch`)."""
+    (`tfdist.strategies._tp_batch`). ``axis`` None: not split over "model" (the slice
+    is the whole variable, laid out over "batch" alone)."""
 
     plan: "TensorParallel"
     path: str
-    axis: int
+    axis: int | None
     full_shape: tuple
     local_shape: tuple
     batch_axis: int | None = None
@@ -205,7 +208,8 @@ class TensorParallel:
         return found[0][1] if found else None
 
     def split_axis(self, path: str, shape: tuple, trainable: bool):
-        """The axis the variable of ``path`` and ``shape`` is split on, or None."""
+        """The axis the variable of ``path`` and ``shape`` is split on, `BATCH_ONLY`
+        (sharded over "batch" alone), or None."""
         layer, _, name = path.rpartition("/")
         axes = self.layout_of(path)
         if axes is None:  # a column layer's bias follows its kernel's output axis
@@ -217,7 +221,7 @@ class TensorParallel:
                         MODEL if i == at else None for i in range(len(shape))), trainable)
             return None
         if MODEL not in axes:
-            return None
+            return self._batch_only(path, shape, axes, trainable)
         axis = self._checked(path, shape, axes, trainable)
         if name == "kernel" and len(shape) >= 2:
             self.kinds[layer] = ROW if axis == 0 else COLUMN
@@ -225,6 +229,16 @@ class TensorParallel:
         if name == "embeddings" and len(shape) == 2:
             self.kinds[layer] = VOCAB if axis == 0 else FEATURES
         return axis
+
+    def _batch_only(self, path, shape, axes, trainable):
+        """`BATCH_ONLY` for a trainable variable laid out over "batch" and not "model" on a
+        mesh with d > 1 (stored as its block of d, as Keras on JAX shards it), else None
+        (replicated: a non-trainable one, such as a BatchNormalization statistic, stays
+        whole on every replica)."""
+        if "batch" not in axes or self.batch_groups is None or not trainable:
+            return None  # on d = 1 the "batch" entry means nothing
+        _batch.check_alone(path, shape, axes, self.batch_groups.size)
+        return BATCH_ONLY
 
     def _checked(self, path, shape, axes, trainable):
         if len(axes) != len(shape) or axes.count(MODEL) != 1 or any(
@@ -263,7 +277,10 @@ class TensorParallel:
         if axes is not None and "batch" in axes and self.batch_groups is not None:
             batch_axis = axes.index("batch")
         local = list(shape)
-        local[axis] //= self.replicas
+        if axis == BATCH_ONLY:
+            axis = None
+        else:
+            local[axis] //= self.replicas
         split = Split(self, path, axis, tuple(shape), tuple(local), batch_axis,
                       self.batch_groups.size if batch_axis is not None else 1)
         with tf.init_scope():
@@ -292,7 +309,7 @@ class TensorParallel:
         for layer in all_layers(model):
             if layers.is_attention(layer):
                 split = layers.attention_projections(layer)
-                if any(split_of(v) is not None for sub in split for v in sub.weights):
+                if any(_over_model(v) for sub in split for v in sub.weights):
                     for sub, keep in layers.check_attention(self, layer).items():
                         inside[id(sub)] = keep
                         layers.ROWS_GATHERED[sub] = keep  # the attention gathers them
@@ -305,6 +322,16 @@ class TensorParallel:
                    and v.path.count("/") == layer.path.count("/") + 1]
             if not own:
                 continue
+            if not any(_over_model(v) for v in own):
+                self._check_batch_only(layer, own)  # runs as it is, its blocks gathered
+                continue
+            if not all(_over_model(v) for v in own):
+                alone = next(v for v in own if not _over_model(v))
+                raise ValueError(
+                    "A layer with a variable split over 'model' cannot have another laid out "
+                    "over 'batch' alone: lay it out on 'model' or leave it out of the map. "
+                    f"Received: layer {layer.name!r} with {alone.path!r} laid out "
+                    f"{self.layout_of(alone.path)}")
             kind = self.kinds.get(layer.path)
             if not layers.is_supported(layer, kind):
                 split = split_of(own[0])
@@ -335,6 +362,17 @@ class TensorParallel:
             count += 1
         return count
 
+    def _check_batch_only(self, layer, own) -> None:
+        """A layer whose split variables are laid out over "batch" alone runs its own call
+        (each read gathers the whole variable); a lookup table is refused."""
+        import keras
+
+        if isinstance(layer, keras.layers.Embedding):
+            raise ValueError(
+                "An Embedding table is not sharded over 'batch' alone: lay it out on "
+                f"'model' (or leave it out of the map). Received: layer {layer.name!r} "
+                f"with {own[0].path!r} laid out {self.layout_of(own[0].path)}")
+
     def _feeds_rows_only(self, layer, outputs) -> bool:
         """Whether every path out of ``layer`` reaches a row-parallel Dense through
         element-wise layers only (so its output may stay split)."""
@@ -352,3 +390,11 @@ class TensorParallel:
                     and self._feeds_rows_only(consumer, outputs)):
                 return False
         return True
+
+
+def _over_model(variable) -> bool:
+    """Whether ``variable`` is stored split over the "model" axis."""
+    from tfdist._hooks.tensor_parallel import split_of
+
+    split = split_of(variable)
+    return split is not None and split.axis is not None

@@ -5,10 +5,14 @@ JAX: tensor parallelism over "model", fully sharded parameters (issue #33) over 
 
 Replica r (data index ``r // m``, model index ``r % m``) stores block ``r // m`` (of d,
 on the axis laid out "batch") of its model slice ``r % m``: 1/(d*m) of the variable.
+A variable laid out over "batch" alone (``("batch", None)``, ``Split.axis`` None) is
+its own slice: 1/d of it, the same block on the m replicas of a model group.
 When its layer runs, the slice is all-gathered within the replica's batch group (the d
 replicas of its model index, `tfdist.comm.groups`); the gather's gradient is
 reduce-scattered there, so each replica receives its block's gradient summed over the
-batch axis (the strategy does not reduce it again). Both go through the strategy's
+batch axis (the strategy does not reduce it again). A variable over "batch" alone is
+read by a data-parallel layer (each replica's own rows), so its block's gradient is
+then also all-reduced within the model group (m > 1). All go through the strategy's
 accounted communicator (``bytes_communicated``).
 """
 
@@ -19,10 +23,22 @@ import numpy as np
 from tfdist.strategies._tp_ops import merge, move_from_front, move_to_front
 
 
+def check_alone(path, shape, axes, d) -> None:
+    """Raises unless a trainable variable laid out over "batch" alone can be stored 1/d."""
+    at = axes.index("batch")
+    if len(axes) != len(shape) or axes.count("batch") > 1 or any(
+            a not in (None, "batch") for a in axes) or shape[at] % d:
+        raise ValueError(
+            f"Variable {path!r} of shape {list(shape)} cannot be sharded on axis {at} "
+            f"over the {d} replicas of the 'batch' axis (its layout must name 'batch' "
+            f"once, on an axis that is a multiple of {d}, with one entry per axis). "
+            f"Received: layout={axes}")
+
+
 def block(whole, split, replica: int):
     """Replica ``replica``'s stored block of the whole numpy value ``whole``."""
     m = split.plan.replicas
-    part = np.split(whole, m, axis=split.axis)[replica % m]
+    part = whole if split.axis is None else np.split(whole, m, axis=split.axis)[replica % m]
     if split.batch_axis is None:
         return part
     return np.split(part, split.batches, axis=split.batch_axis)[replica // m]
@@ -33,7 +49,7 @@ def assemble(blocks, split):
     m = split.plan.replicas
     slices = [np.concatenate([blocks[i * m + j] for i in range(split.batches)],
                              axis=split.batch_axis) for j in range(m)]
-    return np.concatenate(slices, axis=split.axis)
+    return slices[0] if split.axis is None else np.concatenate(slices, axis=split.axis)
 
 
 def full_numpy(split, value):
@@ -56,6 +72,7 @@ def gather(split, local):
 
     plan, axis = split.plan, split.batch_axis
     communicator, groups = plan.strategy.communicator, plan.batch_groups
+    rows = split.axis is None and plan.model_groups.size > 1  # a data-parallel reader
 
     @tf.custom_gradient
     def op(x):
@@ -67,6 +84,9 @@ def gather(split, local):
             flat = tf.reshape(move_to_front(tf.convert_to_tensor(dy), axis), [-1])
             mine = merge(lambda d, v: communicator.in_group(groups, "reduce_scatter", d, v,
                                                              "sum"), flat)
+            if rows:  # the other rows of the mesh: the model group's replicas'
+                mine = merge(lambda d, v: communicator.in_group(
+                    plan.model_groups, "all_reduce", d, v, "sum"), mine)
             return move_from_front(tf.reshape(mine, front.shape), axis)
 
         return move_from_front(whole, axis), grad

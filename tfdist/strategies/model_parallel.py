@@ -65,9 +65,9 @@ class TensorParallelMixin:
             # parameters.
             from tfdist.strategies._fsdp import clip_sharded
 
-            d = self.num_replicas_in_sync // self.tensor_parallel.model_parallel
-            copies = [1 if split_of(v) is not None and split_of(v).batch_axis is not None
-                      else d for _, v in out]  # a block sharded over "batch": held once
+            m = self.tensor_parallel.model_parallel
+            copies = [_copies(split_of(v), self.num_replicas_in_sync // m, m)
+                      for _, v in out]
             clipped = clip_sharded(self, self.communicator, optimizer, [g for g, _ in out],
                                    [split_of(v) is not None for _, v in out], copies=copies)
             out = [(g, v) for g, (_, v) in zip(clipped, out)]
@@ -89,6 +89,15 @@ class TensorParallelMixin:
         return grads_and_vars
 
 
+def _copies(split, d, m) -> int:
+    """How many replicas hold the same part of a split variable: its slice d (one per
+    data index), a block sharded over "batch" once, a block over "batch" alone m (the
+    replicas of a model group)."""
+    if split is None or split.batch_axis is None:
+        return d
+    return m if split.axis is None else 1
+
+
 class ModelParallelStrategy(TensorParallelMixin, SyncGradientsMixin,
                             tf.distribute.MirroredStrategy):
     """Megatron-style tensor parallelism for Keras Dense, EinsumDense,
@@ -103,7 +112,7 @@ class ModelParallelStrategy(TensorParallelMixin, SyncGradientsMixin,
 
     Args:
         layout_map: ``{variable path regex: layout}``, a layout being a tuple of axis
-            names (``"model"`` once, ``"batch"`` at most once, else None) or a
+            names (``"model"`` and ``"batch"`` each at most once, else None) or a
             ``keras.distribution.TensorLayout``; or a ``keras.distribution.LayoutMap``.
         devices: Device names; default: every local GPU, or else every logical CPU.
         communication_options, compression: As `tfdist.MirroredStrategy`; the
@@ -119,7 +128,8 @@ class ModelParallelStrategy(TensorParallelMixin, SyncGradientsMixin,
             (TF's collective V2 ops, `tfdist.comm.groups`). There a Dense or
             EinsumDense kernel laid out ``("batch", "model")`` or ``("model",
             "batch")`` is also sharded over the d replicas of the batch axis: each
-            stores 1/(d*m) of it (`tfdist.strategies._tp_batch`).
+            stores 1/(d*m) of it (`tfdist.strategies._tp_batch`); a variable laid out
+            over "batch" alone (``("batch", None)``) is stored 1/d per replica.
 
     Attributes:
         tensor_parallel: The `tfdist.strategies._tensor_parallel.TensorParallel` plan.
