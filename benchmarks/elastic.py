@@ -22,9 +22,8 @@ load cancels (a commit after a step is read inside the step's traced function, s
 no time of its own to measure). The goals (docs/benchmarks.md) read ``ratios``.
 
 Run from the repository root (about 3 minutes on a busy 2-core machine; ``--quick``
-leaves out the k=5 cell and runs its jobs at the same time; ``--only commit`` runs the
-commit-cost job alone and, unless ``--output`` says where, writes to the quick
-directory, never over the committed results):
+leaves out the k=5 cell; ``--only commit`` runs the commit-cost job alone and, unless
+``--output`` says where, writes to the quick directory, never over the committed results):
 
     .venv/bin/python -m benchmarks.elastic [--quick] [--only commit] [--output DIR]
 
@@ -40,7 +39,6 @@ import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmarks.common import (horovod_missing, machine_info, markdown_table, output_dir,
@@ -249,13 +247,6 @@ def _ms(seconds):
     return "n/a" if seconds is None else f"{seconds * 1000:.2f} ms"
 
 
-def _announced(label, fn, *args, **kwargs):
-    print(f"elastic: {label} ...", flush=True)
-    result = fn(*args, **kwargs)
-    print(result, flush=True)
-    return result
-
-
 def main(argv=None):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     parser = section_parser("benchmarks.elastic", __doc__)
@@ -273,16 +264,16 @@ def main(argv=None):
              ("elastic k=5", {"min_workers": 2, "max_restarts": 0, "commit_every": 5}),
              ("restart + BackupAndRestore", {"min_workers": None, "max_restarts": 1,
                                              "backup": True})]
-    runs = [(f"{name} ({index + 1}/{len(cells) + 1})", _fault_cell, (name,), launch)
-            for index, (name, launch) in enumerate(cells)
-            if not ((args.quick and name == "elastic k=5") or args.only == "commit")]
-    runs.append((f"commit cost ({len(cells) + 1}/{len(cells) + 1})", _commit_cell,
-                 (args.quick,), {}))
-    # Timed runs one at a time; --quick (a smoke run: its figures only show the code
-    # paths run) overlaps its jobs, whose wall time is mostly start-ups and timeouts.
-    with ThreadPoolExecutor(max_workers=len(runs) if args.quick else 1) as pool:
-        futures = [pool.submit(_announced, label, fn, *a, **kw) for label, fn, a, kw in runs]
-        *faults, commit = [future.result() for future in futures]
+    faults = []
+    for index, (name, launch) in enumerate(cells):
+        if (args.quick and name == "elastic k=5") or args.only == "commit":
+            continue
+        print(f"elastic: {name} ({index + 1}/{len(cells) + 1}) ...", flush=True)
+        faults.append(_fault_cell(name, **launch))
+        print(faults[-1], flush=True)
+    print(f"elastic: commit cost ({len(cells) + 1}/{len(cells) + 1}) ...", flush=True)
+    commit = _commit_cell(args.quick)
+    print(commit, flush=True)
     report = {"command": "python -m benchmarks.elastic" + (" --quick" if args.quick else "")
               + (f" --only {args.only}" if args.only else ""),
               "date": datetime.datetime.now(datetime.timezone.utc).strftime(

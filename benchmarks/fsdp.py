@@ -29,7 +29,6 @@ import gc
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmarks.common import (engine_section_args, machine_info, markdown_table, pyplot,
@@ -43,14 +42,13 @@ MODES = {"unsharded": {}, "shard_optimizer_state": {"shard_optimizer_state": Tru
 
 def settings(quick: bool) -> dict:
     if quick:
-        # jobs: launches at once (a smoke run: its figures only show the code paths run)
         return {"width": 512, "layers": 2, "batch": 16, "warmup": 1, "steps": 2,
-                "workers": (2,), "cap_widths": (), "cap_layers": 4, "jobs": len(MODES)}
+                "workers": (2,), "cap_widths": (), "cap_layers": 4}
     # 4 x 4096 x 4096 float32 (+ biases): 268 MB of weights.
     # Capped: 16 layers, so that one gathered layer is small against the model.
     return {"width": 4096, "layers": 4, "batch": 16, "warmup": 1, "steps": 4,
             "workers": (2, 4), "cap_layers": 16,
-            "cap_widths": (1024, 1536, 2048, 2560, 3072, 3584, 4096, 4608), "jobs": 1}
+            "cap_widths": (1024, 1536, 2048, 2560, 3072, 3584, 4096, 4608)}
 
 
 def _rss(key: str) -> int:
@@ -182,16 +180,14 @@ def _largest(run: list) -> dict:
 
 def measure(engine: str, config: dict) -> dict:
     """Part 1: every mode at every worker count; the largest worker's figures."""
-    def one(label, n, options):
-        print(f"{NAME}: {label} ({engine})", flush=True)
-        return _largest(run_tasks(
-            _task, engine, options, config["width"], config["layers"], config["batch"],
-            config["warmup"], config["steps"], workers=n, timeout=1800))
-
-    with ThreadPoolExecutor(max_workers=config["jobs"]) as pool:
-        futures = {f"{n} workers, {mode}": pool.submit(one, f"{n} workers, {mode}", n, options)
-                   for n in config["workers"] for mode, options in MODES.items()}
-        runs = {label: future.result() for label, future in futures.items()}
+    runs = {}
+    for n in config["workers"]:
+        for mode, options in MODES.items():
+            label = f"{n} workers, {mode}"
+            print(f"{NAME}: {label} ({engine})", flush=True)
+            runs[label] = _largest(run_tasks(
+                _task, engine, options, config["width"], config["layers"], config["batch"],
+                config["warmup"], config["steps"], workers=n, timeout=1800))
     ratios = {}
     for n in config["workers"]:
         plain = runs[f"{n} workers, unsharded"]

@@ -19,7 +19,6 @@ import os
 import platform
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from benchmarks.common import parse_section_args, section_parser, task_env
 
@@ -61,22 +60,19 @@ def _chief_task(mode, steps, warmup, batch, features, hidden):
             "parameters": int(model.count_params())}
 
 
-def run(steps, warmup, batch, features, hidden, timeout, configs=CONFIGS, jobs=1):
-    """Each config's launch, ``jobs`` at once (timed runs: 1)."""
+def run(steps, warmup, batch, features, hidden, timeout, configs=CONFIGS):
     import tfdist
 
-    def one(mode, workers):
+    results = []
+    for mode, workers in configs:
         values = tfdist.launch(_chief_task, mode, steps, warmup, batch, features, hidden,
                                workers=workers, chief=True, ps=1, timeout=timeout,
                                env=task_env(), stream=None)
         result = values[0]
         print(f"{mode:5s} workers={workers}: {result['steps_per_s']:7.1f} steps/s "
               f"{result['examples_per_s']:9.0f} examples/s", flush=True)
-        return result
-
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = [pool.submit(one, mode, workers) for mode, workers in configs]
-        return [future.result() for future in futures]
+        results.append(result)
+    return results
 
 
 def _markdown(report):
@@ -127,9 +123,7 @@ def main(argv=None):
         args.steps, args.warmup = 20, 4
     load = " ".join(f"{v:.1f}" for v in os.getloadavg())
     results = run(args.steps, args.warmup, args.batch, args.features, args.hidden,
-                  args.timeout, QUICK_CONFIGS if args.quick else CONFIGS,
-                  # the smoke run's figures only show the code paths run
-                  jobs=len(QUICK_CONFIGS) if args.quick else 1)
+                  args.timeout, QUICK_CONFIGS if args.quick else CONFIGS)
     report = {
         "command": "python -m benchmarks.parameter_server" + (" --quick" if args.quick else ""),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
