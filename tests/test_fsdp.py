@@ -3,6 +3,8 @@
 MultiHeadAttention, Dense and Conv2D ends equal to one device with the global batch;
 each replica holds half of the sharded elements; saves hold the unsharded layout."""
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 
@@ -126,11 +128,14 @@ def test_two_workers(engine, tmp_path):
     if engine == "tf":  # the 2-worker save resumes sharded on 1 and on 3 workers
         from fsdp_jobs import resume, resume_task
 
-        want = resume(results[0]["saved"])  # this plain process resuming the same file
-        for workers in (1, 3):
-            for got in run_cluster(resume_task, results[0]["saved"], engine,
-                                   workers=workers, timeout=200):
-                assert_weights_close(got, want, atol=1e-5)
+        # Both launches at once, while this plain process resumes the same file.
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            launches = [pool.submit(run_cluster, resume_task, results[0]["saved"], engine,
+                                    workers=workers, timeout=200) for workers in (1, 3)]
+            want = resume(results[0]["saved"])
+            for launch in launches:
+                for got in launch.result():
+                    assert_weights_close(got, want, atol=1e-5)
 
 
 def test_sharded_training_resumes_from_a_save(logical_cpus, tmp_path):

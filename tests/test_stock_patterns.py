@@ -10,6 +10,7 @@ is TF's class) on the same cluster. The next held-out failure should be added he
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -148,9 +149,12 @@ def _stock_two_worker_snapshot():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
 def test_ctl_tutorial_pattern_is_the_same_under_both_engines():
-    tf_engine = run_cluster(_two_worker_snapshots, "tf", timeout=180)
-    horovod = run_cluster(_two_worker_snapshots, "horovod", timeout=180)
-    stock = run_cluster(_stock_two_worker_snapshot, timeout=180)
+    # The three launches at once: each is mostly its two workers' start-ups.
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        launches = [pool.submit(run_cluster, _two_worker_snapshots, "tf", timeout=180),
+                    pool.submit(run_cluster, _two_worker_snapshots, "horovod", timeout=180),
+                    pool.submit(run_cluster, _stock_two_worker_snapshot, timeout=180)]
+        tf_engine, horovod, stock = [launch.result() for launch in launches]
     for rank in (0, 1):
         assert tf_engine[rank]["multi_worker"] == stock[rank]
         assert horovod[rank]["multi_worker"] == stock[rank], rank

@@ -13,8 +13,8 @@ runs as the same strategy. The launch also trains the pair with its kernels laid
 (tests/test_tensor_parallel_fsdp.py runs it in one process).
 
 The one-process runs need 4 logical CPUs, which a pytest process (2) cannot have: they
-run as one script (`tp_mesh_jobs.main`), after the one launch (its save is loaded
-there)."""
+run as one script (`tp_mesh_jobs.main`), beside the one launch (its save is loaded
+there, last)."""
 
 import os
 import pickle
@@ -83,25 +83,41 @@ def tied_bytes():
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
+def both(tmp_path_factory):
+    """The launch and the one-process script at the same time (each mostly waits on
+    start-ups and its peers); the script reads the launch's save path from its stdin
+    when it gets to it."""
     from helpers import run_cluster
 
     from tp_mesh_jobs import launched_task
 
-    directory = tmp_path_factory.mktemp("mesh")
-    return run_cluster(launched_task, workers=4, timeout=400,
-                       env={"TFDIST_TEST_DIR": str(directory)})
-
-
-@pytest.fixture(scope="module")
-def one_process(launched, tmp_path_factory):
     out = tmp_path_factory.mktemp("one") / "results.pkl"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [TESTS, os.path.dirname(TESTS), os.environ.get("PYTHONPATH", "")]))
-    subprocess.run([sys.executable, os.path.join(TESTS, "tp_mesh_jobs.py"), str(out),
-                    launched[0]["saved"]], env=env, check=True, timeout=600)
+    script = subprocess.Popen([sys.executable, os.path.join(TESTS, "tp_mesh_jobs.py"),
+                               str(out), "-"], env=env, stdin=subprocess.PIPE, text=True)
+    try:
+        directory = tmp_path_factory.mktemp("mesh")
+        launched = run_cluster(launched_task, workers=4, timeout=400,
+                               env={"TFDIST_TEST_DIR": str(directory)})
+        script.communicate(launched[0]["saved"] + "\n", timeout=600)
+    finally:
+        if script.poll() is None:
+            script.kill()
+            script.wait()
+    assert script.returncode == 0, f"tp_mesh_jobs.py exited with code {script.returncode}"
     with open(out, "rb") as f:
-        return pickle.load(f)
+        return launched, pickle.load(f)
+
+
+@pytest.fixture(scope="module")
+def launched(both):
+    return both[0]
+
+
+@pytest.fixture(scope="module")
+def one_process(both):
+    return both[1]
 
 
 def _check_mesh(results, reference):

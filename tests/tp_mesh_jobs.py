@@ -151,7 +151,8 @@ def main(out_path, saved=None):
     """In one process of 4 logical CPUs: every model on the 2 x 2 mesh and on one device;
     the pair with fp16 compression; Keras' ModelParallel on DeviceMesh((2, 2)); the pair
     clipped by norm; and
-    (``saved``) a 2 x 2 save loaded on a 1 x 4 mesh and continued."""
+    (``saved``) a 2 x 2 save loaded on a 1 x 4 mesh and continued (``"-"``: its path is
+    read from stdin, after the rest)."""
     import tfdist
 
     tfdist.devices.use_logical_cpus(4)
@@ -163,6 +164,8 @@ def main(out_path, saved=None):
     results["keras"] = keras_mesh()
     results["clipped"] = clipped(lambda: tfdist.ModelParallelStrategy(layout_map=PAIR,
                                                                       model_parallel=2))
+    if saved == "-":
+        saved = sys.stdin.readline().strip()
     if saved:
         results["one_by_four"] = continue_from(
             saved, tfdist.ModelParallelStrategy(layout_map=HEAD))
