@@ -47,6 +47,8 @@ def _group_scatter(strategy, groups, length, dtype, op):
 
 
 CASES = [(dtype, "sum") for dtype in DTYPES] + [("float32", "mean"), ("int32", "mean")]
+# Across workers an integer mean is a true division (the communicator's, unchanged).
+WORKER_CASES = CASES[:-1]
 
 
 @pytest.mark.parametrize("dtype,op", CASES)
@@ -65,3 +67,47 @@ def test_group_reduce_scatter_matches_numpy(logical_cpus, dtype, op, axis, model
         np.testing.assert_allclose(got, want, rtol=1e-6)
     assert "CollectiveAllToAllV2" in ops
     assert not ops & {"CollectiveReduceV2", "CollectiveReduceScatterV2"}
+
+
+def scatter_across_workers():
+    """One of 2 launched workers (engine "tf", one CPU replica each): the strategy's
+    reduce-scatter of `_values` per dtype and op, the traced op types, the bytes counted."""
+    import tensorflow as tf
+
+    import tfdist
+
+    strategy = tfdist.MultiWorkerMirroredStrategy(engine="tf")
+    communicator = strategy.communicator
+    out = {"rank": strategy.rank, "replicas": strategy.num_replicas_in_sync}
+    length = 2 * 5
+    for dtype, op in WORKER_CASES:
+        x = tf.cast(tf.constant(_values(strategy.rank, length, dtype)), dtype)
+
+        @tf.function
+        def scatter(v):
+            return communicator.reduce_scatter(strategy, [v], op)[0]
+
+        before = communicator.bytes
+        got = tf.cast(scatter(x), "float64").numpy()
+        ops = {n.op for n in scatter.get_concrete_function(x).graph.as_graph_def().node}
+        out[f"{dtype}-{op}"] = (got, sorted(ops), communicator.bytes - before)
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_two_workers_reduce_scatter_is_an_all_to_all():
+    from helpers import run_cluster
+
+    results = run_cluster(scatter_across_workers, timeout=280)
+    for result in results:
+        rank = result["rank"]
+        assert result["replicas"] == 2
+        for dtype, op in WORKER_CASES:
+            got, ops, nbytes = result[f"{dtype}-{op}"]
+            want = _reference(2, 10, dtype, op, [0, 1])[rank]
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+            assert "CollectiveAllToAllV2" in ops, (dtype, op, ops)
+            assert not set(ops) & {"CollectiveReduceV2", "CollectiveReduceScatterV2"}
+            # One replica's whole payload, the counter's unit (as before the change).
+            assert nbytes == 10 * np.dtype("float16" if dtype == "bfloat16" else dtype).itemsize
