@@ -6,8 +6,8 @@ has data index ``r // m`` and model index ``r % m``. A `ReplicaGroups` is one ax
 ``"model"`` (the m replicas of one data index, consecutive) or ``"batch"`` (the d
 replicas of one model index, every m-th). Its collectives run within each group only
 (true subgroup collectives: a group of m sends what m replicas send), through TF's
-public collective V2 ops (``tf.raw_ops.CollectiveGatherV2`` and
-``CollectiveReduceV2``), on one host and across workers alike.
+public collective V2 ops (``tf.raw_ops.CollectiveGatherV2``, ``CollectiveReduceV2``
+and ``CollectiveAllToAllV2``), on one host and across workers alike.
 
 Keys: each `ReplicaGroups` takes its own block of group keys from ``GROUP_KEY_START``
 up, far above the strategies' (``tfdist._hooks.tf.assign_collective_key_base``: a base
