@@ -14,7 +14,7 @@ def _values(replica, length, dtype):
                                                            else dtype)
 
 
-def _reference(replicas, length, dtype, op, members):
+def _reference(length, dtype, op, members):
     """Per replica of ``members``: its block of the group's sum (or mean)."""
     total = sum(_values(r, length, dtype).astype("int64") for r in members)
     if op == "mean":
@@ -62,9 +62,9 @@ def test_group_reduce_scatter_matches_numpy(logical_cpus, dtype, op, axis, model
                            timeout_seconds=60)
     length = 2 * 7  # an odd block: 7 elements each
     results, ops = _group_scatter(strategy, groups, length, dtype, op)
-    expected = _reference(2, length, dtype, op, [0, 1])
-    for got, want in zip(results, expected):
-        np.testing.assert_allclose(got, want, rtol=1e-6)
+    for replica, got in enumerate(results):  # the layout: position p keeps block p
+        want = _reference(length, dtype, op, groups.members(replica))
+        np.testing.assert_allclose(got, want[groups.position(replica)], rtol=1e-6)
     assert "CollectiveAllToAllV2" in ops
     assert not ops & {"CollectiveReduceV2", "CollectiveReduceScatterV2"}
 
@@ -91,6 +91,11 @@ def scatter_across_workers():
         got = tf.cast(scatter(x), "float64").numpy()
         ops = {n.op for n in scatter.get_concrete_function(x).graph.as_graph_def().node}
         out[f"{dtype}-{op}"] = (got, sorted(ops), communicator.bytes - before)
+    # An uneven length (7) padded with zeros to a multiple of the replicas, as ZeRO's
+    # buckets are: rank r's block holds elements [4r, 4r + 4) of the sum.
+    uneven = tf.pad(tf.constant(_values(strategy.rank, 7, "float32")), [[0, 1]])
+    out["padded"] = tf.function(
+        lambda v: communicator.reduce_scatter(strategy, [v], "sum")[0])(uneven).numpy()
     return out
 
 
@@ -105,9 +110,11 @@ def test_two_workers_reduce_scatter_is_an_all_to_all():
         assert result["replicas"] == 2
         for dtype, op in WORKER_CASES:
             got, ops, nbytes = result[f"{dtype}-{op}"]
-            want = _reference(2, 10, dtype, op, [0, 1])[rank]
+            want = _reference(10, dtype, op, [0, 1])[rank]
             np.testing.assert_allclose(got, want, rtol=1e-6)
             assert "CollectiveAllToAllV2" in ops, (dtype, op, ops)
             assert not set(ops) & {"CollectiveReduceV2", "CollectiveReduceScatterV2"}
             # One replica's whole payload, the counter's unit (as before the change).
             assert nbytes == 10 * np.dtype("float16" if dtype == "bfloat16" else dtype).itemsize
+        want = np.append(_values(0, 7, "float32") + _values(1, 7, "float32"), 0)
+        np.testing.assert_array_equal(result["padded"], want[4 * rank:4 * rank + 4])
