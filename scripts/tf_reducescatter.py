@@ -53,9 +53,21 @@ def _task(megabytes: int, repeats: int) -> dict:
     elements = megabytes * 2 ** 20 // 4
     value = tf.constant(np.full(elements, strategy.rank + 1.0, np.float32))
 
-    runs = {"all_to_all": tf.function(lambda v: inner.reduce_scatter(strategy, [v])[0]),
-            "all_reduce": tf.function(
-                lambda v: Communicator.reduce_scatter(inner, strategy, [v])[0])}
+    device = strategy.extended.worker_devices[0]
+
+    def on_device(v):  # placed: the all-reduce lands on its value's device
+        with tf.device(device):
+            return tf.identity(v)
+
+    @tf.function
+    def all_to_all(v):
+        return inner.reduce_scatter(strategy, [on_device(v)])[0]
+
+    @tf.function
+    def all_reduce(v):
+        return Communicator.reduce_scatter(inner, strategy, [on_device(v)])[0]
+
+    runs = {"all_to_all": all_to_all, "all_reduce": all_reduce}
     want = sum(range(1, strategy.num_replicas_in_sync + 1))
     out = {name: [] for name in runs}
     for name, run in runs.items():  # trace and warm up
