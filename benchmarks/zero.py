@@ -19,8 +19,8 @@ float32 weights trained with Adam (``fit`` on random data). Each worker reports:
   reduce-scatter and all-gather (N-1)/N x P each; where the engine has no
   reduce-scatter, an all-reduce), and ``bytes_communicated`` as tfdist counts it.
 
-The default engine is Horovod (its ``reducescatter``); TF's collectives on CPU have no
-reduce-scatter (see docs/zero.md).
+The default engine is Horovod (its ``reducescatter``); on CPU, engine "tf" reduce-scatters
+with TF's all-to-all and a local sum (see docs/zero.md).
 """
 
 from __future__ import annotations
@@ -103,8 +103,6 @@ def _task(engine, sharded, width, layers, batch, warmup, steps):
         slice_copy = padded // n
         true_scatter = type(strategy.communicator.inner).reduce_scatter_workers is not (
             StrategyCommunicator.reduce_scatter_workers)
-        if engine == "tf":
-            true_scatter = False  # TF's collective reduce-scatter is NCCL-only (CPU here)
         wire = (n - 1) / n * padded * ((1 if true_scatter else 2) + 1)
     else:
         gradient_bytes, slice_copy = weights, 0

@@ -54,3 +54,15 @@ def test_collective_reduce_scatter_members_exist():
     init = inspect.getsource(launcher.__init__)
     for name in ("_group_key", "_group_size", "_device", "_options"):
         assert f"self.{name} =" in init
+
+
+def test_all_to_all_runs_on_cpu():
+    """`collective_all_to_all` relies on TF's CPU ``AllToAll`` collective (only the
+    reduce-scatter is NCCL only)."""
+    import tensorflow as tf
+
+    with tf.device("/cpu:0"):
+        out = tf.raw_ops.CollectiveAllToAllV2(
+            input=tf.constant([[1.0, 2.0]]), group_size=1, group_key=(1 << 30) - 7,
+            instance_key=(1 << 30) - 7, ordering_token=[], timeout_seconds=30.0)
+    assert out.numpy().tolist() == [[1.0, 2.0]]

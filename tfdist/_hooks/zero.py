@@ -1,5 +1,5 @@
 """Hooks for sharded optimizer state (`tfdist.strategies._zero`): plain per-replica
-variables, Keras' weight-decay rule, and TF's collective reduce-scatter.
+variables, Keras' weight-decay rule, and TF's collective reduce-scatter and all-to-all.
 
 ``tests/test_hooks_zero.py`` fails loudly when a TF or Keras upgrade removes what they touch.
 """
@@ -52,6 +52,27 @@ def backend_update_step_overridden(optimizer) -> bool:
     return overrides_backend_update_step(optimizer)
 
 
+def _single_launcher(distribution, tensor):
+    """The strategy's one collective launcher (private: ``CollectiveAllReduce._launchers``),
+    or None when it does not reduce with TF's collectives or has several local replicas."""
+    from tensorflow.python.distribute import cross_device_ops
+
+    ops = distribution.extended._get_cross_device_ops(tensor)
+    if not isinstance(ops, cross_device_ops.CollectiveAllReduce) or len(ops._launchers) != 1:
+        return None
+    return ops._launchers[0]
+
+
+def _keys(launcher):
+    """The launcher's group, a fresh instance key and its ordering token, as TF issues
+    its own collectives (so ours are ordered with theirs and never collide)."""
+    token = launcher._get_ordering_token()
+    return dict(group_size=launcher._group_size, group_key=launcher._group_key,
+                instance_key=launcher._next_instance_key(),
+                ordering_token=[token] if token is not None else [],
+                timeout_seconds=launcher._options.timeout_seconds or 0)
+
+
 def collective_reduce_scatter(distribution, tensor):
     """``tensor`` summed over every worker; this worker's 1/W of it (TF's collective).
 
@@ -61,30 +82,44 @@ def collective_reduce_scatter(distribution, tensor):
     instance keys and ordering token (private members of its replica launcher), so it
     is ordered with, and never collides with, the strategy's other collectives. One
     local replica per worker only (the group is the replicas). TF implements it with
-    NCCL only: on CPU it fails ("CollectiveRegistry::Lookup did not find collective
-    implementation"), so CPU workers get None (the caller all-reduces instead).
+    NCCL only (``collective_param_resolver_local.cc`` names no CPU implementation: on
+    CPU it fails with "CollectiveRegistry::Lookup did not find collective
+    implementation"), so CPU workers get None (see `collective_all_to_all`).
 
     Returns:
         The slice, or None when the strategy does not reduce with TF's collectives, has
         several local replicas, or runs on CPU.
     """
     import tensorflow as tf
-    from tensorflow.python.distribute import cross_device_ops
     from tensorflow.python.ops import gen_collective_ops
 
-    ops = distribution.extended._get_cross_device_ops(tensor)
-    if not isinstance(ops, cross_device_ops.CollectiveAllReduce) or len(ops._launchers) != 1:
+    launcher = _single_launcher(distribution, tensor)
+    if launcher is None or "GPU" not in launcher._device.upper():
         return None
-    launcher = ops._launchers[0]
-    if "GPU" not in launcher._device.upper():
-        return None
-    instance_key = launcher._next_instance_key()
-    token = launcher._get_ordering_token()
-    options = launcher._options
     with tf.device(launcher._device):
         return gen_collective_ops.collective_reduce_scatter_v2(
-            tensor, group_size=launcher._group_size, group_key=launcher._group_key,
-            instance_key=instance_key, ordering_token=[token] if token is not None else [],
-            merge_op="Add", final_op="Id", communication_hint=options.implementation.value,
-            timeout_seconds=options.timeout_seconds or 0)
+            tensor, merge_op="Add", final_op="Id",
+            communication_hint=launcher._options.implementation.value, **_keys(launcher))
 
+
+def collective_all_to_all(distribution, tensor):
+    """Flat ``tensor`` cut into W blocks, block w sent to worker w: this worker's
+    ``(W, len/W)`` blocks, row v from worker v (TF's ``CollectiveAllToAllV2``).
+
+    Why: as `collective_reduce_scatter` (the strategy's group, keys and ordering token
+    are private members of its replica launcher); TF runs all-to-all on CPU too (its
+    ``AllToAll`` collective, ``core/common_runtime/all_to_all.cc``), so summing the rows
+    is a reduce-scatter that sends each block once. One local replica per worker only.
+
+    Returns:
+        The blocks, or None when the strategy does not reduce with TF's collectives or
+        has several local replicas.
+    """
+    import tensorflow as tf
+
+    launcher = _single_launcher(distribution, tensor)
+    if launcher is None:
+        return None
+    with tf.device(launcher._device):
+        return tf.raw_ops.CollectiveAllToAllV2(
+            input=tf.reshape(tensor, [launcher._group_size, -1]), **_keys(launcher))

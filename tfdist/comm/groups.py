@@ -6,8 +6,8 @@ has data index ``r // m`` and model index ``r % m``. A `ReplicaGroups` is one ax
 ``"model"`` (the m replicas of one data index, consecutive) or ``"batch"`` (the d
 replicas of one model index, every m-th). Its collectives run within each group only
 (true subgroup collectives: a group of m sends what m replicas send), through TF's
-public collective V2 ops (``tf.raw_ops.CollectiveGatherV2`` and
-``CollectiveReduceV2``), on one host and across workers alike.
+public collective V2 ops (``tf.raw_ops.CollectiveGatherV2``, ``CollectiveReduceV2``
+and ``CollectiveAllToAllV2``), on one host and across workers alike.
 
 Keys: each `ReplicaGroups` takes its own block of group keys from ``GROUP_KEY_START``
 up, far above the strategies' (``tfdist._hooks.tf.assign_collective_key_base``: a base
@@ -17,7 +17,9 @@ process and advance in the order the collectives are traced, which is the same o
 every worker (the same program), as TF's own keys do.
 
 TF has no ring reduce-scatter on CPU (its ``CollectiveReduceScatterV2`` is NCCL only):
-`reduce_scatter` is a group all-reduce, then each replica keeps its block.
+`reduce_scatter` is an all-to-all of the blocks (``CollectiveAllToAllV2``, which TF runs
+on CPU and GPU), then each replica sums the blocks it received: each block crosses the
+wire once, half what an all-reduce sends.
 """
 
 from __future__ import annotations
@@ -158,18 +160,18 @@ class ReplicaGroups:
 
     def reduce_scatter(self, distribution, value, op: str = "sum"):
         """A flat value summed over each group; each replica keeps its block
-        (position p of g: elements ``[p*len/g, (p+1)*len/g)``); per-replica."""
+        (position p of g: elements ``[p*len/g, (p+1)*len/g)``; len a multiple of g);
+        per-replica. An all-to-all of the g blocks, then a local sum of those received."""
         import tensorflow as tf
 
-        from tfdist.comm.communicator import flat_length, per_replica, replica_ids
+        def scatter(part, group_key, instance_key, token):
+            blocks = tf.raw_ops.CollectiveAllToAllV2(
+                input=tf.reshape(part, [self.size, -1]), group_size=self.size,
+                group_key=group_key, instance_key=instance_key, ordering_token=token,
+                timeout_seconds=self.timeout_seconds)
+            total = tf.reduce_sum(blocks, axis=0)
+            if op == "mean":
+                return tf.raw_ops.Div(x=total, y=tf.cast(self.size, total.dtype))
+            return total
 
-        reduced = self.all_reduce(distribution, value, op)
-        out = []
-        for part, device, replica in zip(distribution.experimental_local_results(reduced),
-                                         distribution.extended.worker_devices,
-                                         replica_ids(distribution)):
-            block = flat_length(part) // self.size
-            start = self.position(replica) * block
-            with tf.device(device):
-                out.append(tf.identity(part[start:start + block]))
-        return per_replica(out)
+        return self._run(distribution, value, scatter)

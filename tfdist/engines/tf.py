@@ -114,12 +114,19 @@ class TFEngine(Engine):
 
 
 class TFCommunicator(StrategyCommunicator):
-    """The extended's reductions, and TF's collective reduce-scatter across workers."""
+    """The extended's reductions, and a reduce-scatter across workers: TF's collective
+    reduce-scatter on GPU (NCCL), an all-to-all of the blocks and a local sum on CPU."""
 
     def reduce_scatter_workers(self, distribution, tensor):
-        from tfdist._hooks.zero import collective_reduce_scatter
+        import tensorflow as tf
 
-        return collective_reduce_scatter(distribution, tensor)
+        from tfdist._hooks.zero import collective_all_to_all, collective_reduce_scatter
+
+        scattered = collective_reduce_scatter(distribution, tensor)
+        if scattered is not None:
+            return scattered
+        blocks = collective_all_to_all(distribution, tensor)
+        return None if blocks is None else tf.reduce_sum(blocks, axis=0)
 
 
 def tf_cluster_resolver(source, cluster):
