@@ -217,3 +217,17 @@ def tcp_listener(respond):
         for conn in conns:
             conn.close()
         server.close()
+
+
+def run_job_script(directory, script: str):
+    """Runs ``tests/<script>`` in a fresh process (its own TF start-up: logical CPUs)
+    with ``RESULTS DIRECTORY`` as arguments; the results it pickled."""
+    import pickle
+
+    out = os.path.join(str(directory), "results.pkl")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [TESTS_DIR, ROOT, os.environ.get("PYTHONPATH", "")]))
+    subprocess.run([sys.executable, os.path.join(TESTS_DIR, script), out, str(directory)],
+                   env=env, check=True, timeout=600)
+    with open(out, "rb") as f:
+        return pickle.load(f)

@@ -8,32 +8,20 @@ Every run equals one device with the same initial weights and global batch (atol
 The 2 x 2 mesh needs 4 logical CPUs, which a pytest process (2) cannot have: it runs as
 one script (`tp_fsdp_jobs.main`); the 2 x 1 mesh runs here."""
 
-import os
-import pickle
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from helpers import assert_weights_close
+from helpers import assert_weights_close, run_job_script
 
 from tp_fsdp_jobs import STEPS, check_held, sharded_pair_floats
 from tp_jobs import FEATURES, HIDDEN, OUTPUTS, gathered_as_by_workers, train
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("fsdp_mesh")
-    out = directory / "results.pkl"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [TESTS, os.path.dirname(TESTS), os.environ.get("PYTHONPATH", "")]))
-    subprocess.run([sys.executable, os.path.join(TESTS, "tp_fsdp_jobs.py"), str(out),
-                    str(directory)], env=env, check=True, timeout=600)
-    with open(out, "rb") as f:
-        return pickle.load(f)
+    return run_job_script(tmp_path_factory.mktemp("fsdp_mesh"), "tp_fsdp_jobs.py")
 
 
 @pytest.mark.multiprocess

@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 
-from tp_jobs import BATCH, FEATURES, OUTPUTS, data, train
+from tp_jobs import BATCH, FEATURES, OUTPUTS, keras_mesh_run, train, train_and_report
 
 WIDE, MIDDLE = 16, 8  # layer "a": FEATURES -> WIDE; the pair WIDE -> WIDE -> MIDDLE
 STACK = {"a/kernel": ("batch", None), "a/bias": ("batch",),
@@ -50,38 +50,15 @@ def clipped():
 
 
 def run(strategy, optimizer="adam", save=None):
-    """The stack trained under ``strategy`` (None: one device) with ``optimizer``."""
-    before = strategy.bytes_communicated if strategy is not None else 0
-    weights, model = train(strategy, stack, epochs=EPOCHS, optimizer=optimizer)
-    out = {"weights": weights}
-    if strategy is not None:
-        out["bytes"] = strategy.bytes_communicated - before
-        out["held"] = held(model)
-    x, y = data()
-    out["predict"] = model.predict(x, batch_size=BATCH, verbose=0)
-    out["evaluate"] = model.evaluate(x, y, batch_size=BATCH, verbose=0)
-    if save:
-        model.save(save)
-    return out
+    """The stack trained under ``strategy`` (None: one device) with ``optimizer``:
+    `train_and_report`."""
+    return train_and_report(strategy, stack, held, optimizer, save, epochs=EPOCHS)
 
 
 def keras_mesh():
     """The stack under keras.distribution.ModelParallel on DeviceMesh((2, 2)), with the
     2 x 2 run's clipped Adam."""
-    import keras
-
-    from helpers import layout_map
-
-    keras.distribution.set_distribution(keras.distribution.ModelParallel(
-        layout_map=layout_map(STACK.items(), shape=(2, 2))))
-    try:
-        weights, model = train(None, stack, epochs=EPOCHS, optimizer=clipped)
-        strategy = model.distribute_strategy
-        return {"weights": weights, "strategy": type(strategy).__name__,
-                "model_parallel": strategy.tensor_parallel.model_parallel,
-                "held": held(model)}
-    finally:
-        keras.distribution.set_distribution(None)
+    return keras_mesh_run(STACK, stack, held, epochs=EPOCHS, optimizer=clipped)
 
 
 def halves_pair():
@@ -121,7 +98,7 @@ def mixed(policy, mesh):
         reference, plain = train(None, pair)
         return {"mesh": weights, "optimizer": type(model.optimizer).__name__,
                 "scales": [float(np.asarray(m.optimizer.dynamic_scale))
-                           for m in (model, plain)],
+                           for m in (model, plain) if hasattr(m.optimizer, "dynamic_scale")],
                 "compute_dtype": model.get_layer("down").compute_dtype,
                 "held": held(model), "reference": reference,
                 "halves": train(None, halves_pair)[0]}
@@ -149,6 +126,7 @@ def main(out_path, directory):
                "reference": run(None), "clipped": run(None, clipped),
                "keras": keras_mesh(), "saved": saved,
                "float16": mixed("mixed_float16", pair_mesh),
+               "bfloat16": mixed("mixed_bfloat16", pair_mesh),
                "float32": train(None, __import__("tp_jobs").pair)[0]}
     with open(out_path, "wb") as f:
         pickle.dump(results, f)

@@ -12,7 +12,8 @@ import sys
 
 import numpy as np
 
-from tp_jobs import BATCH, FEATURES, HIDDEN, OUTPUTS, data, pair, train
+from tp_jobs import (BATCH, FEATURES, HIDDEN, OUTPUTS, data, keras_mesh_run, pair, train,
+                     train_and_report)
 
 SHARDED = {"up/kernel": ("batch", "model"), "down/kernel": ("model", "batch")}
 STEPS = 2 * (32 // BATCH)  # two epochs of 32 rows
@@ -83,38 +84,13 @@ def held(model) -> dict:
 
 
 def run(strategy, optimizer="adam", save=None):
-    """The pair trained under ``strategy`` (None: one device): weights, predict,
-    evaluate, and with a strategy what each replica holds and the bytes sent."""
-    before = strategy.bytes_communicated if strategy is not None else 0
-    weights, model = train(strategy, pair, optimizer=optimizer)
-    out = {"weights": weights}
-    if strategy is not None:
-        out["bytes"] = strategy.bytes_communicated - before  # fit's
-        out["held"] = held(model)
-    x, y = data()
-    out["predict"] = model.predict(x, batch_size=BATCH, verbose=0)
-    out["evaluate"] = model.evaluate(x, y, batch_size=BATCH, verbose=0)
-    if save:
-        model.save(save)
-    return out
+    """The pair trained under ``strategy`` (None: one device): `train_and_report`."""
+    return train_and_report(strategy, pair, held, optimizer, save)
 
 
 def keras_mesh():
     """The pair under keras.distribution.ModelParallel on DeviceMesh((2, 2))."""
-    import keras
-
-    from helpers import layout_map
-
-    keras.distribution.set_distribution(keras.distribution.ModelParallel(
-        layout_map=layout_map(SHARDED.items(), shape=(2, 2))))
-    try:
-        weights, model = train(None, pair)
-        strategy = model.distribute_strategy
-        return {"weights": weights, "strategy": type(strategy).__name__,
-                "model_parallel": strategy.tensor_parallel.model_parallel,
-                "held": held(model)}
-    finally:
-        keras.distribution.set_distribution(None)
+    return keras_mesh_run(SHARDED, pair, held)
 
 
 def continued(path, strategy):

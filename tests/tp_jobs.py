@@ -100,6 +100,41 @@ def train(strategy, build, epochs=2, optimizer="adam", x=None, y=None, seed=1, l
     return [np.asarray(w) for w in model.get_weights()], model
 
 
+def train_and_report(strategy, build, held, optimizer="adam", save=None, epochs=2) -> dict:
+    """``build``'s model trained under ``strategy`` (None: one device): its weights,
+    predict and evaluate, and with a strategy what each replica holds (``held(model)``)
+    and the bytes fit sent; saved to ``save`` if given."""
+    before = strategy.bytes_communicated if strategy is not None else 0
+    weights, model = train(strategy, build, epochs=epochs, optimizer=optimizer)
+    out = {"weights": weights}
+    if strategy is not None:
+        out["bytes"] = strategy.bytes_communicated - before  # fit's
+        out["held"] = held(model)
+    x, y = data()
+    out["predict"] = model.predict(x, batch_size=BATCH, verbose=0)
+    out["evaluate"] = model.evaluate(x, y, batch_size=BATCH, verbose=0)
+    if save:
+        model.save(save)
+    return out
+
+
+def keras_mesh_run(layouts, build, held, **train_options) -> dict:
+    """``build``'s model under keras.distribution.ModelParallel on DeviceMesh((2, 2))
+    with ``layouts``: weights, the strategy it ran under and what each replica holds."""
+    import keras
+
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(
+        layout_map=layout_map(layouts.items(), shape=(2, 2))))
+    try:
+        weights, model = train(None, build, **train_options)
+        strategy = model.distribute_strategy
+        return {"weights": weights, "strategy": type(strategy).__name__,
+                "model_parallel": strategy.tensor_parallel.model_parallel,
+                "held": held(model)}
+    finally:
+        keras.distribution.set_distribution(None)
+
+
 def attention_data():
     rng = np.random.default_rng(0)
     return (rng.normal(size=(32, 4, DIM)).astype("float32"),

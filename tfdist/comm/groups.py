@@ -138,10 +138,13 @@ class ReplicaGroups:
         import tensorflow as tf
 
         def gather(part, group_key, instance_key, token):
-            return tf.raw_ops.CollectiveGatherV2(
-                input=part, group_size=self.size, group_key=group_key,
-                instance_key=instance_key, ordering_token=token,
-                timeout_seconds=self.timeout_seconds)
+            # CollectiveGatherV2 takes no bfloat16 (mixed_bfloat16 activations): it
+            # gathers them as float32, which holds every bfloat16 value exactly.
+            gathered = tf.raw_ops.CollectiveGatherV2(
+                input=tf.cast(part, tf.float32) if part.dtype == tf.bfloat16 else part,
+                group_size=self.size, group_key=group_key, instance_key=instance_key,
+                ordering_token=token, timeout_seconds=self.timeout_seconds)
+            return tf.cast(gathered, part.dtype)
 
         return self._run(distribution, value, gather)
 
