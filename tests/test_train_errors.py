@@ -297,6 +297,85 @@ def test_backup_of_another_config_is_kept_and_refused_unless_fresh(tmp_path, cap
     outdir.prepare_backup(other, backup)  # now marked as the other config's
 
 
+def _users_directory(path):
+    """A directory of the user's: 3 files and a subdirectory, none tfdist's."""
+    (path / "data").mkdir(parents=True)
+    (path / "data" / "x.npy").write_bytes(b"the user's data")
+    for name in ("notes.txt", "a.txt", "b.txt"):
+        (path / name).write_text(name)
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("fresh", [False, True], ids=["kept", "fresh"])
+@pytest.mark.parametrize("where", ["TFDIST_BACKUP_DIR", "train.output_dir"])
+def test_a_directory_tfdist_did_not_write_is_never_used_or_removed(
+        tmp_path, capsys, monkeypatch, nothing_starts, where, fresh):
+    """Issue 39 item 3: --fresh removed the user's directory; without it the directory
+    was called "a backup of another config"."""
+    users = tmp_path / "mine" if where == "TFDIST_BACKUP_DIR" else tmp_path / "out" / "backup"
+    if where == "TFDIST_BACKUP_DIR":
+        monkeypatch.setenv("TFDIST_BACKUP_DIR", str(users))
+    else:
+        monkeypatch.delenv("TFDIST_BACKUP_DIR", raising=False)
+    before = _users_directory(users)
+    config = tmp_path / "job.toml"
+    config.write_text("[strategy]\nname = 'none'\n")
+    argv = ["train", str(config), "--set", f'train.output_dir="{tmp_path / "out"}"',
+            *(f"--set={item}" for item in SMALL), *(["--fresh"] if fresh else [])]
+    assert main(argv) == 2
+    err = _one_line_error(capsys, f"{users} holds 3 files and 1 directory that tfdist did "
+                          "not write (a.txt, b.txt, data/, notes.txt); it is not a tfdist "
+                          "backup, so it is neither used nor removed",
+                          f"Point {where} at a new or empty directory")
+    assert "another config" not in err and ("--fresh removes only" in err) is fresh, err
+    assert sorted(str(p.relative_to(users)) for p in users.rglob("*")) == before
+    assert not (users / outdir.BACKUP_CONFIG_FILE).exists()
+    assert not nothing_starts
+
+
+@pytest.mark.unit
+def test_a_file_as_the_backup_directory_is_kept(tmp_path, capsys, monkeypatch,
+                                                nothing_starts):
+    target = tmp_path / "a_file"
+    target.write_text("keep me")
+    monkeypatch.setenv("TFDIST_BACKUP_DIR", str(target))
+    config = tmp_path / "job.toml"
+    config.write_text("[strategy]\nname = 'none'\n")
+    assert main(["train", str(config), "--fresh", "--set",
+                 f'train.output_dir="{tmp_path / "out"}"']) == 2
+    _one_line_error(capsys, f"{target} is not a directory", "Point TFDIST_BACKUP_DIR at")
+    assert target.read_text() == "keep me"
+
+
+@pytest.mark.unit
+def test_a_backup_known_by_its_files_alone_is_refused_then_removed_with_fresh(
+        tmp_path, capsys, monkeypatch):
+    """A tfdist backup without the marker (e.g. a `tfdist launch --backup-dir` job's) is
+    told by its files: kept without --fresh, removed with it."""
+    backup = tmp_path / "out" / "backup"
+    backup.mkdir(parents=True)
+    names = ["tfdist_backup.json", "tfdist_backup.prev.json", "backup-3.weights.h5",
+             "backup-2.weights.h5.corrupt", ".tmp-4242-backup-4.weights.h5",
+             "tfdist_history.json"]
+    for name in names:
+        (backup / name).write_text("{}")
+    monkeypatch.delenv("TFDIST_BACKUP_DIR", raising=False)
+    ran = []
+    monkeypatch.setattr(train, "run_task", lambda config, name=None: ran.append(name))
+    assert _train(tmp_path, "[strategy]\nname = 'none'\n") == 2
+    _one_line_error(capsys, f"{backup} holds a tfdist backup that names no tfdist train "
+                    "config (.tmp-4242-backup-4.weights.h5, backup-2.weights.h5.corrupt, "
+                    "backup-3.weights.h5, tfdist_backup.json, ...); it is kept",
+                    "tfdist train --fresh")
+    assert sorted(p.name for p in backup.iterdir()) == sorted(names) and not ran
+    config = tmp_path / "job.toml"
+    assert main(["train", str(config), "--fresh", "--set",
+                 f'train.output_dir="{tmp_path / "out"}"', *(f"--set={i}" for i in SMALL)]) == 0
+    assert f"removed {backup} (--fresh)" in capsys.readouterr().out
+    assert [p.name for p in backup.iterdir()] == [outdir.BACKUP_CONFIG_FILE] and ran
+
+
 # ---- an engine that cannot be reached -------------------------------------------------------
 
 

@@ -154,9 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config value, e.g. --set train.epochs=2")
     train.add_argument("--fresh", action="store_true",
-                       help="discard the backup in OUTPUT_DIR/backup (an interrupted run's, "
-                            "of any config) and start at epoch 1; without it, a backup of "
-                            "this config is resumed and one of another config is refused")
+                       help="discard the backup in OUTPUT_DIR/backup or $TFDIST_BACKUP_DIR "
+                            "(an interrupted run's, of any config) and start at epoch 1; "
+                            "without it, a backup of this config is resumed and one of "
+                            "another config is refused. A directory that holds anything "
+                            "tfdist did not write is never removed")
     nodes = train.add_argument_group(
         "multi-node", "set cluster.mode = 'nodes' and these keys; run the same command on "
                       "every node with its own --node-rank")

@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from tfdist import env
 from tfdist.config import ConfigError, is_multi_process, load_config
 from tfdist.files import describe_disk_full, is_disk_full
 from tfdist.strategies import registry
@@ -145,9 +146,11 @@ def main(args) -> int:
         launched = is_multi_process(config) and config["cluster"]["mode"] in (
             "local", "nodes", "spark", "ray")
         if lock is not None:  # the launcher points its tasks at OUTPUT_DIR/backup
+            from_env = not launched and bool(os.environ.get(env.BACKUP_DIR))
             try:
                 prepare_backup(config, out / "backup" if launched else backup_dir(config),
-                               fresh=getattr(args, "fresh", False))
+                               fresh=getattr(args, "fresh", False),
+                               setting=env.BACKUP_DIR if from_env else "train.output_dir")
             except ConfigError as error:
                 print(f"tfdist train: error: {error}", file=sys.stderr)
                 return 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -21,6 +22,15 @@ LOCK_FILE = ".tfdist.lock"
 # In OUTPUT_DIR/backup: the config a backup belongs to, and the per-epoch history.
 BACKUP_CONFIG_FILE = "tfdist_config.json"
 BACKUP_HISTORY_FILE = "tfdist_history.json"
+# Every file a tfdist backup is made of: the two above, `BackupAndRestore`'s state
+# (tfdist/keras/callbacks.py: ``tfdist_backup.json``, its ``.prev`` and the weights it
+# names), each possibly set aside as ``*.corrupt`` or left as an atomic write's
+# temporary (`tfdist.files.temp_path_for`).
+BACKUP_FILES = re.compile(r"(\.tmp-\d+-)?(tfdist_config\.json|tfdist_history\.json"
+                          r"|tfdist_backup(\.prev)?\.json|backup-\d+\.weights\.h5)"
+                          r"(\.corrupt)?")
+# The sections of a config key (`_backup_key`): a marker without them is not tfdist's.
+_SECTIONS = {"strategy", "cluster", "model", "data", "train"}
 
 
 def create_output_dir(out: Path, source: str) -> None:
@@ -96,28 +106,39 @@ def _backup_key(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def prepare_backup(config: dict[str, Any], directory: Path, log=None, *,
-                   fresh: bool = False) -> None:
+                   fresh: bool = False, setting: str = "train.output_dir") -> None:
     """Marks ``directory`` as this config's backup, resuming one of the same config.
 
     A backup left by an interrupted job of the same config is resumed. One of another
-    config (or of no ``tfdist train`` job) is never removed unless ``fresh``
-    (``tfdist train --fresh``), which discards any backup, saying so.
+    config is never removed unless ``fresh`` (``tfdist train --fresh``), which discards
+    it, saying so. Only a directory tfdist can tell is its own backup (`own_backup`) is
+    ever used or removed; one that holds anything else is refused, naming what it holds.
+
+    Args:
+        setting: What chose ``directory``, for the advice of a refusal
+            (``TFDIST_BACKUP_DIR`` or ``train.output_dir``).
 
     Raises:
-        ConfigError: ``directory`` holds a backup of another config; names it, what
-            differs, and ``--fresh``.
+        ConfigError: ``directory`` holds a backup of another config (names it, what
+            differs, and ``--fresh``), or is not a tfdist backup (names what it holds).
     """
     log = log or sys.stdout
     marker = directory / BACKUP_CONFIG_FILE
-    if directory.exists():
-        try:
-            saved = json.loads(marker.read_text())
-        except (OSError, ValueError):
-            saved = None
-        held = directory.is_dir() and any(
-            p.name != BACKUP_CONFIG_FILE for p in directory.iterdir())
-        if fresh and directory.is_dir() and (held or saved is not None):
-            shutil.rmtree(directory)
+    if directory.exists() or directory.is_symlink():
+        if not directory.is_dir():
+            raise ConfigError(f"{directory} is not a directory, so it cannot hold the "
+                              f"backup; it is kept. Point {setting} at a new or empty "
+                              "directory")
+        saved, foreign = own_backup(directory)
+        if foreign:
+            kept = " (--fresh removes only a backup tfdist wrote)" if fresh else ""
+            raise ConfigError(f"{directory} holds {_counted(foreign)} that tfdist did not "
+                              f"write ({_shown(foreign)}); it is not a tfdist backup, so it "
+                              "is neither used nor "
+                              f"removed{kept}. Point {setting} at a new or empty directory")
+        held = any(p.name != BACKUP_CONFIG_FILE for p in directory.iterdir())
+        if fresh and (held or saved is not None):
+            _remove_contents(directory)
             print(f"tfdist train: removed {directory} (--fresh): the job starts at epoch 1",
                   file=log, flush=True)
         elif saved == _backup_key(config):
@@ -125,13 +146,66 @@ def prepare_backup(config: dict[str, Any], directory: Path, log=None, *,
                 print(f"tfdist train: {directory} holds a backup of this config; the job "
                       "resumes from it", file=log, flush=True)
             return
-        elif held or not directory.is_dir():
+        elif held and saved is None:
+            raise ConfigError(
+                f"{directory} holds a tfdist backup that names no tfdist train config "
+                f"({_shown(sorted(p.name for p in directory.iterdir()))})"
+                "; it is kept. Discard it on purpose with `tfdist train --fresh` (or delete "
+                "the directory yourself)")
+        elif held:
             raise ConfigError(
                 f"{directory} holds a backup of another config ({_differences(saved, config)})"
                 "; it is kept. Run the config it belongs to, to resume it, or discard it on "
                 "purpose with `tfdist train --fresh` (or delete the directory yourself)")
     directory.mkdir(parents=True, exist_ok=True)
     write_atomic(marker, lambda tmp: tmp.write_text(json.dumps(_backup_key(config))))
+
+
+def own_backup(directory: Path) -> tuple[dict | None, list[str]]:
+    """What makes ``directory`` tfdist's backup, and what does not.
+
+    A directory is tfdist's when it holds the marker `prepare_backup` writes (a
+    ``tfdist_config.json`` naming a tfdist train config: tfdist marks only a directory
+    it created or found empty), or else only the files a backup is made of
+    (`BACKUP_FILES`).
+
+    Returns:
+        ``(the marker's config key or None, the entries tfdist did not write)``: the
+        second is empty when the directory is tfdist's (directories end in ``/``).
+    """
+    try:
+        saved = json.loads((directory / BACKUP_CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        saved = None
+    if not (isinstance(saved, dict) and _SECTIONS <= set(saved)):
+        saved = None
+    if saved is not None:
+        return saved, []
+    return None, [p.name + ("/" if p.is_dir() and not p.is_symlink() else "")
+                  for p in sorted(directory.iterdir()) if not BACKUP_FILES.fullmatch(p.name)]
+
+
+def _shown(names: list[str]) -> str:
+    """``a, b/, c, d, ...``: at most 4 names."""
+    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+
+
+def _counted(names: list[str]) -> str:
+    """``3 files and 1 directory`` (the names of directories end in ``/``)."""
+    dirs = sum(name.endswith("/") for name in names)
+    files = len(names) - dirs
+    said = [f"{files} file{'s' * (files != 1)}" if files else "",
+            f"{dirs} director{'ies' if dirs != 1 else 'y'}" if dirs else ""]
+    return " and ".join(filter(None, said))
+
+
+def _remove_contents(directory: Path) -> None:
+    """Removes what ``directory`` holds (the directory stays: it may be a symlink)."""
+    for path in directory.iterdir():
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
 
 
 def _differences(saved, config: dict[str, Any]) -> str:
