@@ -117,6 +117,87 @@ def test_config_error_is_one_line_before_anything_starts(tmp_path, capsys, nothi
     assert not nothing_starts
 
 
+TP = 'strategy.name="multi_worker_model_parallel"'
+COLUMN = 'strategy.options.layout_map={"dense/kernel" = ["", "model"]}'
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("case,sets,needles", [
+    ("model_parallel not dividing the workers",
+     [TP, COLUMN, "cluster.workers=3", "strategy.options.model_parallel=2",
+      "train.global_batch_size=18"],
+     ["job.toml: strategy.options.model_parallel must divide the 3 replicas (cluster.workers "
+      "= 3), which form an n // m x m mesh. Received: model_parallel=2"]),
+    ("model_parallel not dividing the logical CPUs",
+     ['strategy.name="model_parallel"', COLUMN, "cluster.logical_cpus=4",
+      "strategy.options.model_parallel=3"],
+     ["must divide the 4 replicas (cluster.logical_cpus = 4)", "Received: model_parallel=3"]),
+    ("layout key not a regex", [TP, 'strategy.options.layout_map={"dense/(kernel" = ["", '
+                                    '"model"]}'],
+     ["job.toml: strategy.options: layout_map key 'dense/(kernel' is not a valid regular "
+      "expression (missing ), unterminated subpattern at position 6)"]),
+    ("layout of the wrong rank", [TP, 'strategy.options.layout_map={"dense/kernel" = '
+                                      '["model"]}'],
+     ["job.toml: strategy.options.layout_map: the layout of 'dense/kernel' must name 'model' "
+      "once", "one entry per axis of its shape [64, 64]. Received: layout=['model']"]),
+    ("layout not dividing model.hidden", [TP, COLUMN, "model.hidden=[63]"],
+     ["job.toml: strategy.options.layout_map: variable 'dense/kernel' of shape [64, 63] "
+      "cannot be split on axis 1 over 2 'model' replicas (63 is not a multiple of 2)",
+      "model.name = 'mlp', model.hidden = [63]"]),
+    ("cnn head not dividing", [TP, 'model.name="cnn"', "model.hidden=[20]",
+                               'strategy.options.layout_map={"dense_1/kernel" = ["model", ""]}',
+                               "cluster.workers=8", "train.global_batch_size=16"],
+     ["variable 'dense_1/kernel' of shape [20, 10] cannot be split on axis 0 over 8 'model' "
+      "replicas"]),
+    ("batch axis not dividing on a mesh",
+     [TP, 'strategy.options.layout_map={"dense/kernel" = ["batch", "model"]}',
+      "cluster.workers=4", "strategy.options.model_parallel=2", "model.hidden=[8]",
+      'data.name="csv"', "data.limit=0"],
+     ["variable 'dense/kernel' of shape [3, 8] cannot be sharded on axis 0 over the 2 "
+      "replicas of the 'batch' axis"]),
+    ("two keys match a variable", [TP, 'strategy.options.layout_map={"dense/kernel" = '
+                                       '["", "model"], "dense_1/.*el" = ["model", ""], '
+                                       '".*_1/kernel" = ["model", ""]}'],
+     ["variable 'dense_1/kernel' matches more than one key. Received: keys=['dense_1/.*el', "
+      "'.*_1/kernel']"]),
+    ("negative seed", ["train.seed=-1"],
+     ["job.toml: train.seed must be an integer in [0, 2**32). Received: -1"]),
+    ("seed of 2**32", ["train.seed=4294967296"],
+     ["train.seed must be an integer in [0, 2**32). Received: 4294967296"]),
+    ("batch larger than the training split", ["train.global_batch_size=64"],
+     ["job.toml: train.global_batch_size must be at most the 51 samples of the training "
+      "split (data.limit = 64, data.validation_split = 0.2). Received: 64"]),
+])
+def test_job_error_is_one_line_before_any_process(tmp_path, capsys, nothing_starts, case,
+                                                  sets, needles):
+    """Issue 39 item 10: each of these started the workers, which printed tracebacks."""
+    if any("csv" in item for item in sets):
+        path = _csv(tmp_path, "a,b,c,label\n" + "1,2,3,0\n" * 40)
+        sets = [*sets, f'data.path="{path}"']
+    assert _train(tmp_path, sets=sets) == 2
+    _one_line_error(capsys, *needles)
+    assert not nothing_starts
+
+
+def test_the_layout_check_knows_the_built_in_models_variables():
+    """`tfdist.train.layouts.builtin_variables` names and shapes every variable as
+    `build_model` makes it (in a fresh process: here the names may carry a suffix)."""
+    import re
+
+    from tfdist.models import build_model
+    from tfdist.train.layouts import builtin_variables
+
+    for model, shape in (({"name": "mlp", "hidden": [7, 5], "dropout": 0.1}, (12,)),
+                         ({"name": "cnn", "hidden": [6], "dropout": 0.0}, (49,)),
+                         ({"name": "cnn", "hidden": [], "dropout": 0.0}, (64,))):
+        built = build_model(model, shape, 3)
+        base = [(re.sub(r"_\d+(?=/)", "", v.path), tuple(v.shape)) for v in built.weights]
+        want = [(re.sub(r"_\d+(?=/)", "", path), shape)
+                for path, shape in builtin_variables(model, shape, 3).items()]
+        assert base == want, model
+    assert builtin_variables({"name": "m:f", "hidden": []}, (3,), 2) is None
+
+
 @pytest.mark.unit
 def test_model_module_with_syntax_error(tmp_path, capsys, monkeypatch, nothing_starts):
     (tmp_path / "broken_model_xyz.py").write_text("def build(:\n")

@@ -84,7 +84,8 @@ _CHECKS = {
     ("train", "epochs"): (int, lambda v: v >= 1, "an integer >= 1"),
     ("train", "global_batch_size"): (int, lambda v: v >= 1, "an integer >= 1"),
     ("train", "steps_per_epoch"): (int, lambda v: v >= 0, "an integer >= 0 (0: whole data)"),
-    ("train", "seed"): (int, None, "an integer"),
+    # NumPy's and Keras' seeds (keras.utils.set_random_seed) are 32-bit.
+    ("train", "seed"): (int, lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)"),
     ("train", "output_dir"): (str, lambda v: bool(v), "a non-empty path"),
     ("train", "verbose"): (int, lambda v: v in (0, 1, 2), "0, 1 or 2"),
 }
@@ -319,6 +320,18 @@ def _replicas(config: dict[str, Any]) -> int:
         # Every node runs the same config (its own node_rank): the same workers each.
         return cluster["nnodes"] * cluster["workers"] + int(cluster["chief"])
     return 1
+
+
+def replica_count(config: dict[str, Any]) -> int | None:
+    """The replicas in sync of a config's job, or None when only the environment's
+    cluster tells (``cluster.mode = "env"`` for a strategy with a replica per task)."""
+    entry, cluster = registry.get(config["strategy"]["name"]), config["cluster"]
+    devices = config["strategy"]["options"].get("devices")
+    if entry.replicas == registry.REPLICA_PER_DEVICE and isinstance(devices, list) and devices:
+        return len(devices)
+    if entry.replicas == registry.REPLICA_PER_TASK and cluster["mode"] == "env":
+        return None
+    return _replicas(config)
 
 
 def is_multi_process(config: dict[str, Any]) -> bool:

@@ -12,6 +12,7 @@ received. What only the running cluster can tell (whether a device exists, the e
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Any
 
@@ -129,6 +130,11 @@ def check_model_parallel(layout_map, devices=None, communication_options=None,
         raise ValueError("layout_map must map variable path patterns (strings) to layouts, "
                          f"at least one. Received: layout_map={layout_map!r}")
     for key in keys:
+        try:
+            re.compile(key)
+        except re.error as error:  # a key is a path or a pattern that re.fullmatch-es paths
+            raise ValueError(f"layout_map key {key!r} is not a valid regular expression "
+                             f"({error}). Received: layout_map={layout_map!r}") from None
         axes = getattr(layout_map[key], "axes", layout_map[key])
         if not isinstance(axes, (tuple, list)) or not all(
                 a is None or isinstance(a, str) for a in axes):

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tfdist import env
-from tfdist.config import ConfigError, is_multi_process
+from tfdist.config import ConfigError, is_multi_process, replica_count
 from tfdist.strategies import registry
 
 # Where a process started by horovodrun or mpirun finds its rank.
@@ -130,18 +130,23 @@ def launch_modes(cluster: dict[str, Any]) -> tuple[str, ...]:
 def check_job(config: dict[str, Any], source: str = "<config>") -> None:
     """Checks what a valid config can still get wrong, before any process or TF op.
 
-    The strategy's option values (`check_strategy_options`), the environment of ``cluster.mode = "env"``, ``horovodrun`` for a local Horovod
-    job, that ``model.name`` can be loaded, and the whole data set (see
-    `tfdist.data.split_data`). Runs no TensorFlow op, so it is safe before a strategy.
+    The strategy's option values (`check_strategy_options`), that ``model_parallel``
+    divides the replicas, the environment of ``cluster.mode = "env"``, ``horovodrun``
+    for a local Horovod job, that ``model.name`` can be loaded, the whole data set (see
+    `tfdist.data.split_data`), a global batch no larger than its training split, and a
+    ``layout_map`` against a built-in model's variables (`tfdist.train.layouts`). Runs no
+    TensorFlow op, so it is safe before a strategy.
 
     Raises:
         ConfigError: naming ``source`` and the key.
     """
     from tfdist.data import DataError, split_data
     from tfdist.models import check_model_name
+    from tfdist.train.layouts import check_layout_map
 
     entry, cluster = registry.get(config["strategy"]["name"]), config["cluster"]
     check_strategy_options(config, source)
+    _check_mesh(config, source)
     if is_multi_process(config) and cluster["mode"] == "env":
         _check_environment(config, source)
     if cluster["mode"] == "nodes" and cluster["node_rank"] != 0:
@@ -172,12 +177,39 @@ def check_job(config: dict[str, Any], source: str = "<config>") -> None:
         data = split_data(config["data"], config["train"]["seed"])
     except DataError as error:
         raise ConfigError(f"{source}: {error.key}: {error}") from None
+    batch, samples = config["train"]["global_batch_size"], len(data.x_train)
+    if batch > samples:  # TF: "Inputs to operation AddN ... must have the same size"
+        raise ConfigError(
+            f"{source}: train.global_batch_size must be at most the {samples} samples of the "
+            f"training split (data.limit = {config['data']['limit']}, data.validation_split = "
+            f"{config['data']['validation_split']}). Received: {batch}")
     if config["model"]["name"] == "cnn":
         size = math.prod(data.x_train.shape[1:])
         if math.isqrt(size) ** 2 != size:
             raise ConfigError(f"{source}: model.name = 'cnn' needs square images; a sample "
                               f"has {size} features. Received shape "
                               f"{data.x_train.shape[1:]}")
+    check_layout_map(config, data.x_train.shape[1:], data.num_classes, source)
+
+
+def _check_mesh(config: dict[str, Any], source: str) -> None:
+    """``strategy.options.model_parallel`` divides the replicas (a ``n // m x m`` mesh)."""
+    m = config["strategy"]["options"].get("model_parallel")
+    n = replica_count(config)
+    if m is None or n is None or n % m == 0:
+        return
+    cluster = config["cluster"]
+    if registry.get(config["strategy"]["name"]).replicas == registry.REPLICA_PER_DEVICE:
+        how = ("strategy.options.devices" if config["strategy"]["options"].get("devices")
+               else f"cluster.logical_cpus = {cluster['logical_cpus']}")
+    else:
+        how = " x ".join(filter(None, (
+            f"cluster.nnodes = {cluster['nnodes']}" if cluster["mode"] == "nodes" else "",
+            f"cluster.workers = {cluster['workers']}"))) + (
+            " + the chief" if cluster["chief"] else "")
+    raise ConfigError(f"{source}: strategy.options.model_parallel must divide the {n} "
+                      f"replicas ({how}), which form an n // m x m mesh. Received: "
+                      f"model_parallel={m}")
 
 
 def _check_elastic(config: dict[str, Any], source: str) -> None:
