@@ -129,7 +129,12 @@ def prepare_backup(config: dict[str, Any], directory: Path, log=None, *,
             raise ConfigError(f"{directory} is not a directory, so it cannot hold the "
                               f"backup; it is kept. Point {setting} at a new or empty "
                               "directory")
-        saved, foreign = own_backup(directory)
+        try:
+            saved, foreign = own_backup(directory)
+        except OSError as error:
+            raise ConfigError(f"{directory} cannot be read, so tfdist cannot tell whether it "
+                              f"holds a backup: {error}. Point {setting} at a new or empty "
+                              "directory") from None
         if foreign:
             kept = " (--fresh removes only a backup tfdist wrote)" if fresh else ""
             raise ConfigError(f"{directory} holds {_counted(foreign)} that tfdist did not "
