@@ -164,7 +164,7 @@ def test_gloo_scopes_still_work_for_members(service, monkeypatch):
     slot = membership.slot_env(state, "worker-0", service.address)
     port = service.address.rsplit(":", 1)[1]
     assert slot["HOROVOD_GLOO_RENDEZVOUS_ADDR"] + ":" + slot[
-        "HOROVOD_GLOO_RENDEZVOUS_PORT"] == f"127.0.0.1:{port}{_member_path(service)}:{port}"
+        "HOROVOD_GLOO_RENDEZVOUS_PORT"] == f"127.0.0.1:{port}{_member_path(service)}"
     path = _member_path(service)
     assert _request(service, f"{path}/global/0", "PUT", b"addr-of-rank-0")[0] == 200
     assert _request(service, f"{path}/global/0", "GET") == (200, b"addr-of-rank-0")
