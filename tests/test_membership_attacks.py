@@ -167,6 +167,10 @@ def test_gloo_scopes_still_work_for_members(service, monkeypatch):
         "HOROVOD_GLOO_RENDEZVOUS_PORT"] == f"127.0.0.1:{port}{_member_path(service)}"
     path = _member_path(service)
     assert _request(service, f"{path}/global/0", "PUT", b"addr-of-rank-0")[0] == 200
+    monkeypatch.delenv(env.TOKEN)
+    with pytest.raises(RuntimeError, match=r"^worker-0: TFDIST_TOKEN is not set, so this "
+                                           "task cannot form Gloo against"):
+        membership.slot_env(state, "worker-0", service.address)
     assert _request(service, f"{path}/global/0", "GET") == (200, b"addr-of-rank-0")
     assert _request(service, f"{path}/global/0", "DELETE")[0] == 200
 

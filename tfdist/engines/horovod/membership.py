@@ -222,7 +222,13 @@ def slot_env(state: dict, name: str, address: str) -> dict[str, str]:
     from tfdist import env
 
     slot = next(m for m in state["members"] if m["name"] == name)
-    element = gloo_element(os.environ.get(env.TOKEN, ""), state["service"], state["version"])
+    token = os.environ.get(env.TOKEN)
+    if not token:
+        raise RuntimeError(
+            f"{name}: {env.TOKEN} is not set, so this task cannot form Gloo against the "
+            f"elastic job's membership service at {address} (the launcher gives every "
+            f"task the job's token in {env.TOKEN}; keep it in the task's environment)")
+    element = gloo_element(token, state["service"], state["version"])
     host, port = address.rsplit(":", 1)
     return {"HOROVOD_RANK": str(slot["rank"]), "HOROVOD_SIZE": str(slot["size"]),
             "HOROVOD_LOCAL_RANK": str(slot["local_rank"]),
