@@ -130,7 +130,7 @@ class MembershipServer:
                          local_size=s["local_size"], cross_size=s["cross_size"])
                 for s in slots.values()]
         with self._lock:
-            self._server.init(plan)  # Gloo's keys of the last formation go
+            self._server.init(plan)  # clears the last formation's Gloo keys
             self._server.open_formation(
                 gloo_element(self._server.token, self.service, self.version + 1))
             self.version += 1
