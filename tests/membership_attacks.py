@@ -1,12 +1,16 @@
 """Attacks on an elastic job's membership service, run by tests/test_membership_attacks.py.
 
     python membership_attacks.py HOST:PORT OUT.json TOKEN
+    python membership_attacks.py --gloo HOST:PORT OUT.json STOP
 
-Sends, against the service at HOST:PORT while the job trains: forged lost reports,
+The first sends, against the service at HOST:PORT while the job trains: forged lost reports,
 stale (replayed) signed lost reports, a replayed heartbeat, a flood of garbage
 heartbeats, an oversized PUT, and requests with terminal escapes in their paths. It
 writes what the service answered to OUT.json, then keeps slow sockets open (a
-slowloris, more than the service's connection cap) until it is killed.
+slowloris, more than the service's connection cap) until it is killed. The second
+(``--gloo``), from the job's start until the file STOP exists, DELETEs and PUTs
+garbage at Gloo's keys (``/global/K``, ``/local_<host>/K``, ``/cross_<n>/K``) as an
+outsider, through the first formation, and writes what the service answered to OUT.json.
 """
 
 import json
@@ -136,5 +140,43 @@ def main(master, out, token):
         time.sleep(1)
 
 
+def gloo(master, out, stop):
+    import os
+
+    codes, published = set(), 0  # published: sent once a membership formed Gloo
+    while not os.path.exists(stop):
+        try:
+            state = json.loads(get(master, "/tfdist-elastic/state"))
+        except OSError:
+            time.sleep(0.1)  # not up yet
+            continue
+        hosts = {m["host"] for m in state["members"]} or {master.rsplit(":", 1)[0]}
+        scopes = ["global", "cross_0", "cross_1"] + [f"local_{h}" for h in sorted(hosts)]
+        for scope in scopes:
+            for key in range(4):
+                url = f"http://{master}/{scope}/{key}"
+                for request in (urllib.request.Request(url, method="DELETE"),
+                                urllib.request.Request(url, data=b"garbage", method="PUT")):
+                    codes.add(str(call(request)))
+                    published += state["version"] > 0
+        time.sleep(0.02)
+    with open(out + ".tmp", "w") as f:
+        json.dump({"codes": sorted(codes), "published": published}, f)
+    os.replace(out + ".tmp", out)
+
+
+def call(request) -> int:
+    try:
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return reply.status
+    except urllib.error.HTTPError as error:
+        return error.code
+    except OSError as error:
+        return type(error).__name__
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    if sys.argv[1] == "--gloo":
+        gloo(*sys.argv[2:5])
+    else:
+        main(*sys.argv[1:4])

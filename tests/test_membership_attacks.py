@@ -137,12 +137,93 @@ def test_oversized_and_broken_requests_are_refused_before_being_read(service):
     _assert_quiet(said)
 
 
-def test_gloo_scopes_still_work(service):
-    assert _put(service, "/global/0", b"addr-of-rank-0") == 200
-    with urllib.request.urlopen(f"http://{service.address}/global/0", timeout=10) as reply:
-        assert reply.read() == b"addr-of-rank-0"
-    request = urllib.request.Request(f"http://{service.address}/global/0", method="DELETE")
-    assert urllib.request.urlopen(request, timeout=10).status == 200
+def _request(server, path, method, body=None):
+    request = urllib.request.Request(f"http://{server.address}{path}", data=body,
+                                     method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as error:
+        return error.code, b""
+
+
+def _member_path(server, version=None):
+    """Where a member's Gloo store sends its requests (Horovod's URL, `slot_env`'s)."""
+    from tfdist.engines.horovod.membership import gloo_element
+
+    port = server.address.rsplit(":", 1)[1]
+    return f"/{gloo_element(TOKEN, server.service, version or server.version)}:{port}"
+
+
+def test_gloo_scopes_still_work_for_members(service, monkeypatch):
+    from tfdist import env
+    from tfdist.engines.horovod import membership
+
+    monkeypatch.setenv(env.TOKEN, TOKEN)
+    state = membership.fetch_state(service.address)
+    slot = membership.slot_env(state, "worker-0", service.address)
+    port = service.address.rsplit(":", 1)[1]
+    assert slot["HOROVOD_GLOO_RENDEZVOUS_ADDR"] + ":" + slot[
+        "HOROVOD_GLOO_RENDEZVOUS_PORT"] == f"127.0.0.1:{port}{_member_path(service)}"
+    path = _member_path(service)
+    assert _request(service, f"{path}/global/0", "PUT", b"addr-of-rank-0")[0] == 200
+    monkeypatch.delenv(env.TOKEN)
+    with pytest.raises(RuntimeError, match=r"^worker-0: TFDIST_TOKEN is not set, so this "
+                                           "task cannot form Gloo against"):
+        membership.slot_env(state, "worker-0", service.address)
+    assert _request(service, f"{path}/global/0", "GET") == (200, b"addr-of-rank-0")
+    assert _request(service, f"{path}/global/0", "DELETE")[0] == 200
+
+
+def test_an_outsider_cannot_touch_gloo_keys_during_a_formation(service):
+    """Item 15 of issue 39: an outsider's DELETE, PUT (and GET) of Gloo's keys while
+    the members form is refused with 403 and changes nothing; the formation completes
+    (both members' keys read back, both Finalize DELETEs clear the scope)."""
+    member = _member_path(service)
+    scopes = ["global", "local_127.0.0.1", "cross_0"]
+    for scope in scopes:  # the members' own writes: each rank's address
+        for rank in (0, 1):
+            assert _request(service, f"{member}/{scope}/{rank}", "PUT",
+                            f"{scope}-{rank}".encode())[0] == 200
+    wrong = f"/g{'0' * 32}:{service.address.rsplit(':', 1)[1]}"
+    for prefix in ("", wrong):
+        for scope in scopes:
+            for rank in (0, 1, 0, 1):  # twice each: Horovod clears a scope at size DELETEs
+                assert _request(service, f"{prefix}/{scope}/{rank}", "DELETE")[0] == 403
+            assert _request(service, f"{prefix}/{scope}/0", "PUT", b"garbage")[0] == 403
+            assert _request(service, f"{prefix}/{scope}/9", "PUT", b"garbage")[0] == 403
+            assert _request(service, f"{prefix}/{scope}/0", "GET")[0] == 403  # no leak
+    for scope in scopes:  # the formation completes: every key as its member wrote it
+        for rank in (0, 1):
+            assert _request(service, f"{member}/{scope}/{rank}", "GET") == (
+                200, f"{scope}-{rank}".encode())
+        assert _request(service, f"{member}/{scope}/9", "GET")[0] == 404
+    for scope in scopes:  # each member's Finalize
+        for rank in (0, 1):
+            assert _request(service, f"{member}/{scope}/{rank}", "DELETE")[0] == 200
+    with service._server.cache_lock:
+        assert not any(service._server.cache.get(scope) for scope in scopes)
+    said = service.log.getvalue()
+    assert "refused a DELETE of /'global'/'0': Gloo's keys are served only under the " \
+           "current formation's path (a member's) (from 127.0.0.1)" in said
+    assert "refused a PUT of /'global'/'0'" in said and "refused a GET of" in said
+    _assert_quiet(said)
+
+
+def test_an_older_formation_finds_nothing_and_changes_nothing(service):
+    """A member still forming the last membership after a new one is published: its
+    requests are answered as an empty store's and touch the new formation's keys."""
+    old = _member_path(service)
+    service.publish([("worker-0", "127.0.0.1"), ("worker-1", "127.0.0.1")])
+    new = _member_path(service)
+    assert new != old
+    assert _request(service, f"{new}/global/0", "PUT", b"new-0")[0] == 200
+    assert _request(service, f"{old}/global/0", "PUT", b"old-0")[0] == 200  # dropped
+    assert _request(service, f"{old}/global/0", "GET")[0] == 404
+    for _ in range(2):  # would clear the new formation's scope if counted
+        assert _request(service, f"{old}/global/1", "DELETE")[0] == 200
+    assert _request(service, f"{new}/global/0", "GET") == (200, b"new-0")
+    assert service._server.refused == 0
 
 
 def test_slow_sockets_are_capped_cut_at_their_deadline_and_never_hold_the_close():
@@ -162,7 +243,8 @@ def test_slow_sockets_are_capped_cut_at_their_deadline_and_never_hold_the_close(
     stub = Stub()
     stub.address = address
     slow = [_raw(stub, b"PUT /global/slow HTTP/1.0\r\n", read=False) for _ in range(8)]
-    assert _put(stub, "/global/0", b"v") == 200  # the oldest slow ones made room
+    server.open_formation("g" + "0" * 32)  # Gloo's keys: a member's path
+    assert _put(stub, f"/g{'0' * 32}:1/global/0", b"v") == 200  # the oldest made room
     for sock in slow:  # each is closed (by the cap, or at its deadline): EOF, no hang
         sock.settimeout(30)
         while sock.recv(100):
@@ -230,8 +312,18 @@ def attacked(hosts, tmp_path_factory):  # noqa: F811 (the imported fixture)
     node0, node1 = start(0), start(1)
     attacker, said = None, out / "attacks.json"
     exits = {}
+    # from node 1's host, from the start: Gloo's keys DELETEd and overwritten as an
+    # outsider, through the first formation, until worker-0 holds in epoch 1
+    gloo, gloo_said, gloo_stop = None, out / "gloo.json", out / "gloo-stop"
     try:
+        gloo = subprocess.Popen(
+            ["ip", "netns", "exec", hosts.names[1], sys.executable,
+             os.path.join(TESTS_DIR, "membership_attacks.py"), "--gloo", master,
+             str(gloo_said), str(gloo_stop)], env=env, cwd=REPO, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)
         _wait_for((out / "hold-1-3").exists, [node0, node1], "worker-0 at epoch 1")
+        gloo_stop.touch()
+        _wait_for(gloo_said.exists, [gloo], "the Gloo attacks")
         node1.send_signal(signal.SIGUSR1)
         attacker = subprocess.Popen(
             ["ip", "netns", "exec", hosts.names[1], sys.executable,
@@ -244,11 +336,12 @@ def attacked(hosts, tmp_path_factory):  # noqa: F811 (the imported fixture)
         # on time: the launchers end within seconds of their workers, slow sockets or not
         exits = {"node0": node0.wait(timeout=40), "node1": node1.wait(timeout=40)}
     finally:
-        for process in (node0, node1, attacker):
+        for process in (node0, node1, attacker, gloo):
             if process is not None and process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL) if process is not attacker \
+                os.killpg(process.pid, signal.SIGKILL) if process in (node0, node1) \
                     else process.kill()
     return {"said": json.loads(said.read_text()), "exits": exits,
+            "gloo": json.loads(gloo_said.read_text()),
             "logs": [log.read_text(errors="replace") for log in logs],
             "results": {i: json.loads((out / f"worker-{i}.json").read_text())
                         for i in (0, 1)}, "reference": reference}
@@ -277,6 +370,20 @@ def test_forged_lost_reports_kill_no_worker(attacked):
     assert attacked["said"]["forged"] == [403, 403, 403]
     assert "refused a PUT to /'tfdist-elastic-lost'/'worker-0': it is not signed with the " \
            "job's token" in attacked["logs"][0]
+    _assert_job_intact(attacked)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.horovod
+def test_an_outsiders_gloo_deletes_and_puts_break_no_formation(attacked):
+    """Issue 39, item 15: from the job's start through its first formation, an
+    outsider's DELETE and PUT of Gloo's keys are refused (403) and the job forms,
+    trains and ends as one process would."""
+    gloo = attacked["gloo"]
+    assert gloo["codes"] == ["403"] and gloo["published"] > 20, gloo
+    assert "refused a DELETE of /'global'/'0': Gloo's keys are served only under the " \
+           "current formation's path" in attacked["logs"][0]
     _assert_job_intact(attacked)
 
 

@@ -23,6 +23,8 @@ here: import the module you need.
   and restore points as public methods. Tests: ``test_hooks_callbacks.py``.
 - ``horovod_kv``: the values of Horovod's rendezvous handler.
   Tests: ``test_hooks_horovod_kv.py``.
+- ``horovod_gloo``: a path in the address Horovod's Gloo HTTP store is given (its
+  requests then come under a formation's path). Tests: ``test_hooks_horovod_gloo.py``.
 - ``saves``: atomic saves refusing NaN weights; Keras' file callbacks writing elsewhere
   on non-chief workers. Tests: ``test_hooks_saves.py``.
 - ``coordinator``: ``ClusterCoordinator`` per-worker iterators, closures pinned to a

@@ -2,8 +2,13 @@
 where tfdist's own messages go.
 
 Horovod's Gloo rendezvous reads and writes this store from C++ (plain GET, PUT and
-DELETE under the scopes ``global``, ``local_<host>`` and ``cross_<n>``) and cannot sign,
-so those scopes stay open; they form Gloo's connections and change no membership.
+DELETE under the scopes ``global``, ``local_<host>`` and ``cross_<n>``) and cannot sign.
+Its requests come under the current formation's path instead
+(``/ELEMENT:PORT/scope/key``, `tfdist._hooks.horovod_gloo`; ELEMENT is the token's HMAC
+of the service and membership version, `KVServer.open_formation`), and Gloo's scopes
+are served only there: any other request for them (a plain ``/global/0``, a wrong
+ELEMENT) is refused with 403, reads included. An older formation's ELEMENT (a member
+still forming against it) finds nothing and changes nothing.
 tfdist's own scopes (``tfdist-*``) are read-only to clients (the published membership,
 node 0's answers; some computed: `KVServer.views`) or signed (`KVServer.signed`): a PUT
 there is stored only when
@@ -21,6 +26,7 @@ A refused request or a broken one is said once per kind of problem, in one quote
 
 from __future__ import annotations
 
+import hmac
 import re
 import socket
 import sys
@@ -30,7 +36,7 @@ from typing import Callable
 
 from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
 
-from tfdist._hooks import horovod_kv
+from tfdist._hooks import horovod_gloo, horovod_kv
 from tfdist.wire import HELLO_SECONDS, MAX_PENDING, quote, verify
 
 MAX_BODY = 1 << 20  # bytes of one PUT; Gloo's values and tfdist's messages are far smaller
@@ -38,6 +44,7 @@ MAX_STORED = 64 << 20  # bytes of every value stored
 MAX_KEYS = 1 << 16  # keys stored
 MAX_SAID = 32  # kinds of problem said; more are counted only
 _NAME = re.compile(r"[!-.0-~]{1,256}")  # printable ASCII but space and "/"
+_ELEMENT = re.compile(r"g[0-9a-f]{32}(:[0-9]{1,5})?")  # a formation's path (gloo_element)
 
 # A signed scope's freshness check: (key, verified message) -> why it is refused, or None.
 Check = Callable[[str, dict], "str | None"]
@@ -66,6 +73,9 @@ class KVServer(RendezvousHTTPServer):
         self.views: dict[str, Callable[[str], bytes | None]] = {}
         self.signed: dict[str, Check] = {}
         self.refused = 0  # requests refused or broken, all kinds
+        self.formation: str | None = None  # the ELEMENT Gloo's keys are served under
+        self.formed: set[str] = set()  # older formations' ELEMENTs
+        self.served = 0  # requests of Gloo's store under the current formation
         self._open: dict[socket.socket, float] = {}  # connection -> deadline, oldest first
         self._lock = threading.Lock()
         self._said: set[str] = set()
@@ -115,6 +125,25 @@ class KVServer(RendezvousHTTPServer):
               flush=True)
 
     # ---- the store -------------------------------------------------------------------
+    def open_formation(self, element: str) -> None:
+        """Serves Gloo's scopes under ``element`` from now on (a new membership's path);
+        the last one's requests are then answered as an empty store's, and ignored."""
+        with self._lock:
+            if self.formation is not None:
+                self.formed.add(self.formation)
+            self.formation = element
+
+    def gloo_path(self, part: str | None) -> str | None:
+        """Whether a request for Gloo's scopes under path part ``part`` (None: a plain
+        ``/scope/key``) is served: "current", "older" (a past formation's), or None."""
+        element = None if part is None else horovod_gloo.path_element(part)
+        with self._lock:
+            current, formed = self.formation, set(self.formed)
+        if element is not None and current is not None and \
+                hmac.compare_digest(element.encode(), current.encode()):
+            return "current"
+        return "older" if element in formed else None
+
     def admit(self, scope: str, key: str, body: bytes) -> str | None:
         """Why a PUT of ``body`` at ``/scope/key`` is refused, or None."""
         if scope.startswith("tfdist-") and scope not in self.signed:
@@ -152,17 +181,31 @@ def _cut(sock: socket.socket) -> None:
 
 
 class _Handler(RendezvousHandler):
-    """One request: ``/scope/key``, checked before anything is read, stored or said."""
+    """One request: ``/scope/key`` (Gloo's: ``/ELEMENT:PORT/scope/key``), checked before
+    anything is read, stored or said."""
 
     server: KVServer
 
     def log_message(self, format, *args):  # noqa: A002 - http.server's name
         pass  # quiet: what is worth saying goes through KVServer.note
 
-    def _parts(self) -> tuple[str, str] | None:
-        parts = self.path.split("/")
+    def _parts(self) -> tuple[str, str, str | None] | None:
+        """``(scope, key, whose)``, or None (refused: answered). ``whose`` is "tfdist"
+        for tfdist's scopes; for Gloo's, `KVServer.gloo_path`'s word (None: refused)."""
+        parts, element = self.path.split("/"), None
+        if len(parts) == 4 and parts[0] == "" and _ELEMENT.fullmatch(parts[1]):
+            element = parts.pop(1)
         if len(parts) == 3 and parts[0] == "" and all(_NAME.fullmatch(p) for p in parts[1:]):
-            return parts[1], parts[2]
+            scope, key = parts[1:]
+            if scope.startswith("tfdist-"):
+                if element is None:
+                    return scope, key, "tfdist"
+            else:
+                whose = self.server.gloo_path(element)
+                if whose == "current":
+                    with self.server._lock:
+                        self.server.served += 1
+                return scope, key, whose
         self._refuse(400, "path", f"refused a request for {quote(self.path, 60)}: not "
                                   "/SCOPE/KEY")
         return None
@@ -172,13 +215,23 @@ class _Handler(RendezvousHandler):
         self.close_connection = True
         self.send_status_code(status)
 
+    def _refuse_gloo(self, method: str, scope: str, key: str) -> None:
+        self._refuse(403, f"gloo {method}", f"refused a {method} of /{quote(scope, 40)}/"
+                                            f"{quote(key, 40)}: Gloo's keys are served "
+                                            "only under the current formation's path "
+                                            "(a member's)")
+
     def do_GET(self):
         parts = self._parts()
         if parts is None:
             return
-        scope, key = parts
+        scope, key, whose = parts
+        if whose is None:
+            self._refuse_gloo("GET", scope, key)
+            return
         view = self.server.views.get(scope)
-        value = view(key) if view is not None else horovod_kv.stored_value(self, scope, key)
+        value = None if whose == "older" else view(key) if view is not None else \
+            horovod_kv.stored_value(self, scope, key)
         if value is None:
             self.send_status_code(404)
             return
@@ -191,7 +244,7 @@ class _Handler(RendezvousHandler):
         parts = self._parts()
         if parts is None:
             return
-        scope, key = parts
+        scope, key, whose = parts
         length = self.headers.get("Content-Length", "")
         if not length.isdigit():
             self._refuse(411, "length", f"refused a PUT to /{quote(scope, 40)}/"
@@ -202,9 +255,15 @@ class _Handler(RendezvousHandler):
                                       f"/{quote(scope, 40)}/{quote(key, 40)}: more than "
                                       f"{MAX_BODY} bytes")
             return
+        if whose is None:  # refused before the body is read
+            self._refuse_gloo("PUT", scope, key)
+            return
         body = self.rfile.read(int(length))
         if len(body) < int(length):
             return  # cut off, or the peer hung up
+        if whose == "older":  # a member still forming an older membership: dropped
+            self.send_status_code(200)
+            return
         problem = self.server.admit(scope, key, body)
         if problem is not None:
             self._refuse(403, f"{scope[:40]} {problem[:20]}",
@@ -217,9 +276,15 @@ class _Handler(RendezvousHandler):
         parts = self._parts()
         if parts is None:
             return
-        if parts[0].startswith("tfdist-"):
-            self._refuse(403, "delete", f"refused a DELETE of /{quote(parts[0], 40)}/"
-                                        f"{quote(parts[1], 40)}: tfdist's scopes are not "
+        scope, key, whose = parts
+        if whose == "tfdist":
+            self._refuse(403, "delete", f"refused a DELETE of /{quote(scope, 40)}/"
+                                        f"{quote(key, 40)}: tfdist's scopes are not "
                                         "deleted by clients")
-            return
-        super().do_DELETE()
+        elif whose is None:
+            self._refuse_gloo("DELETE", scope, key)
+        elif whose == "older":
+            self.send_status_code(200)  # an older formation's end: nothing of it is left
+        else:
+            self.path = f"/{scope}/{key}"  # Horovod's handler reads /scope/key
+            super().do_DELETE()

@@ -13,6 +13,9 @@ The server is `tfdist.engines.horovod.kv_server.KVServer`: the membership is rea
 to clients, and a member's lost report is signed with the job's token (``TFDIST_TOKEN``,
 which the launcher gives every task), names this server's ``service`` id (published with
 the membership) and the current version; anything else is refused, said once, quoted.
+Gloo's own keys are taken only under the current formation's path (`gloo_element`:
+the token's HMAC of the service and version), which every member computes and an
+outsider cannot.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import threading
 import time
 import urllib.request
 
-from tfdist.wire import MAX_PENDING, quote, sign, verify
+from tfdist._hooks import horovod_gloo
+from tfdist.wire import MAX_PENDING, proof, quote, sign, verify
 
 SCOPE = "tfdist-elastic"
 # Members PUT their name here when Horovod failed under them (body: their version).
@@ -34,6 +38,12 @@ LOST_SCOPE = "tfdist-elastic-lost"
 # the launcher reads them in its output and does not start it again.
 NO_STATE_WORDS = "no member of the elastic job holds its training state"
 HAS_BACKUP_WORDS = "fit has a backup in"
+
+
+def gloo_element(token: str, service: str, version: int) -> str:
+    """The path under which membership ``version`` of ``service`` forms Gloo: the token's
+    HMAC of both, so only a task given the token (a member) can write Gloo's keys."""
+    return "g" + proof(token, f"tfdist-gloo {service} {version}")[:32]
 
 
 def plan_of(members: list[tuple[str, str]]) -> dict[str, dict]:
@@ -119,8 +129,10 @@ class MembershipServer:
                          cross_rank=s["cross_rank"], size=s["size"],
                          local_size=s["local_size"], cross_size=s["cross_size"])
                 for s in slots.values()]
-        self._server.init(plan)
         with self._lock:
+            self._server.init(plan)  # clears the last formation's Gloo keys
+            self._server.open_formation(
+                gloo_element(self._server.token, self.service, self.version + 1))
             self.version += 1
             self.members = list(members)
             self._state = json.dumps({**self._bounds, "version": self.version,
@@ -204,8 +216,19 @@ def wait_for_membership(address: str, name: str, above: int, timeout: float) -> 
 
 
 def slot_env(state: dict, name: str, address: str) -> dict[str, str]:
-    """The ``HOROVOD_*`` variables that make task ``name`` a member of ``state``."""
+    """The ``HOROVOD_*`` variables that make task ``name`` a member of ``state``: its
+    Gloo store writes under the formation's path (`gloo_element`, from the job's token
+    in ``TFDIST_TOKEN``)."""
+    from tfdist import env
+
     slot = next(m for m in state["members"] if m["name"] == name)
+    token = os.environ.get(env.TOKEN)
+    if not token:
+        raise RuntimeError(
+            f"{name}: {env.TOKEN} is not set, so this task cannot form Gloo against the "
+            f"elastic job's membership service at {address} (the launcher gives every "
+            f"task the job's token in {env.TOKEN}; keep it in the task's environment)")
+    element = gloo_element(token, state["service"], state["version"])
     host, port = address.rsplit(":", 1)
     return {"HOROVOD_RANK": str(slot["rank"]), "HOROVOD_SIZE": str(slot["size"]),
             "HOROVOD_LOCAL_RANK": str(slot["local_rank"]),
@@ -213,8 +236,7 @@ def slot_env(state: dict, name: str, address: str) -> dict[str, str]:
             "HOROVOD_CROSS_RANK": str(slot["cross_rank"]),
             "HOROVOD_CROSS_SIZE": str(slot["cross_size"]),
             "HOROVOD_HOSTNAME": slot["host"], "HOROVOD_CONTROLLER": "gloo",
-            "HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_GLOO_RENDEZVOUS_ADDR": host,
-            "HOROVOD_GLOO_RENDEZVOUS_PORT": port}
+            "HOROVOD_CPU_OPERATIONS": "gloo", **horovod_gloo.rendezvous_env(host, port, element)}
 
 
 def elastic_address() -> str | None:
