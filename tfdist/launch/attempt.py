@@ -17,11 +17,11 @@ from tfdist.launch.options import LaunchOptions
 from tfdist.launch.process import TaskProcess, command_env, stop_tasks
 from tfdist.launch.restarts import JobRestarts
 from tfdist.launch.results import exit_cause, is_peer_failure
+from tfdist.launch.usr1 import IgnoredUsr1
 
 # Seconds the launcher waits, when the first task to fail says another task failed
 # first, for that task to end and be named instead (`wait_for_cause`).
 CAUSE_WAIT_SECONDS = 5.0
-from tfdist.launch.usr1 import IgnoredUsr1
 
 
 def task_env(cluster: ClusterSpec, spec: TaskSpec, base: dict[str, str] | None,
