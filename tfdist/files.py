@@ -108,11 +108,11 @@ def check_free_space(path: str | os.PathLike, needed: int) -> None:
 
 # Bytes Keras 3 writes besides the values: per file, per group (a layer's, or the
 # optimizer's: variables whose paths share a prefix) and per variable. Measured on 17
-# models (Dense stacks of 1 to 129 layers, BatchNormalization, Embedding; Adam, SGD and
-# none; tests/test_checkpoint_safety.py::test_save_size_estimate_is_proportionate), a
-# least-squares fit of the bookkeeping is 8.8 KB + 2.2 KB per group + 0.35 KB per
-# variable for .weights.h5, and 8.6 KB + 3.2 KB per group (its config) + 0.35 KB per
-# variable for .keras; these margins are 1.3 to 1.8 times what each model wrote.
+# models (scripts/save_overhead.py: Dense stacks of 1 to 129 layers, BatchNormalization,
+# Embedding; Adam, SGD and none), a least-squares fit of the bookkeeping is 8.8 KB + 2.2
+# KB per group + 0.35 KB per variable for .weights.h5, and 8.5 KB + 3.2 KB per group
+# (its config) + 0.35 KB per variable for .keras; these margins are 1.3 to 1.8 times
+# what each model wrote (checked: tests/test_checkpoint_safety.py).
 _SAVE_BYTES_PER_FILE = 16 << 10
 _SAVE_BYTES_PER_GROUP = 4 << 10
 _SAVE_BYTES_PER_VARIABLE = 512
