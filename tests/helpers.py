@@ -132,10 +132,11 @@ def require_horovod():
     pytest.skip(comm.INSTALL_HINT)
 
 
-def kill_worker_1(epochs_run: list):
+def kill_worker_1(epochs_run: list, signum=signal.SIGKILL):
     """A Keras callback for a launched task: appends each epoch it begins to
-    ``epochs_run``, and SIGKILLs worker-1 after batch 1 of epoch 1 of the job's first
-    start (restart 0), so that a restart must resume mid-run."""
+    ``epochs_run``, and SIGKILLs worker-1 (or sends it ``signum``: SIGSTOP freezes it)
+    after batch 1 of epoch 1 of the job's first start (restart 0), so that a restart
+    must resume mid-run."""
     import keras
 
     from tfdist import env
@@ -149,7 +150,7 @@ def kill_worker_1(epochs_run: list):
 
         def on_train_batch_end(self, batch, logs=None):
             if restart == 0 and me == "worker-1" and self._epoch == 1 and batch == 1:
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), signum)
 
     return KillWorker1()
 

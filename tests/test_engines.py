@@ -326,6 +326,59 @@ def test_horovod_peer_error_names_silent_and_dead_peers(monkeypatch):
         silent.close()
 
 
+def test_horovod_mesh_watch_names_a_silent_peer_once(monkeypatch):
+    """Issue 39: on a data x model mesh Horovod aborts a task (SIGABRT) when a peer
+    freezes, so its engine watches the peers during fit: of a live, a silent (accepts,
+    never answers) and a closed port, only the silent one is named, once, in one line
+    the launcher quotes. Without process sets (one model group) nothing is watched."""
+    import contextlib
+    import io
+    import socket
+
+    from tfdist.engines.base import EngineSetup
+    from tfdist.engines.horovod import ops, watch
+    from tfdist.engines.horovod import rendezvous as comm
+    from tfdist.engines.horovod.engine import HorovodEngine
+    from tfdist.launch import find_free_ports
+    from tfdist.launch.results import failure_cause
+
+    alive = comm._serve_liveness("127.0.0.1", find_free_ports(1)[0])
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    peers = {"worker-1": f"127.0.0.1:{silent.getsockname()[1]}",
+             "worker-2": f"127.0.0.1:{alive.server_address[1]}",
+             "worker-3": f"127.0.0.1:{find_free_ports(1)[0]}"}
+    engine = HorovodEngine(EngineSetup(heartbeat_timeout=4.0, task_name="worker-0"))
+    monkeypatch.delenv(comm.GLOO_TIMEOUT_ENV, raising=False)
+    monkeypatch.setattr(comm, "_peers", peers)
+    try:
+        monkeypatch.setattr(ops, "_sets", ops.ProcessSets())
+        assert isinstance(engine.watch_peers(), contextlib.nullcontext)  # one group
+        ops._sets.started[(0, 1)] = object()
+        watcher = engine.watch_peers()
+        assert isinstance(watcher, watch.PeerWatch)
+        assert (watcher.interval, watcher.probe_timeout) == (0.8, 1.0)
+        said = io.StringIO()
+        watcher.stream = said
+        assert watcher.check() == ["worker-1"]
+        assert watcher.check() == []  # named once
+        line = said.getvalue()
+        assert line == (
+            f"tfdist: worker-0: worker-1 is not responding: two liveness probes in a row at "
+            f"{peers['worker-1']} failed (no answer within 1s): it is frozen (e.g. SIGSTOP), "
+            "overloaded or unreachable; Gloo's timeout (heartbeat_timeout=4s) ends the job "
+            "unless it answers again\n"), line
+        assert failure_cause("worker-0", -6, line + "terminate called").endswith(
+            "it found worker-1 not responding (two liveness probes in a row at "
+            f"{peers['worker-1']} failed (no answer within 1s): it is frozen (e.g. SIGSTOP), "
+            "overloaded or unreachable)")
+    finally:
+        alive.shutdown()
+        alive.server_close()
+        silent.close()
+
+
 def missing_peer_task(result_dir):
     """worker-1 never starts; worker-0 must name it after startup_timeout."""
     import tfdist

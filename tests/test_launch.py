@@ -614,6 +614,73 @@ def test_failure_cause_names_only_another_task():
         "worker-1 exited with code 1: its error came from worker-0 (UnavailableError: x)"
 
 
+@pytest.mark.unit
+def test_failure_cause_quotes_a_full_disk_and_a_peer_not_responding():
+    """Unit (issue 39): a task's own line about a full disk, or about a peer it found not
+    responding before Gloo aborted it (SIGABRT), is the cause the launcher gives."""
+    from tfdist.launch.results import failure_cause, is_peer_failure
+
+    full = ("Traceback ...\ntfdist train: FAILED: disk full: cannot write /d/b.weights.h5: "
+            "it needs about 93,000 bytes and /d has 56,000 free")
+    assert failure_cause("worker-0", 1, full) == (
+        "worker-0 exited with code 1: disk full: cannot write /d/b.weights.h5: it needs "
+        "about 93,000 bytes and /d has 56,000 free")
+    aborted = ("tfdist: worker-3: worker-1 is not responding: two liveness probes in a row "
+               "at 127.0.0.1:5 failed (no answer within 2s): it is frozen (e.g. SIGSTOP), "
+               "overloaded or unreachable; Gloo's timeout (heartbeat_timeout=10s) ends the "
+               "job unless it answers again\n[0]: Horovod background loop uncaught "
+               "exception: Timed out waiting 10000ms for recv operation to complete\n"
+               "terminate called after throwing an instance of 'gloo::IoException'")
+    assert failure_cause("worker-3", -6, aborted) == (
+        "worker-3 exited with code -6 (signal SIGABRT): it found worker-1 not responding "
+        "(two liveness probes in a row at 127.0.0.1:5 failed (no answer within 2s): it is "
+        "frozen (e.g. SIGSTOP), overloaded or unreachable)")
+    assert is_peer_failure(aborted) and not is_peer_failure(full)
+    assert is_peer_failure("UnknownError: Horovod has been shut down. This was caused by")
+
+
+# worker-0 fills its disk (its line), then exits only after worker-1 has, as a chief in
+# TensorFlow's teardown may; worker-1, told that Horovod was shut down, exits first.
+_DISK_FULL_FIRST = """
+    import os, sys, time
+    me, work = os.environ["TFDIST_TASK"], sys.argv[1]
+    if me == "worker-0":
+        print("tfdist train: FAILED: disk full: cannot write /d/backup-3.weights.h5: it "
+              "needs about 93,000 bytes and /d has 56,000 free", flush=True)
+        open(os.path.join(work, "full"), "w").close()
+        while not os.path.exists(os.path.join(work, "worker-1.pid")):
+            time.sleep(0.01)
+        pid = open(os.path.join(work, "worker-1.pid")).read()
+        while os.path.exists(f"/proc/{pid}") and \
+                open(f"/proc/{pid}/stat").read().split()[2] != "Z":
+            time.sleep(0.01)
+        sys.exit(1)
+    while not os.path.exists(os.path.join(work, "full")):
+        time.sleep(0.01)
+    print("tensorflow.python.framework.errors_impl.UnknownError: Horovod has been shut "
+          "down. This was caused by an exception on one of the ranks", flush=True)
+    with open(os.path.join(work, "worker-1.pid.tmp"), "w") as f:
+        f.write(str(os.getpid()))
+    os.rename(os.path.join(work, "worker-1.pid.tmp"), os.path.join(work, "worker-1.pid"))
+    sys.exit(1)
+"""
+
+
+@pytest.mark.multiprocess
+def test_the_task_whose_failure_came_first_is_named(tmp_path):
+    """Issue 39: a chief whose disk is full stops Horovod as it exits, and the other
+    worker, told "Horovod has been shut down", exits first: the launcher names the chief
+    and the full disk, not the worker that only saw the consequence."""
+    script = _script(tmp_path, _DISK_FULL_FIRST)
+    with pytest.raises(tfdist.LaunchError) as info:
+        tfdist.launch(script, str(tmp_path), workers=2, grace_period=1, timeout=60,
+                      stream=None)
+    assert info.value.task == "worker-0", info.value
+    assert str(info.value).startswith(
+        "worker-0 exited with code 1: disk full: cannot write /d/backup-3.weights.h5: it "
+        "needs about 93,000 bytes and /d has 56,000 free after "), info.value
+
+
 # A parameter-server job of fake tasks. A worker named in argv[2] SIGKILLs itself once
 # (on its first start), the next victim only after the launcher said it carries on
 # without the previous one. The chief ends (0) once the launcher has said everything

@@ -17,11 +17,13 @@ RESUMED_STEPS = 2 * (32 // 8)  # epochs 1 and 2 of 32 rows, global batch 8
 
 
 def _horovod_mesh_task():
-    """`_restarted_task` on a 2 x 2 mesh under engine "horovod", with the process sets
-    Horovod was started with."""
+    """`_restarted_task` on a 2 x 2 mesh under engine "horovod", worker-1 frozen
+    (SIGSTOP), with the process sets Horovod was started with."""
+    import signal
+
     from tfdist.engines.horovod import ops
 
-    out = _restarted_task(engine="horovod", model_parallel=2)
+    out = _restarted_task(engine="horovod", model_parallel=2, fault=signal.SIGSTOP)
     out["process_sets"] = ops.process_sets()
     return out
 
@@ -29,18 +31,29 @@ def _horovod_mesh_task():
 @pytest.mark.multiprocess
 @pytest.mark.horovod
 @pytest.mark.timeout(420)
-def test_horovod_2_x_2_mesh_restarts_and_matches_one_process(tmp_path):
+def test_horovod_2_x_2_mesh_restarts_and_matches_one_process(tmp_path, capfd):
     """4 workers under engine "horovod" as a 2 x 2 mesh, splitting the pair (Adam,
-    clipped by global norm), with ``--max-restarts 1``: worker-1 dies in epoch 1, the
-    job restarts and every worker resumes from the chief's BackupAndRestore backup and
+    clipped by global norm), with ``--max-restarts 1``: worker-1 freezes (SIGSTOP) in
+    epoch 1; the launcher's restart names it as not responding (issue 39: the others
+    abort inside Gloo, SIGABRT, and the launcher named only the first of them), the job
+    restarts and every worker resumes from the chief's BackupAndRestore backup and
     ends equal to the uninterrupted run in one process. Horovod started with the mesh's
     4 process sets (2 "model" groups, 2 "batch" groups), each worker holds half of each
     split variable, and the resumed run counts the mesh's exact bytes."""
+    import re
+
     from helpers import require_horovod, run_cluster
 
     require_horovod()
     results = run_cluster(_horovod_mesh_task, workers=4, timeout=400, max_restarts=1,
-                          backup_dir=str(tmp_path / "backup"))
+                          backup_dir=str(tmp_path / "backup"), grace_period=2)
+    said = capfd.readouterr().err
+    restart = re.search(r"tfdist launch: restart 1/1: (worker-\d) exited with code .*", said)
+    assert restart is not None, said[-3000:]
+    assert restart[1] in ("worker-0", "worker-2", "worker-3"), restart[0]
+    assert re.search(r"\): it found worker-1 not responding \(two liveness probes in a row "
+                     r"at [\d.:]+ failed \(no answer within 2s\): it is frozen \(e\.g\. "
+                     r"SIGSTOP\), overloaded or unreachable\)$", restart[0]), restart[0]
     reference = results[0]["reference"]
     assert max(np.max(np.abs(a - b)) for a, b in zip(reference,
                                                       results[0]["unclipped"])) > 1e-3

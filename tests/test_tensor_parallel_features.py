@@ -5,6 +5,7 @@ holding the same initial weights and seeing the same global batch (atol 1e-5).""
 
 import contextlib
 import os
+import signal
 
 import numpy as np
 import pytest
@@ -195,10 +196,10 @@ def test_mixed_bfloat16_matches_one_device(logical_cpus):
 # ---- restarts: code run inside the launched tasks ------------------------------------------
 
 
-def _restarted_task(engine="tf", model_parallel=None):
+def _restarted_task(engine="tf", model_parallel=None, fault=signal.SIGKILL):
     """On each worker: the pair split across them (or over a data x model mesh of
-    ``model_parallel``), trained 3 epochs with a backup; worker-1 killed in epoch 1 of
-    the first start. Returns what it ran and ended with."""
+    ``model_parallel``), trained 3 epochs with a backup; worker-1 killed (or sent
+    ``fault``) in epoch 1 of the first start. Returns what it ran and ended with."""
     import keras
 
     import tfdist
@@ -217,7 +218,7 @@ def _restarted_task(engine="tf", model_parallel=None):
 
     x, y = data()
     weights = _fit(strategy, pair, adam, x, y, epochs=3,
-                   callbacks=[cbs.BackupAndRestore(), kill_worker_1(epochs_run)])
+                   callbacks=[cbs.BackupAndRestore(), kill_worker_1(epochs_run, fault)])
     model = _fit.model
     split = [v for v in list(model.weights) + list(model.optimizer.variables)
              if split_of(v) is not None]

@@ -29,16 +29,33 @@ def tiny_disk(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_full_disk_during_a_backup_is_one_line_and_keeps_the_earlier_backup(tiny_disk):
+@pytest.mark.parametrize("strategy", ["none", pytest.param("horovod", marks=pytest.mark.horovod)])
+def test_full_disk_during_a_backup_is_one_line_and_keeps_the_earlier_backup(tiny_disk,
+                                                                          strategy):
+    """One process, and 2 workers under engine "horovod" (issue 39: the launcher named the
+    other worker, told "Horovod has been shut down", and said the previous file was
+    kept, though backup-3 had none)."""
     out = tiny_disk / "out"
     sets = [f'train.output_dir="{out}"', 'strategy.name="none"', "train.epochs=3",
             "data.limit=320", "model.hidden=[256]", "train.verbose=0"]
+    if strategy == "horovod":
+        from helpers import require_horovod
+
+        require_horovod()
+        sets[1:2] = ['strategy.name="multi_worker"', 'strategy.options.engine="horovod"',
+                     "cluster.workers=2"]
     argv = [sys.executable, "-m", "tfdist.cli", "train", *(f"--set={s}" for s in sets)]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 1, result.stderr[-3000:]  # not -11 (SIGSEGV)
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"tfdist train: FAILED: disk full: cannot write {out / 'backup'}"
                            "/backup-3.weights.h5: it needs about "), last
+    assert "previous file is kept" not in last, last  # there was no backup-3 before
+    if strategy == "horovod":  # the launcher names the chief and its full disk
+        assert (f"tfdist train: FAILED: worker-0 exited with code 1: disk full: cannot "
+                f"write {out / 'backup'}/backup-3.weights.h5: it needs about ") in \
+            result.stderr, result.stderr[-3000:]
+        assert "worker-0 did not answer" not in result.stdout + result.stderr  # not frozen
     names = sorted(os.listdir(out / "backup"))
     assert not [n for n in names if n.startswith(".tmp-")], names
     from tfdist.keras.callbacks import BackupAndRestore

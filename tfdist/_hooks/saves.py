@@ -53,7 +53,7 @@ def save_safely(original, model, args, kwargs):
     """
     import os
 
-    from tfdist.files import atomic_path, check_free_space, model_save_size
+    from tfdist.files import atomic_path, check_free_space, kept_note, model_save_size
 
     arguments = dict(kwargs)
     path = args[0] if args else arguments.pop("filepath", None)
@@ -64,7 +64,8 @@ def save_safely(original, model, args, kwargs):
     if bad:
         raise FloatingPointError(
             f"refusing to save {os.fspath(path)!r}: weights {bad[:5]} hold NaN or infinity, "
-            "and a checkpoint of them could not train on. The previous file is kept.")
+            "and a checkpoint of them could not train on."
+            + (" The previous file is kept." if kept_note(path) else ""))
     check_free_space(path, model_save_size(model))
     with atomic_path(path) as temp:
         return original(model, temp, *args[1:], **arguments)

@@ -14,6 +14,7 @@ Nothing here imports TensorFlow: it is imported inside the methods that need it.
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 
 from tfdist.cluster import TRAINING_TASK_TYPES, ClusterSpec
@@ -145,6 +146,11 @@ class Engine(abc.ABC):
         Called with every `tf.errors.OpError` that ends ``fit``. Default: unchanged.
         """
         return error
+
+    def watch_peers(self):
+        """A context manager ``fit`` runs in, in which the engine may watch its peers and
+        name one that stops answering before its own error can (default: nothing)."""
+        return contextlib.nullcontext()
 
     def membership(self):
         """The elastic membership this process is in, or None (not an elastic job, or

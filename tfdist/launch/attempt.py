@@ -16,8 +16,12 @@ from tfdist.cluster import TRAINING_TASK_TYPES, ClusterSpec, TaskSpec
 from tfdist.launch.options import LaunchOptions
 from tfdist.launch.process import TaskProcess, command_env, stop_tasks
 from tfdist.launch.restarts import JobRestarts
-from tfdist.launch.results import exit_cause
+from tfdist.launch.results import exit_cause, is_peer_failure
 from tfdist.launch.usr1 import IgnoredUsr1
+
+# Seconds the launcher waits, when the first task to fail says another task failed
+# first, for that task to end and be named instead (`wait_for_cause`).
+CAUSE_WAIT_SECONDS = 5.0
 
 
 def task_env(cluster: ClusterSpec, spec: TaskSpec, base: dict[str, str] | None,
@@ -86,6 +90,7 @@ def run_attempt(argv: list[str], cluster: ClusterSpec, options: LaunchOptions, a
                 if failed is not None and policy.replace(tasks, failed, start):
                     continue
                 if failed is not None:
+                    failed = wait_for_cause(counted, failed)
                     if peers is not None:
                         peers.report_failure(failed.name, exit_cause(
                             failed.name, failed.poll()) + policy.failure_note(failed))
@@ -123,6 +128,33 @@ def first_failed(tasks: Sequence[TaskProcess]) -> TaskProcess | None:
     """
     failed = [t for t in tasks if t.poll() not in (None, 0) and t.spec.type != "evaluator"]
     return min(failed, key=lambda t: t.exited_at, default=None)
+
+
+def wait_for_cause(tasks: Sequence[TaskProcess], failed: TaskProcess,
+                   seconds: float = CAUSE_WAIT_SECONDS) -> TaskProcess:
+    """The task whose failure ends the attempt: ``failed``, or, when ``failed``'s last
+    lines say it failed because another task did (Horovod's "has been shut down", a peer
+    named as not running), the first task that fails of its own within ``seconds``.
+
+    A chief that fills its disk stops Horovod as it exits, and the other worker, told
+    "Horovod has been shut down", often exits before the chief has.
+    """
+    failed.finish_output()  # its last lines, all of them
+    if not is_peer_failure(failed.tail_text()):
+        return failed
+    deadline = time.monotonic() + seconds
+    while True:
+        ended = [t for t in tasks if t is not failed and t.spec.type != "evaluator"
+                 and t.poll() not in (None, 0)]
+        for task in ended:
+            task.finish_output()
+        own = [t for t in ended if not is_peer_failure(t.tail_text())]
+        if own:
+            return min(own, key=lambda t: t.exited_at)
+        running = [t for t in tasks if t is not failed and t.poll() is None]
+        if not running or time.monotonic() > deadline:
+            return failed
+        time.sleep(0.05)
 
 
 def _is_evaluating(tasks: Sequence[TaskProcess]) -> bool:

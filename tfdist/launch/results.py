@@ -80,13 +80,41 @@ _REMOTE = re.compile(r"from remote target /job:(\w+)/replica:\d+/task:(\d+)")
 _ERROR = re.compile(r"\w+(?:Error|Exception): .*")
 
 
+# Words of an error a task received because another task failed first: Horovod's for a
+# rank's exception or exit, Gloo's timeout, and tfdist's for a peer that stopped
+# answering (`tfdist.engines.peers`, `tfdist.engines.horovod.watch`).
+_PEER_FAILURE_WORDS = ("Horovod has been shut down", "Timed out waiting", " did not answer ",
+                       " is not running (nothing listens at ", " could not be reached (",
+                       " is not responding: ")
+# A task's own line about a peer (`tfdist.engines.horovod.watch`).
+_NOT_RESPONDING = re.compile(
+    r"tfdist: [\w.-]+: ([\w.-]+) is not responding: (.*?)(?:; Gloo's timeout .*)?$")
+# A full disk in a task's last lines: `tfdist.files.disk_full`'s words.
+_DISK_FULL = re.compile(r"disk full: .*")
+
+
+def is_peer_failure(tail: str) -> bool:
+    """Whether a task's last lines (``tail``) say it failed because another task did."""
+    return any(words in tail for words in _PEER_FAILURE_WORDS)
+
+
 def failure_cause(name: str, code: int, tail: str) -> str:
-    """`exit_cause`, plus the task whose error ``name`` received, if its last lines
-    (``tail``) say so: ``chief-0 exited with code 1: its error came from ps-0
-    (ResourceExhaustedError: OOM when allocating ...)``. A ps that runs out of memory
-    while the chief builds the model fails the chief, not itself."""
+    """`exit_cause`, plus what its last lines (``tail``) say of the cause: a full disk
+    (``worker-0 exited with code 1: disk full: cannot write ...``), a peer it found not
+    responding (``worker-0 exited with code -6 (signal SIGABRT): it found worker-1 not
+    responding (...)``), or the task whose error ``name`` received: ``chief-0 exited with
+    code 1: its error came from ps-0 (ResourceExhaustedError: OOM when allocating ...)``.
+    A ps that runs out of memory while the chief builds the model fails the chief, not
+    itself."""
     cause = exit_cause(name, code)
     lines = tail.splitlines()
+    for line in reversed(lines):
+        found = _DISK_FULL.search(line)
+        if found is not None:
+            return f"{cause}: {found[0][:500]}"
+        found = _NOT_RESPONDING.search(line)
+        if found is not None:
+            return f"{cause}: it found {found[1]} not responding ({found[2][:500]})"
     for end in range(len(lines), 0, -1):
         remote = _REMOTE.search(lines[end - 1])
         if remote is not None:

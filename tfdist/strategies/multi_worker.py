@@ -283,8 +283,10 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
 
     @contextlib.contextmanager
     def keras_fit_context(self, model, arguments):
-        """Keras ``fit`` runs in this: a peer that stopped answering is named."""
-        with super().keras_fit_context(model, arguments), self._elastic_fit(model, arguments):
+        """Keras ``fit`` runs in this: a peer that stopped answering is named (and
+        watched meanwhile, where the engine does: `Engine.watch_peers`)."""
+        with super().keras_fit_context(model, arguments), self._engine.watch_peers(), \
+                self._elastic_fit(model, arguments):
             try:
                 yield
             except tf.errors.OpError as error:

@@ -8,6 +8,7 @@ rendezvous at its TF_CONFIG address, `tfdist.engines.horovod.rendezvous`), or un
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -15,7 +16,7 @@ from tfdist.comm.communicator import StrategyCommunicator, check_in_group, repli
 from tfdist.comm.groups import mesh_groups
 from tfdist.engines import peers as peer_probes
 from tfdist.engines.base import Engine, summary
-from tfdist.engines.horovod import elastic, membership, ops, rendezvous
+from tfdist.engines.horovod import elastic, membership, ops, rendezvous, watch
 
 # Horovod's negotiation cycle (ms) under a strategy that exchanges rarely, unless set:
 # Horovod's thread talks to its peers every cycle (default 1 ms: ~340 KB/s per idle
@@ -138,6 +139,16 @@ class HorovodEngine(Engine):
                      if _HOROVOD_FAILURES[0] in line), summary(message))
         return type(error)(error.node_def, error.op,
                            f"{self.setup.task_name}: {named}. Horovod said: {said}")
+
+    def watch_peers(self):
+        """On a data x model mesh (process sets), a `watch.PeerWatch` of every peer:
+        there Horovod aborts the process when a peer freezes, so no error of
+        `peer_error` would name it. Else nothing."""
+        peers = rendezvous.peer_addresses()
+        if not ops.process_sets() or not peers:
+            return contextlib.nullcontext()
+        timeout_text, seconds = self._timeout_as_set()
+        return watch.PeerWatch(self.setup.task_name, peers, timeout_text, seconds)
 
     def _gloo_timeout(self) -> float:
         return min(self.setup.heartbeat_timeout, self.setup.collective_timeout or math.inf)

@@ -183,16 +183,36 @@ _rendezvous_servers = []  # rendezvous and liveness servers, kept for the life o
 
 def _serve_rendezvous(host: str, port: int, plan) -> None:
     """Gloo's HTTP rendezvous (Horovod's own server) on ``host:port``, in a thread."""
-    import threading
-
     from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
 
     server = RendezvousHTTPServer((host, port), RendezvousHandler, 0)
     server.init(plan)
-    threading.Thread(target=server.serve_forever, name="tfdist-gloo-rendezvous",
-                     daemon=True).start()
-    _rendezvous_servers.append(server)
+    _serve(server, "tfdist-gloo-rendezvous")
     return server
+
+
+def _serve(server, name: str) -> None:
+    """Serves ``server`` from a daemon thread until the process exits, and closes it
+    then, after Horovod's own shutdown (an exit handler registered before Horovod's).
+
+    Why: once exit handlers have run, Python's daemon threads stop for good while the
+    process may take seconds more to end (TensorFlow's teardown); a port still open
+    then would accept probes and never answer, so a peer would call this task frozen.
+    Closed, it refuses them: the peer says this task is not running.
+    """
+    import atexit
+    import threading
+
+    thread = threading.Thread(target=server.serve_forever, name=name, daemon=True)
+    thread.start()
+    _rendezvous_servers.append(server)
+
+    def close():
+        if thread.is_alive():
+            server.shutdown()
+        server.server_close()
+
+    atexit.register(close)
 
 
 def _serve_liveness(host: str, port: int):
@@ -205,7 +225,6 @@ def _serve_liveness(host: str, port: int):
     """
     import http.server
     import logging
-    import threading
 
     class Alive(http.server.BaseHTTPRequestHandler):
         timeout = 10  # seconds a client may take to send its request
@@ -226,9 +245,7 @@ def _serve_liveness(host: str, port: int):
             "freezes, its peers cannot name it.", host, port, error)
         return None
     server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, name="tfdist-horovod-liveness",
-                     daemon=True).start()
-    _rendezvous_servers.append(server)
+    _serve(server, "tfdist-horovod-liveness")
     return server
 
 
