@@ -326,6 +326,16 @@ def test_wrapper_owns_the_slices_and_leaves_the_users_optimizer_alone(logical_cp
     assert len(slices) == 2 * 2 * len(strategy.sharded_optimizer_state(model.optimizer).buckets)
     assert all(id(v) in ids for v in slices)  # Adam: m and v, per replica, per bucket
     assert not any(len(v.shape) for v in users.variables)  # no full-size slots
+    # benchmarks/zero.py counts each variable once (it once counted the slices twice:
+    # "optimizer bytes x N = 2.00"): both replicas' m and v of every padded element,
+    # and 12 bytes (step, learning rate) each for the wrapper, the user's optimizer and
+    # the 2 replicas' inner optimizers.
+    from benchmarks.zero import optimizer_state_bytes
+
+    padded = sum(b.slice_size * 2 for b in strategy.sharded_optimizer_state(
+        model.optimizer).buckets)
+    assert optimizer_state_bytes(model, strategy) == {"counters": 4 * 12,
+                                                      "slots": 2 * 4 * padded}
 
 
 def test_a_sharded_optimizer_without_a_sharding_strategy_is_refused(logical_cpus):
