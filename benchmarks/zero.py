@@ -7,8 +7,10 @@
 float32 weights trained with Adam (``fit`` on random data). Each worker reports:
 
 - net peak RSS: ``VmHWM`` at the end minus ``VmRSS`` before the model was built;
-- optimizer-variable bytes: what its optimizers hold (the sharded run: every local
-  inner optimizer's slots and counters, plus the model optimizer's counters);
+- optimizer-variable bytes: what its optimizers hold, each variable once
+  (`optimizer_state_bytes`; the sharded run: the wrapper's ``variables``, which hold
+  its counters, the user's optimizer's and every local slot slice, plus each local
+  inner optimizer's counters), split into counters (scalars) and slots;
 - reduced-gradient bytes: the gradients it keeps after the reduction (unsharded: every
   gradient; sharded: its slice of every bucket). Both compute the whole local gradient
   during the backward pass;
@@ -91,13 +93,10 @@ def _task(engine, sharded, width, layers, batch, warmup, steps):
     counted = (strategy.bytes_communicated - before) / steps
     weights = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
 
-    def nbytes(variables):
-        return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)
-
-    optimizer_bytes = nbytes(model.optimizer.variables)
+    held = optimizer_state_bytes(model, strategy)
+    optimizer_bytes = held["counters"] + held["slots"]
     if sharded:
         state = strategy.sharded_optimizer_state(model.optimizer)
-        optimizer_bytes += sum(nbytes(inner.variables) for inner in state.optimizers)
         padded = sum(b.slice_size * n * np.dtype(b.dtype).itemsize for b in state.buckets)
         gradient_bytes = padded // n
         slice_copy = padded // n
@@ -108,11 +107,35 @@ def _task(engine, sharded, width, layers, batch, warmup, steps):
         gradient_bytes, slice_copy = weights, 0
         wire = 2 * (n - 1) / n * weights
     return {"rank": strategy.rank, "workers": n, "weights_bytes": weights,
-            "optimizer_bytes": optimizer_bytes, "gradient_bytes": gradient_bytes,
+            "optimizer_bytes": optimizer_bytes, "optimizer_counter_bytes": held["counters"],
+            "optimizer_slot_bytes": held["slots"],
+            "padding_bytes": padded - weights if sharded else 0,  # over all N slices
+            "gradient_bytes": gradient_bytes,
             "model_state_bytes": weights + gradient_bytes + optimizer_bytes + slice_copy,
             "net_peak_rss": _rss("VmHWM") - start,
             "step_seconds": statistics.median(timer.times),
             "wire_bytes_per_step": wire, "counted_bytes_per_step": counted}
+
+
+def optimizer_state_bytes(model, strategy) -> dict:
+    """``{"counters", "slots"}``: the bytes of this worker's optimizer variables, each
+    counted once: scalars (step counters, learning rates) and the rest (slots).
+
+    Under ``shard_optimizer_state=True`` the model's optimizer is the wrapper, whose
+    ``variables`` already hold every local slot slice; the local inner optimizers add
+    only their counters.
+    """
+    import numpy as np
+
+    found = {id(v): v for v in model.optimizer.variables}
+    state = strategy.sharded_optimizer_state(model.optimizer)  # None: unsharded
+    for inner in (state.optimizers if state is not None else ()):
+        found.update((id(v), v) for v in inner.variables)
+    out = {"counters": 0, "slots": 0}
+    for variable in found.values():
+        kind = "slots" if len(variable.shape) else "counters"
+        out[kind] += int(np.prod(variable.shape)) * np.dtype(variable.dtype).itemsize
+    return out
 
 
 def _ratios(runs: dict) -> dict:
@@ -129,6 +152,30 @@ def _ratios(runs: dict) -> dict:
             "wire_bytes": shard["wire_bytes_per_step"] / plain["wire_bytes_per_step"],
         }
     return out
+
+
+def explain(runs: dict) -> list[str]:
+    """One line per N: what the optimizer bytes x N and the model state ratio are made
+    of, from the measured bytes (the excess over 1, and over ZeRO-2's bound, named)."""
+    lines = []
+    for n in sorted({r["workers"] for r in runs.values()}):
+        plain, shard = runs[f"{n} workers, unsharded"], runs[f"{n} workers, sharded"]
+        total = plain["optimizer_bytes"]
+        counters = (shard["optimizer_counter_bytes"] * n - plain["optimizer_counter_bytes"])
+        slots = shard["optimizer_slot_bytes"] * n - plain["optimizer_slot_bytes"]
+        padding = plain["optimizer_slot_bytes"] * shard["padding_bytes"] / shard["weights_bytes"]
+        bound = (4 + 16 / n) / 16  # weights 4Ψ; gradient slice, slots, slice copy 16Ψ/N
+        lines.append(
+            f"- {n} workers: optimizer bytes x N = {(total + counters + slots) / total:.4f} "
+            f"= 1 {counters / total:+.4f} from the counters ({shard['optimizer_counter_bytes']}"
+            f" B per worker sharded, {plain['optimizer_counter_bytes']} B unsharded: the "
+            f"wrapper's, the user's optimizer's and each local inner optimizer's step and "
+            f"learning rate) {slots / total:+.4f} from the slot slices (the padding of each "
+            f"bucket to a multiple of N accounts for {padding / total:+.4f}). Model state "
+            f"{shard['model_state_bytes'] / plain['model_state_bytes']:.4f} against "
+            f"(4Ψ + 16Ψ/N) / 16Ψ = {bound:.4f} (weights; gradient slice, slots and the "
+            "slice copy of the weights): the rest is the same counters and padding.")
+    return lines
 
 
 def main(argv=None) -> dict:
@@ -172,7 +219,8 @@ def main(argv=None) -> dict:
         "", "Model state = weights + reduced gradients + optimizer variables (+ the "
         "sharded run's slice copy of the weights). Wire bytes follow a ring: an "
         "all-reduce sends 2(N-1)/N of the payload per worker, a reduce-scatter and an "
-        "all-gather (N-1)/N each.", ""])
+        "all-gather (N-1)/N each. Each optimizer variable is counted once.", "",
+        "What the ratios are made of:", "", *explain(runs), ""])
     data = {"machine": machine_info(), "engine": engine, "settings": config,
             "runs": runs, "ratios": ratios, "weights_bytes": weights_mb * mb}
     write_section(args.output, NAME, markdown, data)

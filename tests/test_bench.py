@@ -250,6 +250,30 @@ def test_goals_read_the_zero_ratios(tmp_path):
 
 
 @pytest.mark.unit
+def test_zero_section_says_what_its_ratios_are_made_of():
+    """benchmarks/zero.py's report splits optimizer bytes x N - 1 into counters and slot
+    slices (with what the padding accounts for), so a miss is explained by its numbers."""
+    from benchmarks.zero import _ratios, explain
+
+    weights = 1000
+    plain = {"workers": 2, "weights_bytes": weights, "optimizer_counter_bytes": 12,
+             "optimizer_slot_bytes": 2 * weights, "optimizer_bytes": 2 * weights + 12,
+             "model_state_bytes": 4 * weights + 12, "padding_bytes": 0, "net_peak_rss": 1,
+             "step_seconds": 1, "wire_bytes_per_step": 1}
+    # A sharded worker holding twice its slots (the slices counted twice).
+    shard = dict(plain, optimizer_counter_bytes=36, optimizer_slot_bytes=2 * weights,
+                 optimizer_bytes=2 * weights + 36, padding_bytes=8)
+    runs = {"2 workers, unsharded": plain, "2 workers, sharded": shard}
+    assert _ratios(runs)["2"]["optimizer_bytes_times_n"] == pytest.approx(
+        (4 * weights + 72) / (2 * weights + 12))
+    line, = explain(runs)
+    assert line.startswith("- 2 workers: optimizer bytes x N = 2.0239 = 1 +0.0298 from "
+                           "the counters (36 B per worker sharded, 12 B unsharded")
+    assert "+0.9940 from the slot slices (the padding of each bucket to a multiple of N " \
+           "accounts for +0.0080)" in line
+
+
+@pytest.mark.unit
 def test_goals_read_the_tensor_parallel_values(tmp_path):
     path = tmp_path / "tensor_parallel.json"
     path.write_text(json.dumps({"goal_values": {

@@ -105,3 +105,24 @@ def test_keras_imported_before_tfdist_is_patched_too():
                           env={**os.environ, "KERAS_BACKEND": "tensorflow"}, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().startswith("patched ['cpu:0'")
+
+
+def test_keras_keeps_the_strategy_a_model_and_an_optimizer_were_made_under():
+    """`built_under` and `_check_optimizer` read Keras' private strategy fields."""
+    import keras
+    import tensorflow as tf
+    from keras.src.backend.tensorflow import optimizer, trainer
+
+    from tfdist._hooks.keras_distribution import MODEL_CALLS, built_under
+
+    assert "self._distribute_strategy = tf.distribute.get_strategy()" in inspect.getsource(
+        trainer.TensorFlowTrainer.__init__), (
+        "Keras' TF trainer no longer records the strategy a model is built under in "
+        "_distribute_strategy: models built before set_distribution would run under it")
+    assert "self._distribution_strategy = tf.distribute.get_strategy()" in \
+        inspect.getsource(optimizer.TFOptimizer.__init__)
+    assert all(callable(getattr(keras.Model, name)) for name in MODEL_CALLS)
+    assert built_under(keras.Sequential([keras.Input((2,))])) is None
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    with strategy.scope():
+        assert built_under(keras.Sequential([keras.Input((2,))])) is strategy

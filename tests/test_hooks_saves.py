@@ -4,6 +4,8 @@ If one of these fails after an upgrade, the hook it names must be rewritten: tfd
 would otherwise fall back to a different behaviour silently.
 """
 
+import inspect
+
 
 def test_keras_backup_and_restore_private_paths(tmp_path):
     import os
@@ -54,3 +56,19 @@ def test_non_finite_weights_checks_each_shard():
     kernel._value = tf.__internal__.distribute.ShardedVariable(
         [tf.Variable(np.zeros((1, 3), "float32")), tf.Variable(np.full((1, 3), np.nan, "float32"))])
     assert non_finite_weights(model) == [kernel.path]
+
+
+def test_keras_saves_walk_an_object_s_dir():
+    """`hidden_from_keras_saves` (ShardedOptimizer.__dir__) works because Keras' saves
+    and loads find child objects through ``dir()``."""
+    from keras.src.saving import saving_lib
+
+    from tfdist._hooks.saves import hidden_from_keras_saves
+
+    assert "sorted(dir(saveable)" in inspect.getsource(saving_lib._walk_saveable), (
+        "Keras' saves no longer walk dir(): a sharded optimizer's save would hold an "
+        "extra optimizer/inner_optimizer group again (or lose it on load)")
+    for user in (saving_lib._save_state, saving_lib._load_state):
+        assert "_walk_saveable(saveable)" in inspect.getsource(user)
+    assert hidden_from_keras_saves(["a", "inner_optimizer", "b"], ("inner_optimizer",)) == \
+        ["a", "b"]

@@ -251,3 +251,103 @@ def test_multi_worker_plans(logical_cpus, fresh_job):
     with pytest.raises(ValueError, match=r"must hold every device .* Received: "
                                          r"devices=\['cpu:0'\], list_devices\(\)="):
         fresh_job.strategy_plan(keras.distribution.DataParallel(devices=["cpu:0"]))
+
+
+# ---- replacing a distribution; models built before one (issue 39 item 9) ----------------
+
+def _column_row_pair(compiled=True):
+    """Input(8) -> Dense(16, relu) "up" -> Dense(3) "down", compiled with Adam."""
+    import keras
+
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(16, activation="relu", name="up")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(3, name="down")(hidden))
+    if compiled:
+        model.compile(keras.optimizers.Adam(0.01),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _trained(model):
+    model.fit(dataset(), epochs=2, verbose=0)
+    return [np.asarray(w) for w in model.get_weights()]
+
+
+@pytest.fixture(scope="module")
+def one_device_pair():
+    """`_column_row_pair` trained on one device (no strategy, no distribution)."""
+    return _trained(_column_row_pair())
+
+
+def _split_pair():
+    """``ModelParallel`` on a (1, 2) mesh: "up" column-split, "down" row-split."""
+    import keras
+
+    return keras.distribution.ModelParallel(layout_map=layout_map(
+        [("up/kernel", (None, "model")), ("up/bias", ("model",)),
+         ("down/kernel", ("model", None))], shape=(1, 2)))
+
+
+@pytest.mark.parametrize("order", ["data_then_model", "model_then_data"])
+def test_replacing_a_distribution_trains_equal_to_one_device(logical_cpus, no_distribution,
+                                                             one_device_pair, order):
+    """The keras-io distribution guide sets DataParallel, then ModelParallel (no None in
+    between); the second strategy's byte counter was made in the first one's scope."""
+    import keras
+
+    import tfdist
+
+    first, second = keras.distribution.DataParallel(), _split_pair()
+    if order == "model_then_data":
+        first, second = second, first
+    keras.distribution.set_distribution(first)
+    under_first = _column_row_pair()
+    keras.distribution.set_distribution(second)
+    under_second = _column_row_pair()
+    kinds = {"data_then_model": (tfdist.MirroredStrategy, tfdist.ModelParallelStrategy),
+             "model_then_data": (tfdist.ModelParallelStrategy, tfdist.MirroredStrategy)}
+    assert isinstance(under_first.distribute_strategy, kinds[order][0])
+    assert isinstance(under_second.distribute_strategy, kinds[order][1])
+    assert_weights_close(_trained(under_second), one_device_pair)
+    assert under_second.distribute_strategy.bytes_communicated > 0
+    # A model built under the first distribution keeps its strategy, as on JAX.
+    assert_weights_close(_trained(under_first), one_device_pair)
+    assert keras.distribution.distribution() is second
+
+
+def test_a_strategy_created_inside_another_s_scope(logical_cpus, one_device_pair):
+    import tensorflow as tf
+
+    import tfdist
+
+    with tfdist.MirroredStrategy().scope():
+        inner = tfdist.ModelParallelStrategy(layout_map={
+            "up/kernel": (None, "model"), "up/bias": ("model",),
+            "down/kernel": ("model", None)})
+    counter = inner.communicator.counter.variable
+    assert not isinstance(counter, tf.distribute.DistributedValues)
+    with inner.scope():
+        model = _column_row_pair()
+    assert_weights_close(_trained(model), one_device_pair)
+    assert inner.bytes_communicated > 0
+
+
+def test_a_model_built_before_set_distribution_trains_on_one_device(
+        logical_cpus, no_distribution, one_device_pair):
+    """docs/keras_distribution.md: it stays on one device, as on JAX."""
+    import keras
+    import tensorflow as tf
+
+    import tfdist
+
+    before, uncompiled = _column_row_pair(), _column_row_pair(compiled=False)
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    assert_weights_close(_trained(before), one_device_pair, atol=1e-6)
+    assert np.asarray(before.predict(dataset(), verbose=0)).shape == (64, 3)
+    assert isinstance(tf.distribute.get_strategy(), tfdist.MirroredStrategy)  # still set
+    # Compiled after set_distribution with an optimizer made after it: refused in one
+    # line (Keras made the optimizer's step counter under the distribution's strategy).
+    with pytest.raises(ValueError, match=r"its optimizer was made after it.*Received: "
+                                         r"optimizer=.* made under MirroredStrategy"):
+        uncompiled.compile(keras.optimizers.Adam(0.01), "mse")

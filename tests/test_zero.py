@@ -142,13 +142,14 @@ def test_sharded_matches_unsharded_with(logical_cpus, case):
 def test_saved_state_is_whole_and_resumes(logical_cpus, tmp_path, optimizer):
     import tfdist
 
-    from zero_jobs import read_saved, save_and_resume
+    from zero_jobs import h5_names, read_saved, save_and_resume
 
     sharded_path, plain_path = str(tmp_path / "s.weights.h5"), str(tmp_path / "p.weights.h5")
     resumed = save_and_resume(lambda: tfdist.MirroredStrategy(shard_optimizer_state=True),
                               sharded_path, optimizer)
     save_and_resume(tfdist.MirroredStrategy, plain_path, optimizer, resume=False)
     got, want = read_saved(sharded_path, optimizer), read_saved(plain_path, optimizer)
+    assert h5_names(sharded_path) == h5_names(plain_path)  # no inner_optimizer group
     assert_weights_close(got[0], want[0])
     assert len(got[1]) == len(want[1]) > 2
     assert_weights_close(got[1], want[1])
@@ -191,7 +192,7 @@ def test_saved_state_with_a_loss_scale(logical_cpus, tmp_path):
 
     import tfdist
 
-    from zero_jobs import read_saved, save_and_resume
+    from zero_jobs import h5_names, read_saved, save_and_resume
 
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
@@ -200,6 +201,7 @@ def test_saved_state_with_a_loss_scale(logical_cpus, tmp_path):
                         paths[0], "adam", resume=False)
         save_and_resume(tfdist.MirroredStrategy, paths[1], "adam", resume=False)
         got, want = read_saved(paths[0]), read_saved(paths[1])
+        assert h5_names(paths[0]) == h5_names(paths[1])
     finally:
         keras.mixed_precision.set_global_policy("float32")
     assert_weights_close(got[0], want[0])
@@ -261,8 +263,11 @@ def _read_keras_file(path):
 def test_model_save_and_tfdist_model_checkpoint_write_the_whole_state(logical_cpus,
                                                                       tmp_path):
     """A `.keras` file from `model.save` and from tfdist's ModelCheckpoint, written by a
-    sharded run, loads in a plain process equal to the unsharded run's file."""
+    sharded run, loads in a plain process equal to the unsharded run's file, and holds
+    its groups."""
     import tfdist
+
+    from zero_jobs import h5_names
 
     files = {}
     for kind, sharded in (("s", True), ("p", False)):
@@ -273,6 +278,7 @@ def test_model_save_and_tfdist_model_checkpoint_write_the_whole_state(logical_cp
         model.save(str(tmp_path / f"{kind}.keras"))
         files[kind] = (str(tmp_path / f"{kind}.keras"), checkpoint)
     for sharded_file, plain_file in zip(files["s"], files["p"]):
+        assert h5_names(sharded_file) == h5_names(plain_file)  # no inner_optimizer group
         got, want = _read_keras_file(sharded_file), _read_keras_file(plain_file)
         assert_weights_close(got[0], want[0])
         assert len(got[1]) == len(want[1]) > 2
@@ -320,6 +326,16 @@ def test_wrapper_owns_the_slices_and_leaves_the_users_optimizer_alone(logical_cp
     assert len(slices) == 2 * 2 * len(strategy.sharded_optimizer_state(model.optimizer).buckets)
     assert all(id(v) in ids for v in slices)  # Adam: m and v, per replica, per bucket
     assert not any(len(v.shape) for v in users.variables)  # no full-size slots
+    # benchmarks/zero.py counts each variable once (it once counted the slices twice:
+    # "optimizer bytes x N = 2.00"): both replicas' m and v of every padded element,
+    # and 12 bytes (step, learning rate) each for the wrapper, the user's optimizer and
+    # the 2 replicas' inner optimizers.
+    from benchmarks.zero import optimizer_state_bytes
+
+    padded = sum(b.slice_size * 2 for b in strategy.sharded_optimizer_state(
+        model.optimizer).buckets)
+    assert optimizer_state_bytes(model, strategy) == {"counters": 4 * 12,
+                                                      "slots": 2 * 4 * padded}
 
 
 def test_a_sharded_optimizer_without_a_sharding_strategy_is_refused(logical_cpus):

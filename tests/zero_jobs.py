@@ -224,3 +224,27 @@ def read_saved(path, optimizer="adam"):
     model.load_weights(path)
     return ([np.asarray(w) for w in model.get_weights()],
             [np.asarray(v) for v in model.optimizer.variables])
+
+
+def h5_names(path):
+    """``{name: shape}`` of every group (shape None) and dataset in a ``.weights.h5``
+    file, or in the weights of a ``.keras`` file."""
+    import io
+    import zipfile
+
+    import h5py
+
+    names = {}
+
+    def visit(name, item):
+        names[name] = getattr(item, "shape", None)
+
+    if path.endswith(".keras"):
+        with zipfile.ZipFile(path) as archive:
+            data = io.BytesIO(archive.read("model.weights.h5"))
+        with h5py.File(data, "r") as file:
+            file.visititems(visit)
+    else:
+        with h5py.File(path, "r") as file:
+            file.visititems(visit)
+    return names

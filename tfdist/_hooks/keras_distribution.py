@@ -13,7 +13,10 @@ distribution for its layout. Keras has no public extension point for any of this
   ``Distribution.scope()`` calls) and its public re-exports;
 - ``Distribution.distribute_dataset`` (Keras' data adapter calls it);
 - the TF backend ``Variable._initialize``: the layout is resolved when a variable is
-  created, as Keras' JAX backend does (``JaxVariable._initialize_layout``).
+  created, as Keras' JAX backend does (``JaxVariable._initialize_layout``);
+- ``keras.Model``'s `MODEL_CALLS`, from the first distribution set on (outside tfdist's
+  Keras hand-off, `tfdist._hooks.keras`): each runs under the strategy its model was
+  built under (Keras' private ``_distribute_strategy``; None: none), as on JAX.
 
 Each patch calls the tfdist function handed in (``tfdist.keras.distribution``, passed in
 by ``tfdist/__init__.py``: hooks never import up). Under another Keras backend nothing is
@@ -31,6 +34,10 @@ DISTRIBUTION_MODULE = "keras.src.distribution.distribution_lib"
 BACKEND_MODULE = "keras.src.backend.tensorflow.distribution_lib"
 # Modules that re-export Keras' public distribution functions (bound at their import).
 PUBLIC_MODULES = ("keras.distribution", "keras._tf_keras.keras.distribution")
+# keras.Model methods that run under the strategy the model was built under.
+MODEL_CALLS = ("compile", "fit", "evaluate", "predict", "train_on_batch", "test_on_batch",
+               "predict_on_batch", "get_weights", "set_weights", "save", "save_weights",
+               "load_weights", "export")
 # The backend functions tfdist provides (Keras' public functions look them up by name).
 BACKEND_FUNCTIONS = ("list_devices", "get_device_count", "initialize", "num_processes",
                      "process_id", "distribute_tensor", "distribute_value")
@@ -111,6 +118,8 @@ def _patch_set_distribution(distribution_lib, api) -> None:
         # Why: the tfdist strategy must become TF's default (variables are created under
         # it) whenever Keras' distribution changes: set_distribution and scope().
         api.on_set_distribution(value, set_keras=original)
+        if value is not None:  # its strategy has installed tfdist's Keras hooks
+            _patch_model_calls(api, set_keras=original)
 
     set_distribution.__doc__ = original.__doc__
     set_distribution.__wrapped__ = original
@@ -119,6 +128,59 @@ def _patch_set_distribution(distribution_lib, api) -> None:
         module = sys.modules.get(name)
         if module is not None and getattr(module, "set_distribution", None) is original:
             module.set_distribution = set_distribution
+
+
+def _patch_model_calls(api, set_keras) -> None:
+    import keras
+
+    if getattr(keras.Model, "_tfdist_model_calls", False):
+        return
+    for name in MODEL_CALLS:
+        setattr(keras.Model, name, _model_call(getattr(keras.Model, name), api, set_keras))
+    keras.Model._tfdist_model_calls = True
+
+
+def _model_call(original, api, set_keras):
+    import functools
+
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
+        # Why: Keras' TF trainer runs a model built under no strategy under TF's current
+        # one (``distribute_strategy``), which fails on its plain variables; it keeps the
+        # strategy it was built under only in the private ``_distribute_strategy``.
+        with api.model_call_context(built_under(self), set_keras=set_keras) as moved:
+            result = original(self, *args, **kwargs)
+            if moved and original.__name__ == "compile":
+                _check_optimizer(self)
+        return result
+
+    return method
+
+
+def _check_optimizer(model) -> None:
+    """Refuses an optimizer made under another strategy than its model's (one made
+    after ``set_distribution`` for a model built before it).
+
+    Why: Keras' TF optimizer keeps the strategy current when it was made in the private
+    ``_distribution_strategy``, and made its ``iterations`` variable there.
+    """
+    import tensorflow as tf
+
+    optimizer = model.optimizer
+    made_under = getattr(optimizer, "_distribution_strategy", None)
+    if made_under is not None and made_under is not tf.distribute.get_strategy():
+        raise ValueError(
+            "this model was built before keras.distribution.set_distribution and runs "
+            "where it was built, but its optimizer was made after it: make the optimizer "
+            "before set_distribution as well (or pass its name, e.g. optimizer='adam'), "
+            f"or build the model after it. Received: optimizer={optimizer!r} made under "
+            f"{type(made_under).__name__}")
+
+
+def built_under(model):
+    """The strategy ``model`` was built under (Keras' private ``_distribute_strategy``),
+    or None: none."""
+    return getattr(model, "_distribute_strategy", None)
 
 
 def _patch_distribute_dataset(distribution_class, api) -> None:

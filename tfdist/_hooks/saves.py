@@ -2,7 +2,8 @@
 
 Saves that write atomically and refuse weights holding NaN or infinity, and Keras' own
 file callbacks (``ModelCheckpoint``, ``BackupAndRestore``, ``CSVLogger``,
-``TensorBoard``) writing to a private directory on workers that are not the chief.
+``TensorBoard``) writing to a private directory on workers that are not the chief, and
+attributes Keras' saves do not walk.
 ``tests/test_hooks_saves.py`` fails loudly when a Keras upgrade removes what they touch.
 """
 
@@ -25,6 +26,18 @@ def non_finite_weights(model, variables=None) -> list[str]:
     """
     return [v.path for v in (model.weights if variables is None else variables)
             if "float" in str(v.dtype) and not _is_finite(v)]
+
+
+def hidden_from_keras_saves(names, hidden) -> list:
+    """``names`` (an object's ``dir()``) without ``hidden``, which Keras' saves then skip.
+
+    Why: Keras' saving (the private ``saving_lib._walk_saveable``) writes, and loads,
+    every Keras object among the names ``dir()`` gives, each in a group named after
+    its attribute; it has no public way to leave one out. `tfdist.keras.ShardedOptimizer`
+    leaves out its ``inner_optimizer``, whose state its own save already writes in the
+    unsharded layout.
+    """
+    return [name for name in names if name not in hidden]
 
 
 def _is_finite(variable) -> bool:

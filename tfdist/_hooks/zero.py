@@ -13,6 +13,9 @@ import contextlib
 def plain_variables():
     """Inside, variables are plain (one device, no strategy) even under a strategy.
 
+    Also what `tfdist.comm.accounting.ByteCounter` is made in: a strategy's counters
+    are its own, whichever strategy's scope it is created in.
+
     Why: each replica's optimizer slice and its slots belong to that replica alone;
     the strategy's variable creator would mirror them (full copies everywhere, and
     assignments broadcast). TF has no public way to leave a strategy's scope from

@@ -11,14 +11,17 @@ from __future__ import annotations
 class ByteCounter:
     """An int64 counter that graph code can increment; read it with `total`.
 
-    Create it outside any strategy scope (e.g. in a strategy's constructor), so the
-    variable is a plain host variable, not a distributed one.
+    Its variable is a plain host variable, never a distributed one, even when it is
+    made inside another strategy's scope (a strategy created under
+    ``keras.distribution.set_distribution`` of an earlier one, or in ``with s.scope():``).
     """
 
     def __init__(self, name: str = "tfdist_bytes_allreduced"):
         import tensorflow as tf
 
-        with tf.init_scope(), tf.device("/cpu:0"):
+        from tfdist._hooks.zero import plain_variables
+
+        with plain_variables(), tf.device("/cpu:0"):
             self._variable = tf.Variable(0, dtype=tf.int64, trainable=False, name=name,
                                          synchronization=tf.VariableSynchronization.NONE,
                                          aggregation=tf.VariableAggregation.NONE)

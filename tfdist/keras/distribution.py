@@ -33,6 +33,7 @@ import os
 from tfdist import env
 from tfdist._hooks.keras_distribution import layout_map_of
 from tfdist.cluster import TRAINING_TASK_TYPES, ClusterSpec, TaskSpec
+from tfdist.keras.model_strategy import model_call_context  # noqa: F401 (the hooks' API)
 
 _DEVICE_TYPES = ("cpu", "gpu", "tpu")
 
@@ -372,12 +373,18 @@ def strategy_for(distribution):
 
 def on_set_distribution(distribution, set_keras) -> None:
     """``keras.distribution.set_distribution`` (and ``Distribution.scope``): Keras'
-    own, then its strategy becomes TF's default, or none for None."""
+    own, then its strategy becomes TF's default, or none for None. A model built before
+    keeps its own (`tfdist.keras.model_strategy`)."""
     import tensorflow as tf
+
+    from tfdist.keras import handoff, model_strategy
 
     strategy = None if distribution is None else strategy_for(distribution)
     tf.distribute.experimental_set_strategy(strategy)  # raises inside a strategy's scope
     set_keras(distribution)
+    if strategy is not None:
+        model_strategy.record(strategy, distribution)
+        handoff.install_keras_hooks()  # before the model-call patch (which wraps them)
 
 
 def distribute_dataset(distribution, dataset, keras_shard):

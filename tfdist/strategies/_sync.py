@@ -108,7 +108,7 @@ class SyncGradientsMixin(KerasFitMixin):
             StrategyCommunicator(cross_device_ops), options.compression_policy,
             ByteCounter())
         self._accumulators = {}
-        # Micro-batches seen, a host counter (created outside any scope).
+        # Micro-batches seen, a plain host counter (whatever scope this runs in).
         self._micro_steps = ByteCounter("tfdist_micro_steps")
         handoff.install_keras_hooks()
         if sharding is not None:

@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist._hooks import zero as zero_hooks
+from tfdist._hooks.saves import hidden_from_keras_saves
 from tfdist.strategies import _zero as sharded
 from tfdist.strategies import _zero_layout as layout
 
@@ -91,6 +92,11 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
         if state is None:
             return []
         return [v for inner in state.optimizers for v in inner.variables if len(v.shape)]
+
+    def __dir__(self):
+        """No ``inner_optimizer``: Keras' saves then write no group for it (its counters
+        are in `save_own_variables`), so the file holds what an unsharded run writes."""
+        return hidden_from_keras_saves(super().__dir__(), ("inner_optimizer",))
 
     def save_own_variables(self, store):
         """The unsharded layout (`unsharded_variables`)."""
