@@ -1,0 +1,142 @@
+"""Elastic jobs at their edges (docs/elastic.md): a worker lost before any Horovod
+formation, every member lost with no restart left, and a node cut off from node 0.
+
+A task is a joiner only when the job had formed before the task's first membership
+(the membership service's ``formed``); a worker that dies during start-up leaves
+starters, who train on as one job and end at the single-process reference.
+"""
+
+import io
+import time
+import types
+
+import pytest
+
+
+
+# ---- every member lost, no restart left ---------------------------------------------
+
+def _stateless_policy(max_restarts, used):
+    from tfdist.launch.elastic import ElasticRestarts
+
+    policy = ElasticRestarts(max_restarts, io.StringIO(), host="127.0.0.1", min_workers=2,
+                             max_workers=3, elastic_timeout=60, token="t")
+    policy.used = used
+    policy.removed = ["worker-0 exited with code -9 (signal SIGKILL)"]
+    tail = ("worker-3: no member of the elastic job holds its training state (membership "
+            "4: worker-3, each started after every member that trained was lost); fit has "
+            "a backup in /data/run 1/backup: the launcher starts the whole job again while "
+            "--max-restarts allow, which resumes from it")
+    worker = types.SimpleNamespace(tail_text=lambda: tail)
+    assert policy._no_state_left([worker])
+    return policy, worker
+
+
+@pytest.mark.unit
+def test_every_member_lost_with_a_backup_and_no_restart_left_says_the_job_fails():
+    """With a restart left, the job starts again from fit's backup; with none, the note
+    says it fails, does not start again, and how to resume (it used to say the job
+    starts again from the backup, and then failed)."""
+    policy, worker = _stateless_policy(max_restarts=2, used=1)
+    assert policy.failure_note(worker).endswith("; the job starts again from fit's backup")
+    assert policy.restart_job() == 2
+
+    policy, worker = _stateless_policy(max_restarts=1, used=1)
+    note = policy.failure_note(worker)
+    assert "starts again from" not in note
+    assert note.endswith(
+        "; fit has a backup in /data/run 1/backup, but no restart is left (1/1 used): the "
+        "job fails and does not start again; run the same command again to resume from "
+        "the backup"), note
+    assert "was lost (worker-0 exited with code -9 (signal SIGKILL))" in note
+    assert policy.restart_job() is None
+
+
+# ---- a node cut off from node 0 --------------------------------------------------
+
+class _Beats:
+    """A node's `NodeBeats` stand-in: node 0 last answered ``silent`` seconds ago."""
+
+    instances = 0
+
+    def __init__(self, master, token, rank, addr, workers, silent=0.0):
+        type(self).instances += 1
+        self.master, self.rank, self.token = master, rank, token
+        self.contact = time.monotonic() - silent
+        self.answer = {"names": ["worker-1"], "dropped": False, "ended": None, "kill": [],
+                       "starts": {},
+                       "cluster": {"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}}}
+        self.rejoins = []
+
+    def wait_for_answer(self, timeout, rejoin=None):
+        self.rejoins.append(rejoin)
+        if rejoin is not None:
+            from tfdist.launch.results import LaunchError
+
+            raise LaunchError(f"node 1: {rejoin}, and node 0 did not take it back")
+        return self.answer
+
+    def close(self):
+        pass
+
+
+@pytest.mark.unit
+def test_a_node_silent_node_0_past_the_node_timeout_stops_its_workers_and_joins_again(
+        monkeypatch):
+    """Node 0 drops a node it has not heard from for `NODE_TIMEOUT` (5 s), and the node
+    takes node 0's silence as the same: it stops its workers and joins again with a new
+    launcher incarnation (it used to fail), failing only when node 0 does not take it
+    back within --join-timeout."""
+    from tfdist.launch import elastic_node
+    from tfdist.launch.elastic_wire import NODE_TIMEOUT
+    from tfdist.launch.options import LaunchOptions
+    from tfdist.launch.results import LaunchError
+
+    assert NODE_TIMEOUT == 5.0  # docs/elastic.md ("Several hosts") names it
+    log = io.StringIO()
+    fresh = elastic_node.ElasticNode(_Beats("m:1", "t", 1, "a", 1), log, "m:1", 60)
+    fresh.check([])  # node 0 answers: nothing happens
+    cut = elastic_node.ElasticNode(
+        _Beats("m:1", "t", 1, "a", 1, silent=NODE_TIMEOUT + 3), log, "m:1", 60)
+    with pytest.raises(elastic_node._Dropped, match=r"node 1 heard nothing from node 0 at "
+                                                    r"m:1 for 8s"):
+        cut.check([])
+
+    beats = []
+
+    def new_beats(*args):
+        beats.append(_Beats(*args, silent=NODE_TIMEOUT + 3))
+        return beats[-1]
+
+    def run_attempt(argv, cluster, options, attempt, policy, **kwargs):
+        policy.check([])  # node 0 silent: raises _Dropped
+        raise AssertionError("the node went on")
+
+    monkeypatch.setattr(elastic_node, "NodeBeats", new_beats)
+    monkeypatch.setattr(elastic_node, "run_attempt", run_attempt)
+    options = LaunchOptions(workers=1, nnodes=2, node_rank=1, master="m:1",
+                            min_workers=1, join_timeout=7)
+    with pytest.raises(LaunchError, match="node 1: node 1 heard nothing from node 0 .* and "
+                                          "node 0 did not take it back"):
+        elastic_node._run_node(["train.py"], options, log, "t", "a")
+    assert beats[0].rejoins == [None] and beats[1].rejoins[0].startswith(
+        "node 1 heard nothing from node 0 at m:1 for 8s")
+    assert "its workers were stopped, and it joins the job again (node 0 must take it " \
+           "back within --join-timeout 7s)" in log.getvalue()
+
+
+@pytest.mark.unit
+def test_a_node_that_node_0_does_not_take_back_fails_naming_node_0():
+    """A node joining again after node 0's silence waits --join-timeout for node 0 (here
+    none listens) and then fails, naming node 0 and why it joined again."""
+    from tfdist.launch.elastic_node import NodeBeats
+    from tfdist.launch.results import LaunchError
+
+    beats = NodeBeats("127.0.0.1:9", "t", 1, "127.0.0.1", 1)
+    try:
+        with pytest.raises(LaunchError, match=r"node 1: node 0 went silent, and node 0 did "
+                                              r"not take this node back within "
+                                              r"--join-timeout 0.3s: node 0 is lost"):
+            beats.wait_for_answer(0.3, rejoin="node 0 went silent")
+    finally:
+        beats._stop.set()
