@@ -10,8 +10,69 @@ import io
 import time
 import types
 
+import numpy as np
 import pytest
 
+from helpers import assert_weights_close, require_horovod
+from test_elastic import STEPS, _assert_members_agree_at_every_step, _launch, \
+    reference  # noqa: F401 (a fixture)
+
+
+# ---- a worker lost before the first formation ------------------------------------
+
+def test_a_membership_is_formed_once_a_member_reports_forming_it(monkeypatch):
+    """Until a member reports a formation no membership is ``formed`` (a task that
+    first forms then starts the job); after it every membership is. A report must
+    name its key and a version published so far."""
+    require_horovod()
+    from tfdist import env
+    from tfdist.engines.horovod import membership
+
+    monkeypatch.setenv(env.TOKEN, "job-token")
+    server = membership.MembershipServer("127.0.0.1", 2, 3, token="job-token",
+                                         log=io.StringIO())
+    try:
+        server.publish([("worker-0", "h"), ("worker-1", "h"), ("worker-2", "h")])
+        server.publish([("worker-0", "h"), ("worker-1", "h")])  # worker-2 died
+        assert membership.fetch_state(server.address)["formed"] is False
+        membership.report_formed(server.address, "worker-0", 3)  # not published yet
+        monkeypatch.setenv(env.TOKEN, "another-token")
+        membership.report_formed(server.address, "worker-0", 2)  # not signed for the job
+        assert membership.fetch_state(server.address)["formed"] is False
+        monkeypatch.setenv(env.TOKEN, "job-token")
+        membership.report_formed(server.address, "worker-1", 2)
+        assert membership.fetch_state(server.address)["formed"] is True
+        server.publish([("worker-0", "h"), ("worker-1", "h"), ("worker-3", "h")])
+        state = membership.fetch_state(server.address)
+        assert (state["version"], state["formed"]) == (3, True)
+    finally:
+        server.close()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.horovod
+def test_a_worker_lost_before_any_formation_leaves_starters_at_the_reference(
+        tmp_path, reference):
+    """worker-2 exits 1 before it makes its strategy; worker-0 and worker-1 first form
+    with membership 2. They start the job (no joiner, no NoStateLeftError) and end at
+    one process with the same global batch (it used to fail: each took itself for a
+    joiner and found no member holding the state)."""
+    done, results, starts = _launch(tmp_path, kill="worker-2:0:0:START")
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "worker-2 exited with code 1; the elastic job carries on with 2 worker(s) " \
+           "(worker-0, worker-1)" in done.stderr
+    for name in ("worker-0", "worker-1"):
+        assert f"{name}: joins Horovod: membership 2, rank" in output, output[-3000:]
+    assert "takes the state of rank" not in output
+    assert "no member of the elastic job holds its training state" not in output
+    assert sorted(results) == ["worker-0", "worker-1"]
+    for name, result in results.items():
+        assert [pid for task, pid in starts if task == name] == [str(result["pid"])]
+        assert result["size"] == 2 and result["recoveries"] == 0
+        assert result["iterations"] == STEPS
+        assert_weights_close([np.array(w) for w in result["weights"]], reference)
+    _assert_members_agree_at_every_step(results)
 
 
 # ---- every member lost, no restart left ---------------------------------------------
