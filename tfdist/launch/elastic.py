@@ -298,8 +298,10 @@ class ElasticRestarts(JobRestarts):
         if replaceable and self.spent < self.max_restarts:
             self.used += 1
             announce_restart(self.log, self.spent, self.max_restarts, cause,
-                             f"; starting a replacement for {name}, which joins "
-                             "the running elastic job")
+                             f"; starting a replacement for {name}, which " + (
+                                 "joins the running elastic job" if self.server.formed
+                                 else "starts the job with the others (none has formed "
+                                      "Horovod yet)"))
             # One membership without the lost worker and with its replacement (the
             # youngest member): two versions in a row could split the survivors.
             self._publish(members + [(name, host)])
