@@ -6,9 +6,9 @@ publishes. How a worker exits goes into the next beat, and node 0 decides: it ma
 a replacement (started here under the same name), or a kill (a frozen worker). A node
 that node 0 dropped (it was silent too long, e.g. its network was cut), or that heard
 nothing from node 0 for `NODE_TIMEOUT` seconds (node 0 drops it then too), stops its
-workers and joins again as a new launcher, with new workers: a network cut of any
-length ends in a join once it heals. Its launcher ends when its workers exited 0, or
-when node 0 says the job ended; it fails when node 0 does not take it back within
+workers and joins again as a new launcher, with new workers: a network cut that heals
+within ``--join-timeout`` ends in a join. Its launcher ends when its workers exited 0,
+or when node 0 says the job ended; it fails when node 0 does not take it back within
 ``--join-timeout`` (node 0 is lost).
 """
 
