@@ -169,7 +169,7 @@ def test_a_node_silent_node_0_past_the_node_timeout_stops_its_workers_and_joins_
     cut = elastic_node.ElasticNode(
         _Beats("m:1", "t", 1, "a", 1, silent=NODE_TIMEOUT + 3), log, "m:1", 60)
     with pytest.raises(elastic_node._Dropped, match=r"node 1 heard nothing from node 0 at "
-                                                    r"m:1 for 8s"):
+                                                    r"m:1 for \d+s \(the network was cut"):
         cut.check([])
 
     beats = []
@@ -190,7 +190,7 @@ def test_a_node_silent_node_0_past_the_node_timeout_stops_its_workers_and_joins_
                                           "node 0 did not take it back"):
         elastic_node._run_node(["train.py"], options, log, "t", "a")
     assert beats[0].rejoins == [None] and beats[1].rejoins[0].startswith(
-        "node 1 heard nothing from node 0 at m:1 for 8s")
+        "node 1 heard nothing from node 0 at m:1 for ")
     assert "its workers were stopped, and it joins the job again (node 0 must take it " \
            "back within --join-timeout 7s)" in log.getvalue()
 
