@@ -11,8 +11,10 @@ writes ``OUT/grow-EPOCH-BATCH`` and then waits, up to 120 s, until the launcher 
 a worker more; ``TASK:EPOCH:BATCH:HOLD``: it writes ``OUT/hold-EPOCH-BATCH`` and
 waits, up to 120 s, for ``OUT/release-EPOCH-BATCH``; ``TASK:EPOCH:BATCH:READ``:
 SIGKILL as Keras begins to read that epoch's metrics, a collective after the epoch's
-last step). Several events are separated by commas; they run in the job's first
-attempt only (``TFDIST_RESTART`` 0). Each task notes its weights
+last step; ``TASK:0:0:START``: it exits 1 before it makes the strategy, and the others
+make theirs only once the launcher published the membership after its loss, so that no
+Horovod formation listed it). Several events are separated by commas; they run in the
+job's first attempt only (``TFDIST_RESTART`` 0). Each task notes its weights
 after every step. ``JOB_HEARTBEAT`` sets the strategy's ``heartbeat_timeout`` (5 s);
 ``JOB_PERIOD`` trains with ``tfdist.ModelAverageStrategy(period=JOB_PERIOD)`` instead;
 ``JOB_COMMIT_EVERY`` and ``JOB_STEPS_PER_EXECUTION`` set ``commit_every_steps`` and
@@ -70,6 +72,11 @@ def main(out, epochs, kill=""):
     task = os.environ["TFDIST_TASK"]
     with open(os.path.join(out, "starts"), "a") as f:
         f.write(f"{task} {os.getpid()}\n")
+    first_start = os.environ.get("TFDIST_TASK_RESTART", "0") == "0" and \
+        os.environ.get("TFDIST_RESTART", "0") == "0"
+    for name, _, _, how in parse_events(kill):
+        if how == "START" and first_start:
+            _die_at_start(name, task)
     heartbeat = float(os.environ.get("JOB_HEARTBEAT", 5))
     if os.environ.get("JOB_PERIOD"):
         strategy = tfdist.ModelAverageStrategy(period=int(os.environ["JOB_PERIOD"]),
@@ -122,10 +129,8 @@ def main(out, epochs, kill=""):
                     os.kill(os.getpid(), getattr(signal, f"SIG{how}"))
 
     def events():
-        return [(event.split(":") + ["KILL"])[:4] for event in filter(None, kill.split(","))]
+        return parse_events(kill)
 
-    first_start = os.environ.get("TFDIST_TASK_RESTART", "0") == "0" and \
-        os.environ.get("TFDIST_RESTART", "0") == "0"
     steps = {}  # "epoch:batch" -> the weights after that step
     noting = Events()
     reads = {int(epoch) for name, epoch, _, how in events() if how == "READ" and name == task}
@@ -157,6 +162,30 @@ def main(out, epochs, kill=""):
                    "commits": fitting.commits if fitting else None,
                    "fused_commits": fitting.fused_commits if fitting else None,
                    "steps": steps}, f)
+
+
+def parse_events(kill):
+    """``[[task, epoch, batch, how], ...]`` of the events in ``kill``."""
+    return [(event.split(":") + ["KILL"])[:4] for event in filter(None, kill.split(","))]
+
+
+def _die_at_start(name, task):
+    """Task ``name`` exits 1 (a crash at import); the others wait, up to 120 s, until the
+    launcher publishes the membership after its loss (without it, or with its
+    replacement)."""
+    from tfdist.engines.horovod import membership
+
+    if name == task:
+        os._exit(1)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            state = membership.fetch_state(membership.elastic_address())
+        except OSError:
+            state = {"version": 0, "members": []}
+        if state["version"] > 1:
+            return
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import signal
 import threading
 import time
@@ -250,9 +251,16 @@ class ElasticRestarts(JobRestarts):
     def failure_note(self, failed) -> str:
         if self.stateless is None:
             return ""
-        then = ("; the job starts again from fit's backup" if self.stateless == "backup"
-                else "; there is no backup to resume from, so the job fails rather than "
-                     "train from scratch")
+        if self.stateless == "none":
+            then = ("; there is no backup to resume from, so the job fails rather than "
+                    "train from scratch")
+        elif self.spent < self.max_restarts:  # `restart_job` counts one
+            then = "; the job starts again from fit's backup"
+        else:
+            then = (f"; fit has a backup{_backup_dir(failed.tail_text())}, but no restart "
+                    f"is left ({self.spent}/{self.max_restarts} used): the job fails and "
+                    "does not start again; run the same command again to resume from the "
+                    "backup")
         return (f": every member holding the elastic job's training state was lost "
                 f"({'; '.join(self.removed)}), and its replacements had no member to take "
                 f"it from{then}")
@@ -290,8 +298,10 @@ class ElasticRestarts(JobRestarts):
         if replaceable and self.spent < self.max_restarts:
             self.used += 1
             announce_restart(self.log, self.spent, self.max_restarts, cause,
-                             f"; starting a replacement for {name}, which joins "
-                             "the running elastic job")
+                             f"; starting a replacement for {name}, which " + (
+                                 "joins the running elastic job" if self.server.formed
+                                 else "starts the job with the others (none has formed "
+                                      "Horovod yet)"))
             # One membership without the lost worker and with its replacement (the
             # youngest member): two versions in a row could split the survivors.
             self._publish(members + [(name, host)])
@@ -318,3 +328,11 @@ class ElasticRestarts(JobRestarts):
 
     def is_lost(self, task) -> bool:
         return id(task) in self.lost
+
+
+def _backup_dir(tail: str) -> str:
+    """`` in DIR`` of the backup a worker's `NO_STATE_WORDS` line names, or ``""``."""
+    from tfdist.engines.horovod.membership import HAS_BACKUP_WORDS
+
+    found = re.search(re.escape(HAS_BACKUP_WORDS) + r" (.+?): the launcher", tail)
+    return f" in {found.group(1)}" if found else ""

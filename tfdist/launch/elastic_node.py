@@ -4,10 +4,12 @@ The node's launcher beats to node 0 (`tfdist.launch.elastic_wire`) from a thread
 its workers' names and cluster, and starts them; they join the membership that node 0
 publishes. How a worker exits goes into the next beat, and node 0 decides: it may order
 a replacement (started here under the same name), or a kill (a frozen worker). A node
-that node 0 dropped (it was silent too long, e.g. its network was cut) stops its
-workers and joins again as a new launcher, with new workers. Its launcher ends when its
-workers exited 0, or when node 0 says the job ended; it fails when node 0 stays silent
-for `NODE_TIMEOUT` seconds.
+that node 0 dropped (it was silent too long, e.g. its network was cut), or that heard
+nothing from node 0 for `NODE_TIMEOUT` seconds (node 0 drops it then too), stops its
+workers and joins again as a new launcher, with new workers: a network cut that heals
+within ``--join-timeout`` ends in a join. Its launcher ends when its workers exited 0,
+or when node 0 says the job ended; it fails when node 0 does not take it back within
+``--join-timeout`` (node 0 is lost).
 """
 
 from __future__ import annotations
@@ -90,14 +92,23 @@ class NodeBeats:
                 pass  # node 0 is busy, or has not answered this launcher yet
             self._stop.wait(BEAT_SECONDS)
 
-    def wait_for_answer(self, timeout: float) -> dict:
+    def wait_for_answer(self, timeout: float, rejoin: str | None = None) -> dict:
         """Node 0's first answer (this node's names and cluster).
+
+        Args:
+            timeout: Seconds to wait.
+            rejoin: Why this node joins again (`_Dropped`), or None the first time.
 
         Raises:
             LaunchError: none came within ``timeout`` seconds.
         """
         deadline = time.monotonic() + timeout
         while self.answer is None:
+            if time.monotonic() > deadline and rejoin is not None:
+                raise LaunchError(
+                    f"node {self.rank}: {rejoin}, and node 0 did not take this node back "
+                    f"within --join-timeout {timeout:g}s: node 0 is lost (its launcher "
+                    "ended, or the network stays cut); this node's workers were stopped")
             if time.monotonic() > deadline:
                 raise LaunchError(
                     f"node {self.rank}: node 0 at {self.master} did not take this node "
@@ -120,7 +131,8 @@ class NodeBeats:
 
 
 class _Dropped(Exception):
-    """Node 0 dropped this node: join again with a new launcher incarnation."""
+    """Node 0 dropped this node, or was silent for `NODE_TIMEOUT` seconds (then it drops
+    this node too): join again with a new launcher incarnation. Its text says which."""
 
 
 class ElasticNode(JobRestarts):
@@ -150,15 +162,17 @@ class ElasticNode(JobRestarts):
         answer = self.beats.answer
         self._note_finished(tasks)
         if answer["dropped"]:
-            raise _Dropped()
+            raise _Dropped(f"node 0 dropped node {self.beats.rank} (it was silent for over "
+                           f"{NODE_TIMEOUT:g}s)")
         if answer["ended"] == "failed":
             raise LaunchError(f"node {self.beats.rank}: the elastic job failed on node 0 "
                               "(its output says why); this node's workers were stopped")
         silent = time.monotonic() - self.beats.contact
         if silent > NODE_TIMEOUT and answer["ended"] != "done":
-            raise LaunchError(f"node {self.beats.rank} lost node 0 at {self.master}: no "
-                              f"answer for {silent:.0f}s (its launcher ended, or the "
-                              "network failed); this node's workers were stopped")
+            raise _Dropped(f"node {self.beats.rank} heard nothing from node 0 at "
+                           f"{self.master} for {silent:.0f}s (the network was cut, or node "
+                           f"0's launcher ended; node 0 drops a node silent for "
+                           f"{NODE_TIMEOUT:g}s)")
         for name, start in answer["kill"]:
             for task in tasks:
                 if task.name == name and self.starts[name] == start and \
@@ -223,10 +237,11 @@ def run_elastic_node(argv, options: LaunchOptions) -> LaunchResult:
 
 def _run_node(argv, options: LaunchOptions, log, token: str, addr: str) -> LaunchResult:
     """`run_elastic_node` after its checks: joins, runs, and joins again when dropped."""
+    rejoin = None  # why this node joins again, after the first time
     while True:
         beats = NodeBeats(options.master, token, options.node_rank, addr, options.workers)
         try:
-            answer = beats.wait_for_answer(options.join_timeout)
+            answer = beats.wait_for_answer(options.join_timeout, rejoin)
             cluster = ClusterSpec.from_dict(answer["cluster"])
             specs = [TaskSpec("worker", int(name.split("-")[1])) for name in answer["names"]]
             print(f"tfdist launch: node {options.node_rank} ({addr}): running "
@@ -245,10 +260,11 @@ def _run_node(argv, options: LaunchOptions, log, token: str, addr: str) -> Launc
             try:
                 tasks, failed, timed_out = run_attempt(list(argv), cluster, options, 0, policy,
                                                        specs=specs, extra_env=extra_env)
-            except _Dropped:
-                print(f"tfdist launch: node 0 dropped node {options.node_rank} (it was "
-                      f"silent for over {NODE_TIMEOUT:g}s); its workers were stopped, and "
-                      "it joins the job again", file=log, flush=True)
+            except _Dropped as dropped:
+                rejoin = str(dropped)
+                print(f"tfdist launch: {rejoin}; its workers were stopped, and it joins the "
+                      f"job again (node 0 must take it back within --join-timeout "
+                      f"{options.join_timeout:g}s)", file=log, flush=True)
                 continue
         finally:
             beats.close()

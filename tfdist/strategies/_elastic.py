@@ -253,7 +253,7 @@ class ElasticFit:
         """Why a joiner whose members all joined too cannot go on (`NoStateLeftError`)."""
         backups = [b for b in self.backups if os.path.isdir(b) and os.listdir(b)]
         then = (f"{self.member.HAS_BACKUP_WORDS} {backups[0]}: the launcher starts the whole "
-                "job again, which resumes from it" if backups else
+                "job again while --max-restarts allow, which resumes from it" if backups else
                 "fit has no backup to resume from (keras.callbacks.BackupAndRestore, "
                 "tfdist launch --backup-dir): the job fails rather than train from scratch")
         return (f"{self.member.name}: {self.member.NO_STATE_WORDS} (membership "

@@ -53,7 +53,9 @@ class ElasticMember:
         self.gloo_timeout = gloo_timeout
         self.state: dict = {"version": 0, "members": []}
         self.reforms = 0  # times Horovod was formed again
-        self.joined_running = False  # formed first with a membership past the first
+        # Formed first with a membership published after the job had formed (the
+        # service's ``formed``): the members hold a state that this task takes in ``fit``.
+        self.joined_running = False
         self.synced = False  # holds the job's training state (a joiner: once fit synced)
         # Has trained a step with the members (or started with them); False again while
         # a joiner that has not trained is a member: on-read variables stay local.
@@ -88,14 +90,16 @@ class ElasticMember:
              f"{state['version']}, rank {ops_rank(state, self.name)} of "
              f"{len(state['members'])} ({', '.join(self.members)})")
         self.latest = max(self.latest, state["version"])
-        if first:
-            self.joined_running = state["version"] > 1
+        if first:  # a worker lost before any formation leaves starters, not joiners
+            self.joined_running = bool(state.get("formed"))
             self.synced = self.training = not self.joined_running
             if self.joined_running:  # the members re-form at their next commit
                 os.environ["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(int(max(self.timeout, 1)))
         self.formation.opening()
         (ops.init if first else ops.reinit)()
         self.formation.opened()
+        if not state.get("formed"):  # this formation is the job's first
+            membership.report_formed(self.address, self.name, state["version"])
         if first:
             ops.reset_op_names()
             os.environ["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(int(max(self.gloo_timeout, 1)))

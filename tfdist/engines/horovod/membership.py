@@ -16,6 +16,12 @@ the membership) and the current version; anything else is refused, said once, qu
 Gloo's own keys are taken only under the current formation's path (`gloo_element`:
 the token's HMAC of the service and version), which every member computes and an
 outsider cannot.
+
+Once the members of a membership have formed Horovod together, they say so (a signed
+report, `report_formed`), and every membership published from then on is ``formed``:
+a task whose first membership is formed joins a running job (it takes the state in
+``fit``); one whose first is not (the first formation, or one after a worker died
+before any formation) starts the job with the others.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from tfdist.wire import MAX_PENDING, proof, quote, sign, verify
 SCOPE = "tfdist-elastic"
 # Members PUT their name here when Horovod failed under them (body: their version).
 LOST_SCOPE = "tfdist-elastic-lost"
+# Members PUT their name here once they formed Horovod (body: the version they formed).
+FORMED_SCOPE = "tfdist-elastic-formed"
 # A joiner that finds no member holding the training state fails with these words
 # (`tfdist.strategies._elastic`), followed by the backup it could resume from, if any;
 # the launcher reads them in its output and does not start it again.
@@ -94,6 +102,7 @@ class MembershipServer:
         self._state = json.dumps({"version": 0, "members": [],
                                   "service": self.service}).encode()
         self.version = 0
+        self.formed = False  # some membership formed Horovod: a new task is a joiner
         self.members: list[tuple[str, str]] = []
         # The rendezvous' cap, or more for big jobs: each member's Gloo polls the store
         # with one connection at a time, and so does each launcher's thread.
@@ -101,6 +110,7 @@ class MembershipServer:
                                 max_pending=max(MAX_PENDING, 4 * max_workers))
         self._server.views[SCOPE] = lambda key: self._state if key == "state" else None
         self._server.signed[LOST_SCOPE] = self._fresh_report
+        self._server.signed[FORMED_SCOPE] = self._formed_report
         self._server.signed.update(signed or {})
         self.address = f"{host}:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever,
@@ -114,6 +124,23 @@ class MembershipServer:
         if report.get("version") != self.version:
             return (f"it is for membership {quote(report.get('version'), 20)}, not the "
                     f"current {self.version} (stale or replayed)")
+        return None
+
+    def _formed_report(self, key: str, report: dict) -> str | None:
+        """Why a signed formed report at ``key`` is not taken, or None (it is taken: the
+        membership is ``formed`` from now on)."""
+        version = report.get("version")
+        if report.get("name") != key:
+            return f"it names {quote(report.get('name'), 40)}, not its key"
+        if not isinstance(version, int) or isinstance(version, bool) or \
+                not 0 < version <= self.version:
+            return (f"it is for membership {quote(version, 20)}, not one of 1.."
+                    f"{self.version}")
+        with self._lock:
+            if not self.formed:
+                self.formed = True
+                self._state = json.dumps({**json.loads(self._state),
+                                          "formed": True}).encode()
         return None
 
     def publish(self, members: list[tuple[str, str]]) -> int:
@@ -136,7 +163,8 @@ class MembershipServer:
             self.version += 1
             self.members = list(members)
             self._state = json.dumps({**self._bounds, "version": self.version,
-                                      "service": self.service, "members": [
+                                      "service": self.service, "formed": self.formed,
+                                      "members": [
                 {"name": name, **slots[name]} for name, _ in members]}).encode()
         return self.version
 
@@ -174,17 +202,29 @@ def report_lost(address: str, name: str, version: int) -> None:
     """Tells the launcher that Horovod failed under ``name`` in membership ``version``
     (a member it cannot see die may be frozen: `MembershipServer.reports`), signed with
     the job's token (``TFDIST_TOKEN``) for the service at ``address``."""
+    _report(address, LOST_SCOPE, name, version)  # if lost, the launcher sees deaths itself
+
+
+def report_formed(address: str, name: str, version: int) -> None:
+    """Tells the launcher that ``name`` formed Horovod in membership ``version`` (every
+    membership published from then on is ``formed``), signed as `report_lost`."""
+    _report(address, FORMED_SCOPE, name, version)  # if lost, another member's says it
+
+
+def _report(address: str, scope: str, name: str, version: int) -> None:
+    """PUTs ``name``'s signed report for membership ``version`` at ``/scope/name``; a
+    failure is not raised (each kind of report has a fallback)."""
     from tfdist import env
 
     try:
         service = fetch_state(address)["service"]
         report = sign(os.environ.get(env.TOKEN, ""),
                       {"name": name, "version": version, "service": service})
-        request = urllib.request.Request(f"http://{address}/{LOST_SCOPE}/{name}",
+        request = urllib.request.Request(f"http://{address}/{scope}/{name}",
                                          data=report, method="PUT")
         urllib.request.urlopen(request, timeout=5).close()
     except (OSError, ValueError, KeyError):
-        pass  # the launcher sees deaths itself; a report only names a frozen member
+        pass
 
 
 def wait_for_membership(address: str, name: str, above: int, timeout: float) -> dict:
