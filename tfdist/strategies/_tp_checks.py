@@ -79,9 +79,8 @@ def _inputs(method: str, arguments: dict):
     x = arguments.get("x")
     if method != "fit":
         return [("x", _rows(x), batch)]
-    if arguments.get("steps_per_epoch"):
-        return []  # fit stops where it is told
-    rows = _rows(x)
+    # With steps_per_epoch, fit stops where it is told (its validation runs whole).
+    rows = None if arguments.get("steps_per_epoch") else _rows(x)
     found = []
     validation = arguments.get("validation_data")
     split = arguments.get("validation_split") or 0.0
@@ -90,7 +89,7 @@ def _inputs(method: str, arguments: dict):
         found.append(("validation_split", rows - train,
                       arguments.get("validation_batch_size") or batch))
         rows = train
-    found.append(("x", rows, batch))
+    found.append(("x", rows, batch))  # rows None: nothing to check
     if isinstance(validation, (tuple, list)) and validation:
         found.append(("validation_data", _rows(validation[0]),
                       arguments.get("validation_batch_size") or batch))
