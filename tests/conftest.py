@@ -76,6 +76,7 @@ LONGEST_FIRST = (
     "test_tensor_parallel_mesh.py", "test_train_resume.py", "test_fsdp.py",  # 110 120 60
     "test_notebooks.py", "test_faults.py", "test_ray.py",  # 260 150 130
     "test_tensor_parallel_engines.py", "test_tensor_parallel_fsdp.py",  # new: 80?
+    "test_tensor_parallel_mesh_shapes.py",  # new: 60?
     "test_parameter_server.py", "test_model_average_local.py", "test_ps_save.py",  # 75 70 63
     "test_stock_patterns.py", "test_model_average_delay.py", "test_fsdp_memory.py",  # 55 50 47
     "test_slurm.py", "test_model_average_fragments.py", "test_ps_frozen.py",  # 47 47 45

@@ -164,3 +164,32 @@ def test_checked_collective_extended_routes_variable_creation(logical_cpus):
     assert in_multi_worker_mode(strategy.extended) is False
     ids = [int(replica_id_in_sync_group(strategy.extended, i)) for i in range(2)]
     assert ids == [0, 1]
+
+
+def test_call_time_value_is_fresh_on_every_call_of_the_outermost_function():
+    """Group collectives take their instance keys this way (a partial last batch would
+    otherwise meet the shapes TF cached for the key)."""
+    import itertools
+
+    import tensorflow as tf
+    from tensorflow.python.framework import func_graph
+
+    from tfdist._hooks.tf import call_time_value
+
+    assert callable(getattr(func_graph.FuncGraph, "capture_call_time_value", None)), (
+        "FuncGraph.capture_call_time_value is gone: tfdist._hooks.tf.call_time_value "
+        "must be rewritten")
+    counter = itertools.count(7)
+
+    @tf.function
+    def inner():
+        return call_time_value(lambda: next(counter), tf.int32)
+
+    @tf.function
+    def outer():  # a function traced inside another, and a value inside a cond
+        direct = tf.cond(tf.constant(True), lambda: call_time_value(lambda: 100, tf.int32),
+                         lambda: tf.constant(0))
+        return inner() + direct
+
+    assert [int(outer()) for _ in range(3)] == [107, 108, 109]
+    assert int(call_time_value(lambda: 41, tf.int32)) == 41  # eager: the value itself

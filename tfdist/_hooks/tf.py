@@ -207,3 +207,30 @@ def rewrite_op_error_message(error: BaseException, fix) -> None:
     tf = sys.modules.get("tensorflow")  # no OpError exists before TensorFlow is imported
     if tf is not None and isinstance(error, tf.errors.OpError):
         error._message = fix(error._message)
+
+
+def call_time_value(closure, dtype):
+    """A scalar that takes ``closure()``'s value each time the enclosing ``tf.function``
+    is called (in eager mode: ``closure()`` itself).
+
+    Why: TF caches a collective instance's shape by its instance key: a group collective
+    whose key is fixed when the step is traced fails when a later call has other shapes
+    (a partial last batch: "Shape mismatch in the collective instance"). TF's own
+    collectives take a fresh key per call through the private
+    ``FuncGraph.capture_call_time_value`` (``CollectiveReplicaLauncher._next_instance_key``);
+    as there, a function traced inside another defers the value to the outermost one.
+    """
+    import tensorflow as tf
+    from tensorflow.python.framework import ops
+
+    graph = ops.get_default_graph()
+    while getattr(graph, "is_control_flow_graph", False):  # a cond or while body
+        graph = graph.outer_graph
+    if tf.executing_eagerly() or not getattr(graph, "building_function", False):
+        return tf.constant(closure(), dtype)
+
+    def deferred():
+        return call_time_value(closure, dtype)  # again, in the caller's graph if any
+
+    with graph.as_default():
+        return graph.capture_call_time_value(deferred, tf.TensorSpec([], dtype))

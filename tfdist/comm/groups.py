@@ -12,9 +12,11 @@ and ``CollectiveAllToAllV2``), on one host and across workers alike.
 Keys: each `ReplicaGroups` takes its own block of group keys from ``GROUP_KEY_START``
 up, far above the strategies' (``tfdist._hooks.tf.assign_collective_key_base``: a base
 of k * 10,000 plus a few), and every collective a fresh instance key from
-``INSTANCE_KEY_START`` up, far above the strategies' own. Both counters are per
-process and advance in the order the collectives are traced, which is the same on
-every worker (the same program), as TF's own keys do.
+``INSTANCE_KEY_START`` up, far above the strategies' own, each time its step runs
+(``tfdist._hooks.tf.call_time_value``, as TF's own collectives: TF caches an
+instance's shape, and a partial last batch has other shapes). Both counters are per
+process and advance in the order the collectives are traced and run, which is the
+same on every worker (the same program), as TF's own keys do.
 
 TF has no ring reduce-scatter on CPU (its ``CollectiveReduceScatterV2`` is NCCL only):
 `reduce_scatter` is an all-to-all of the blocks (``CollectiveAllToAllV2``, which TF runs
@@ -119,9 +121,12 @@ class ReplicaGroups:
         replica's device."""
         import tensorflow as tf
 
+        from tfdist._hooks.tf import call_time_value
         from tfdist.comm.communicator import per_replica, replica_ids
 
-        instance_key = next(_instances)
+        # A fresh key on every call of the step (a partial last batch changes shapes).
+        with tf.device("CPU:0"):
+            instance_key = call_time_value(lambda: next(_instances), tf.int32)
         devices = distribution.extended.worker_devices
         out = []
         for part, device, replica in zip(distribution.experimental_local_results(value),
@@ -144,6 +149,13 @@ class ReplicaGroups:
                 input=tf.cast(part, tf.float32) if part.dtype == tf.bfloat16 else part,
                 group_size=self.size, group_key=group_key, instance_key=instance_key,
                 ordering_token=token, timeout_seconds=self.timeout_seconds)
+            # TF's shape function forgets every dimension: the group's parts share
+            # this one's shape, so only axis 0 grows (consumers needing every feature,
+            # such as LayerNormalization, need them static).
+            if part.shape.rank is not None:
+                rows = part.shape[0]
+                gathered.set_shape([None if rows is None else rows * self.size,
+                                    *part.shape[1:]])
             return tf.cast(gathered, part.dtype)
 
         return self._run(distribution, value, gather)

@@ -70,11 +70,9 @@ def own_block(x, axis, replicas):
     sizes = [-1] * len(x.shape)
     sizes[axis] = block
     out = tf.slice(x, tf.stack(begin), sizes)
-    if isinstance(block, int):
-        shape = list(x.shape)
-        shape[axis] = block
-        out = tf.ensure_shape(out, shape)
-    return out
+    shape = list(x.shape)  # the other axes as they are (a dynamic begin hides them)
+    shape[axis] = block if isinstance(block, int) else None
+    return tf.ensure_shape(out, shape)
 
 
 def gather_rows(communicator, x, replicas):

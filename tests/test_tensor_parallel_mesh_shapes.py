@@ -1,0 +1,118 @@
+"""A column layer's gathered output keeps its static shape on a d x m mesh with d > 1,
+so every consumer that needs all its features traces (LayerNormalization, Dropout,
+Lambda, Softmax, Activation("softmax"), a second column layer, a shared layer, a second
+consumer); a partial last batch trains on the mesh (each step's group collectives take
+fresh instance keys) or, when it cannot split evenly over the replicas, is refused
+before the first step; a one-host strategy refuses a mesh larger than its replicas; and
+layouts that do nothing are warned about.
+
+The 2 x 2 runs need 4 logical CPUs, which a pytest process (2) cannot have: they run in
+one script (`tp_mesh_shapes_jobs.main`); the rest run here on 2."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+from helpers import assert_weights_close, layout_map, run_job_script
+
+from tp_jobs import BATCH, PAIR, data, pair
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    return run_job_script(tmp_path_factory.mktemp("mesh_shapes"), "tp_mesh_shapes_jobs.py")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_consumers_of_gathered_columns_on_a_2_x_2_mesh_match_one_device(one_process,
+                                                                        optimizer):
+    """36 rows in batches of 8: the last batch (4 rows) is partial as well."""
+    run = one_process[optimizer]
+    assert_weights_close(run["mesh"]["weights"], run["reference"]["weights"], atol=1e-5)
+    np.testing.assert_allclose(run["mesh"]["predict"], run["reference"]["predict"],
+                               atol=1e-5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(700)
+def test_keras_model_parallel_on_a_2_x_2_mesh_trains_a_partial_last_batch(one_process):
+    run = one_process["keras"]
+    assert (run["strategy"], run["model_parallel"]) == ("ModelParallelStrategy", 2)
+    assert_weights_close(run["weights"], run["reference"], atol=1e-5)
+
+
+def _compiled(strategy):
+    import keras
+
+    with strategy.scope():
+        model = pair()
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+    return model
+
+
+def test_a_last_batch_that_cannot_split_evenly_is_refused_before_the_first_step(
+        logical_cpus):
+    import tfdist
+
+    model = _compiled(tfdist.ModelParallelStrategy(layout_map=PAIR))
+    x, y = data(37)  # a last batch of 5 rows over 2 replicas
+    before = [np.asarray(w) for w in model.get_weights()]
+    with pytest.raises(ValueError, match=r"last batch of x \(5 rows\) must split evenly "
+                                         r"over the 2 replicas.*drop_remainder=True\. "
+                                         r"Received: 37 rows, batch_size=8"):
+        model.fit(x, y, batch_size=BATCH, verbose=0)
+    with pytest.raises(ValueError, match=r"last batch of validation_data \(3 rows\)"):
+        model.fit(x[:32], y[:32], batch_size=BATCH, validation_data=(x[:3], y[:3]),
+                  verbose=0)
+    with pytest.raises(ValueError, match=r"last batch of x \(1 rows\)"):
+        model.predict(x[:33], batch_size=BATCH, verbose=0)
+    assert_weights_close([np.asarray(w) for w in model.get_weights()], before, atol=0)
+
+
+def test_one_host_strategy_refuses_a_mesh_larger_than_its_replicas(logical_cpus,
+                                                                   monkeypatch):
+    """As on each of 2 launched workers with one CPU each: a LayoutMap over
+    DeviceMesh((1, 2)) of every worker's device, a strategy of this process's one."""
+    import keras
+
+    import tfdist
+
+    monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["localhost:1", '
+                                     '"localhost:2"]}, "task": {"type": "worker", "index": 0}}')
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], ["cpu:0", "cpu:1"])
+    layouts = keras.distribution.LayoutMap(mesh)
+    layouts["up/kernel"] = (None, "model")
+    with pytest.raises(ValueError, match=r"^ModelParallelStrategy splits over this "
+                                         r"process's 1 replica\(s\), but the layout map's "
+                                         r"mesh has 2 devices: across workers use "
+                                         r"MultiWorkerModelParallelStrategy\. Received: "
+                                         r"DeviceMesh\(\(1, 2\)\), 1 replica\(s\)$"):
+        tfdist.ModelParallelStrategy(layout_map=layouts, devices=["/cpu:0"])
+    tfdist.ModelParallelStrategy(layout_map=layout_map(PAIR.items(), shape=(1, 2)))  # fits
+
+
+def test_layouts_that_do_nothing_are_warned_about(logical_cpus):
+    import keras
+
+    import tfdist
+
+    with pytest.warns(UserWarning, match=r"layout_map\['up/kernel'\] names the axis "
+                                         r"'modle', which is neither 'model' nor 'batch': "
+                                         r"nothing is split on it \(nearest: 'model'\)"):
+        strategy = tfdist.ModelParallelStrategy(layout_map={"up/kernel": (None, "modle")})
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, name="up"),
+                                  keras.layers.Dense(4, name="down")])
+    x, _ = data(BATCH)
+    with pytest.warns(UserWarning) as caught:
+        model.predict(x, batch_size=BATCH, verbose=0)
+    messages = [str(w.message) for w in caught if "layout_map key" in str(w.message)]
+    assert messages == ["layout_map key 'up/kernel' matches no variable of model "
+                        "'sequential': nothing is laid out by it (nearest variable path: "
+                        "'sequential/up/kernel'). Received: key='up/kernel'"]
+    with warnings.catch_warnings():  # once per key
+        warnings.simplefilter("error")
+        model.predict(x, batch_size=BATCH, verbose=0)
