@@ -32,15 +32,90 @@ def is_supported(layer, kind) -> bool:
         (keras.layers.Embedding, VOCAB), (keras.layers.Embedding, FEATURES)}
 
 
+# Keras' activations that work on each element alone (not softmax, log_softmax,
+# sparsemax, glu, nor any other callable): only these run on a slice of the features.
+ELEMENTWISE = ("celu", "elu", "exponential", "gelu", "hard_shrink", "hard_sigmoid",
+               "hard_silu", "hard_tanh", "leaky_relu", "linear", "log_sigmoid", "mish",
+               "relu", "relu6", "selu", "sigmoid", "silu", "soft_shrink", "softplus",
+               "softsign", "sparse_plus", "sparse_sigmoid", "squareplus", "tanh",
+               "tanh_shrink", "threshold")
+
+
+def is_elementwise_activation(activation) -> bool:
+    """Whether ``activation`` (a layer's, None for none) is one of `ELEMENTWISE`."""
+    import keras
+
+    return activation is None or any(activation is getattr(keras.activations, name, None)
+                                     for name in ELEMENTWISE)
+
+
 def is_elementwise(layer) -> bool:
     """Whether ``layer`` (its exact class) works on each feature alone, without weights:
     it may take a split activation as it is."""
     import keras
 
     if type(layer) is keras.layers.Activation:
-        return layer.activation not in (keras.activations.softmax,
-                                        keras.activations.log_softmax)
+        return is_elementwise_activation(layer.activation)
     return type(layer) in (keras.layers.ReLU, keras.layers.LeakyReLU, keras.layers.ELU)
+
+
+def may_stay_split(layer) -> bool:
+    """Whether a column layer's output may leave it split: its own activation is
+    element-wise and no activity regularizer reads the output."""
+    return (is_elementwise_activation(layer.activation)
+            and getattr(layer, "activity_regularizer", None) is None)
+
+
+def check_no_penalty(layer, variables) -> None:
+    """Raises when a split variable of ``layer`` has a regularizer or a constraint (each
+    replica would see one slice).
+
+    Raises:
+        ValueError: naming the variable and its regularizer or constraint.
+    """
+    for variable in variables:
+        for what in ("regularizer", "constraint"):
+            found = getattr(variable, what, None)
+            if found is not None:
+                raise ValueError(
+                    f"ModelParallelStrategy does not apply a {what} to a split variable "
+                    f"(each replica holds one slice): remove it or leave the variable out "
+                    f"of the layout map. Received: layer {layer.name!r} with "
+                    f"{variable.path!r} {what}={type(found).__name__}"
+                    f"({_config_of(found)})")
+
+
+def _config_of(found) -> str:
+    config = getattr(found, "get_config", dict)()
+    return ", ".join(f"{k}={v!r}" for k, v in config.items())
+
+
+def kernel_kind(axis: int, rank: int) -> tuple:
+    """``(kind, output axis from the end or None)`` of a kernel being made, split on
+    ``axis`` of its ``rank``: an EinsumDense's equation decides (`einsum_kind`), a
+    Dense's axis (0: ROW, else COLUMN)."""
+    import keras
+
+    from tfdist._hooks.tensor_parallel import creating_layer
+
+    layer = creating_layer()
+    if type(layer) is keras.layers.EinsumDense:
+        kind = einsum_kind(layer.equation, axis)
+        return kind, einsum_output_from_end(layer.equation, axis) if kind == COLUMN else None
+    return (ROW if axis == 0 else COLUMN), axis - rank
+
+
+def layer_kind(layer, kind):
+    """How a layer with a variable split over "model" runs: an EinsumDense as its
+    equation says for its kernel's split axis, any other as its variables said."""
+    import keras
+
+    from tfdist._hooks.tensor_parallel import split_of
+
+    split = split_of(getattr(layer, "kernel", None))
+    if type(layer) is keras.layers.EinsumDense and split is not None and split.axis is not None:
+        return einsum_kind(layer.equation, split.axis)
+    return kind
 
 
 def _axis_in(spec: str, letter: str):
@@ -53,6 +128,37 @@ def _axis_in(spec: str, letter: str):
     return spec.index(letter) if letter in spec else None
 
 
+def _einsum_letters(equation: str, axis: int):
+    """``(inputs, output, letter)``: an EinsumDense equation's input and output specs and
+    the letter of its kernel's ``axis``."""
+    operands, output = equation.replace(" ", "").split("->")
+    inputs, kernel = operands.split(",")
+    return inputs, output, kernel.replace("...", "")[axis]
+
+
+def einsum_kind(equation: str, axis: int):
+    """COLUMN when the kernel's split letter (of ``axis``) is in the output and not the
+    input (not contracted), ROW when in the input and not the output, else None."""
+    inputs, output, letter = _einsum_letters(equation, axis)
+    at_input, at_output = _axis_in(inputs, letter), _axis_in(output, letter)
+    if at_output is not None and at_input is None:
+        return COLUMN
+    if at_input is not None and at_output is None:
+        return ROW
+    return None
+
+
+def einsum_output_from_end(equation: str, axis: int):
+    """The output axis (counted from the end, negative) that a column EinsumDense's
+    split letter indexes (a bias is aligned on the output's last axes), or None when it
+    is before an ``...``."""
+    _, output, letter = _einsum_letters(equation, axis)
+    at = _axis_in(output, letter)
+    if "..." in output:
+        return at if at is not None and at < 0 else None
+    return None if at is None else at - len(output)
+
+
 def einsum_axes(layer, kind):
     """For an EinsumDense whose kernel is split as ``kind``: the axis of its output
     (COLUMN) or input (ROW) that the kernel's split letter indexes, or None when that
@@ -60,9 +166,7 @@ def einsum_axes(layer, kind):
     from tfdist._hooks.tensor_parallel import split_of
 
     split = split_of(layer.kernel)
-    operands, output = layer.equation.replace(" ", "").split("->")
-    inputs, kernel = operands.split(",")
-    letter = kernel.replace("...", "")[split.axis]
+    inputs, output, letter = _einsum_letters(layer.equation, split.axis)
     at_input, at_output = _axis_in(inputs, letter), _axis_in(output, letter)
     if kind == COLUMN and at_output is not None and at_input is None:
         return at_output
@@ -224,8 +328,18 @@ def _column(communicator, m, layer, x, keep_split):
     y = tf.matmul(ops.gather_rows(communicator, x, m), tf.convert_to_tensor(layer.kernel))
     if layer.bias is not None:
         y = y + tf.convert_to_tensor(layer.bias)
-    y = layer.activation(y)
-    return y if keep_split else ops.gather_features(communicator, y, m)
+    return _activated(communicator, m, layer, y, keep_split, -1)
+
+
+def _activated(communicator, m, layer, y, keep_split, axis):
+    """A column layer's output ``y`` (split on ``axis``) through its activation: on the
+    slice when element-wise, else on the gathered whole (as one device computes it)."""
+    activation = layer.activation or (lambda v: v)
+    if keep_split:  # its activation is element-wise (`may_stay_split`)
+        return activation(y)
+    if is_elementwise_activation(layer.activation):
+        return ops.gather_features(communicator, activation(y), m, axis)
+    return activation(ops.gather_features(communicator, y, m, axis))
 
 
 def _row(communicator, m, layer, x, keep_split):
@@ -243,10 +357,17 @@ def _row(communicator, m, layer, x, keep_split):
     return layer.activation(y)
 
 
-def _ids(x):
+def _ids(communicator, m, layer, x):
+    """Every row's ids, as Keras' lookup takes them: a negative id counts from the end
+    (``ops.take``), and one outside ``[0, input_dim)`` raises as one device's lookup does
+    (TF's gather names it and the range; a split table would give a zero row)."""
     import tensorflow as tf
 
-    return x if x.dtype in (tf.int32, tf.int64) else tf.cast(x, tf.int32)
+    ids = x if x.dtype in (tf.int32, tf.int64) else tf.cast(x, tf.int32)
+    ids = ops.gather_rows(communicator, ids, m)
+    size = tf.constant(layer.input_dim, ids.dtype)
+    ids = tf.where(ids < 0, ids + size, ids)
+    return tf.gather(tf.range(size), ids)
 
 
 def _vocab(communicator, m, layer, x, keep_split):
@@ -254,7 +375,7 @@ def _vocab(communicator, m, layer, x, keep_split):
     lookups summed over the replicas, each keeping its rows."""
     import tensorflow as tf
 
-    ids = ops.gather_rows(communicator, _ids(x), m)
+    ids = _ids(communicator, m, layer, x)
     table = tf.convert_to_tensor(layer.embeddings)
     size = tf.cast(tf.shape(table)[0], ids.dtype)
     start = tf.cast(ops.model_index(m), ids.dtype) * size
@@ -282,7 +403,7 @@ def _features(communicator, m, layer, x, keep_split):
     """Every row's lookup in this replica's columns, then the columns gathered."""
     import tensorflow as tf
 
-    ids = ops.gather_rows(communicator, _ids(x), m)
+    ids = _ids(communicator, m, layer, x)
     found = tf.gather(tf.convert_to_tensor(layer.embeddings), ids)
     return tf.cast(ops.gather_features(communicator, found, m), layer.compute_dtype)
 
@@ -290,12 +411,14 @@ def _features(communicator, m, layer, x, keep_split):
 def _einsum_column(communicator, m, layer, x, keep_split):
     """Every row through this replica's output slice (EinsumDense's own call); the rows
     of an attention's projection arrive gathered already."""
+    import keras
+
     if not ROWS_GATHERED.get(layer, False):
         x = ops.gather_rows(communicator, x, m)
-    y = type(layer).call(layer, x)
-    if keep_split:
-        return y
-    return ops.gather_features(communicator, y, m, einsum_axes(layer, COLUMN))
+    y = keras.ops.einsum(layer.equation, x, layer.kernel)  # EinsumDense's own call
+    if layer.bias is not None:
+        y = keras.ops.add(y, layer.bias)
+    return _activated(communicator, m, layer, y, keep_split, einsum_axes(layer, COLUMN))
 
 
 def _einsum_row(communicator, m, layer, x, keep_split):
