@@ -2,7 +2,8 @@
 one device (same initial weights and global batch, weights at atol 1e-5, Adam and SGD),
 through tfdist.ModelParallelStrategy and keras.distribution.ModelParallel on a (1, 2)
 mesh: a column layer's activation that is not element-wise (softmax, log_softmax, a
-callable; an Activation(callable) between a column and a row layer) sees every feature;
+callable; an Activation(callable) between a column and a row layer) sees every feature,
+and so does an activity regularizer;
 an EinsumDense whose kernel's first axis is an output letter is column-parallel
 (tp_mesh_jobs.py trains it on the 2 x 2 mesh); a vocabulary-parallel Embedding raises
 on an id out of range as one device does; a regularizer or constraint on a split

@@ -7,10 +7,13 @@ import numpy as np
 
 TOKENS, WIDTH, HEADS_N, HEAD_DIM = 4, 8, 4, 3
 
-# Column up (its own activation a callable) -> Activation(callable) -> row down ->
-# column EinsumDense (log_softmax) -> column head (softmax).
-ACTIVATIONS = {"up/kernel": (None, "model"), "down/kernel": ("model", None),
-               "mix/kernel": (None, "model"), "head/kernel": (None, "model")}
+# Column up (its own activation a callable) -> row down -> column up2 (relu) ->
+# Activation(callable) -> row down2 -> column up3 (relu, an activity regularizer reads
+# its output) -> row down3 -> column EinsumDense (log_softmax) -> column head (softmax).
+ACTIVATIONS = {f"{name}/kernel": (None, "model") for name in ("up", "up2", "up3", "mix",
+                                                               "head")}
+ACTIVATIONS.update({f"{name}/kernel": ("model", None) for name in ("down", "down2",
+                                                                    "down3")})
 # "btd,ndh->btnh" split on n (its first kernel axis, an output letter: by heads), then
 # "btnh,nhd->btd" split on n (contracted: row-parallel), as Gemma's layout map lays out
 # its attention (with None where Gemma names "batch").
@@ -37,8 +40,13 @@ def activations_model():
 
     inputs = keras.Input((6,))
     h = keras.layers.Dense(16, activation=centered, name="up")(inputs)
-    h = keras.layers.Activation(scaled, name="scaled")(h)
     h = keras.layers.Dense(8, name="down")(h)
+    h = keras.layers.Dense(16, activation="relu", name="up2")(h)
+    h = keras.layers.Activation(scaled, name="scaled")(h)
+    h = keras.layers.Dense(8, name="down2")(h)
+    h = keras.layers.Dense(16, activation="relu", name="up3",
+                           activity_regularizer=keras.regularizers.L2(0.1))(h)
+    h = keras.layers.Dense(8, name="down3")(h)
     h = keras.layers.EinsumDense("ab,bc->ac", 8, bias_axes="c", activation="log_softmax",
                                  name="mix")(h)
     return keras.Model(inputs, keras.layers.Dense(4, activation="softmax", name="head")(h))

@@ -374,21 +374,21 @@ class TensorParallel:
                 f"'model' (or leave it out of the map). Received: layer {layer.name!r} "
                 f"with {own[0].path!r} laid out {self.layout_of(own[0].path)}")
 
-    def _feeds_rows_only(self, layer, outputs) -> bool:
-        """Whether every path out of ``layer`` reaches a row-parallel Dense through
-        element-wise layers only (so its output may stay split)."""
-        import keras
-
+    def _feeds_rows_only(self, layer, outputs, axis=None) -> bool:
+        """Whether every path out of the column ``layer`` reaches a row-parallel Dense or
+        EinsumDense split on the same axis through element-wise layers only (so its
+        output, split on ``axis`` from the end, may stay split)."""
         from tfdist._hooks.tensor_parallel import consumers
 
+        axis = layers.split_output_axis(layer) if axis is None else axis
         after = consumers(layer)
         if not after or id(layer) in outputs:
             return False
         for consumer in after:
-            if type(consumer) is keras.layers.Dense and self.kinds.get(consumer.path) == ROW:
+            if layers.takes_split(consumer, self.kinds.get(consumer.path), axis):
                 continue
             if not (layers.is_elementwise(consumer)
-                    and self._feeds_rows_only(consumer, outputs)):
+                    and self._feeds_rows_only(consumer, outputs, axis)):
                 return False
         return True
 

@@ -1,178 +1,23 @@
 """How a split layer runs in a replica function (`tfdist.strategies._tensor_parallel`):
 Dense column- and row-parallel, Embedding vocabulary- and feature-parallel (and a
 ReversibleEmbedding's tied head on its vocabulary rows), on the collectives of
-`tfdist.strategies._tp_ops`."""
+`tfdist.strategies._tp_ops`; which kind each is: `tfdist.strategies._tp_kinds`."""
 
 from __future__ import annotations
 
 import weakref
 
 from tfdist.strategies import _tp_ops as ops
+from tfdist.strategies._tp_kinds import (  # noqa: F401 (how `_tensor_parallel` calls them)
+    COLUMN, FEATURES, ROW, VOCAB, check_no_penalty, einsum_axes, is_elementwise,
+    is_elementwise_activation, is_supported, kernel_kind, layer_kind, may_stay_split,
+    split_axis, split_output_axis, takes_split)
 
 # tfdist's own marks on the user's layers, kept here rather than as attributes on them:
 # a split layer's call (what `_tensor_parallel` installed), and the attention
 # projections whose rows their attention layer gathers already.
 SPLIT_CALLS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 ROWS_GATHERED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-COLUMN, ROW = "column", "row"  # a Dense kernel split on its outputs / inputs
-VOCAB, FEATURES = "vocab", "features"  # an Embedding table split on its rows / columns
-
-
-def is_supported(layer, kind) -> bool:
-    """Whether ``layer`` (its exact class) runs split as ``kind``."""
-    import keras
-
-    if type(layer) is keras.layers.EinsumDense and kind in (COLUMN, ROW):
-        return einsum_axes(layer, kind) is not None
-    if type(layer) is keras.layers.ReversibleEmbedding:  # a tied head: its table's rows
-        return kind == VOCAB and layer.tie_weights and layer.reverse_dtype is None
-    return (type(layer), kind) in {
-        (keras.layers.Dense, COLUMN), (keras.layers.Dense, ROW),
-        (keras.layers.Embedding, VOCAB), (keras.layers.Embedding, FEATURES)}
-
-
-# Keras' activations that work on each element alone (not softmax, log_softmax,
-# sparsemax, glu, nor any other callable): only these run on a slice of the features.
-ELEMENTWISE = ("celu", "elu", "exponential", "gelu", "hard_shrink", "hard_sigmoid",
-               "hard_silu", "hard_tanh", "leaky_relu", "linear", "log_sigmoid", "mish",
-               "relu", "relu6", "selu", "sigmoid", "silu", "soft_shrink", "softplus",
-               "softsign", "sparse_plus", "sparse_sigmoid", "squareplus", "tanh",
-               "tanh_shrink", "threshold")
-
-
-def is_elementwise_activation(activation) -> bool:
-    """Whether ``activation`` (a layer's, None for none) is one of `ELEMENTWISE`."""
-    import keras
-
-    return activation is None or any(activation is getattr(keras.activations, name, None)
-                                     for name in ELEMENTWISE)
-
-
-def is_elementwise(layer) -> bool:
-    """Whether ``layer`` (its exact class) works on each feature alone, without weights:
-    it may take a split activation as it is."""
-    import keras
-
-    if type(layer) is keras.layers.Activation:
-        return is_elementwise_activation(layer.activation)
-    return type(layer) in (keras.layers.ReLU, keras.layers.LeakyReLU, keras.layers.ELU)
-
-
-def may_stay_split(layer) -> bool:
-    """Whether a column layer's output may leave it split: its own activation is
-    element-wise and no activity regularizer reads the output."""
-    return (is_elementwise_activation(layer.activation)
-            and getattr(layer, "activity_regularizer", None) is None)
-
-
-def check_no_penalty(layer, variables) -> None:
-    """Raises when a split variable of ``layer`` has a regularizer or a constraint (each
-    replica would see one slice).
-
-    Raises:
-        ValueError: naming the variable and its regularizer or constraint.
-    """
-    for variable in variables:
-        for what in ("regularizer", "constraint"):
-            found = getattr(variable, what, None)
-            if found is not None:
-                raise ValueError(
-                    f"ModelParallelStrategy does not apply a {what} to a split variable "
-                    f"(each replica holds one slice): remove it or leave the variable out "
-                    f"of the layout map. Received: layer {layer.name!r} with "
-                    f"{variable.path!r} {what}={type(found).__name__}"
-                    f"({_config_of(found)})")
-
-
-def _config_of(found) -> str:
-    config = getattr(found, "get_config", dict)()
-    return ", ".join(f"{k}={v!r}" for k, v in config.items())
-
-
-def kernel_kind(axis: int, rank: int) -> tuple:
-    """``(kind, output axis from the end or None)`` of a kernel being made, split on
-    ``axis`` of its ``rank``: an EinsumDense's equation decides (`einsum_kind`), a
-    Dense's axis (0: ROW, else COLUMN)."""
-    import keras
-
-    from tfdist._hooks.tensor_parallel import creating_layer
-
-    layer = creating_layer()
-    if type(layer) is keras.layers.EinsumDense:
-        kind = einsum_kind(layer.equation, axis)
-        return kind, einsum_output_from_end(layer.equation, axis) if kind == COLUMN else None
-    return (ROW if axis == 0 else COLUMN), axis - rank
-
-
-def layer_kind(layer, kind):
-    """How a layer with a variable split over "model" runs: an EinsumDense as its
-    equation says for its kernel's split axis, any other as its variables said."""
-    import keras
-
-    from tfdist._hooks.tensor_parallel import split_of
-
-    split = split_of(getattr(layer, "kernel", None))
-    if type(layer) is keras.layers.EinsumDense and split is not None and split.axis is not None:
-        return einsum_kind(layer.equation, split.axis)
-    return kind
-
-
-def _axis_in(spec: str, letter: str):
-    """The axis of ``letter`` in one einsum operand ``spec`` (negative after ``...``)."""
-    if "..." in spec:
-        before, after = spec.split("...")
-        if letter in after:
-            return after.index(letter) - len(after)
-        return before.index(letter) if letter in before else None
-    return spec.index(letter) if letter in spec else None
-
-
-def _einsum_letters(equation: str, axis: int):
-    """``(inputs, output, letter)``: an EinsumDense equation's input and output specs and
-    the letter of its kernel's ``axis``."""
-    operands, output = equation.replace(" ", "").split("->")
-    inputs, kernel = operands.split(",")
-    return inputs, output, kernel.replace("...", "")[axis]
-
-
-def einsum_kind(equation: str, axis: int):
-    """COLUMN when the kernel's split letter (of ``axis``) is in the output and not the
-    input (not contracted), ROW when in the input and not the output, else None."""
-    inputs, output, letter = _einsum_letters(equation, axis)
-    at_input, at_output = _axis_in(inputs, letter), _axis_in(output, letter)
-    if at_output is not None and at_input is None:
-        return COLUMN
-    if at_input is not None and at_output is None:
-        return ROW
-    return None
-
-
-def einsum_output_from_end(equation: str, axis: int):
-    """The output axis (counted from the end, negative) that a column EinsumDense's
-    split letter indexes (a bias is aligned on the output's last axes), or None when it
-    is before an ``...``."""
-    _, output, letter = _einsum_letters(equation, axis)
-    at = _axis_in(output, letter)
-    if "..." in output:
-        return at if at is not None and at < 0 else None
-    return None if at is None else at - len(output)
-
-
-def einsum_axes(layer, kind):
-    """For an EinsumDense whose kernel is split as ``kind``: the axis of its output
-    (COLUMN) or input (ROW) that the kernel's split letter indexes, or None when that
-    letter is not an output-only (COLUMN) or input-only (ROW) letter."""
-    from tfdist._hooks.tensor_parallel import split_of
-
-    split = split_of(layer.kernel)
-    inputs, output, letter = _einsum_letters(layer.equation, split.axis)
-    at_input, at_output = _axis_in(inputs, letter), _axis_in(output, letter)
-    if kind == COLUMN and at_output is not None and at_input is None:
-        return at_output
-    if kind == ROW and at_input is not None and at_output is None:
-        return at_input
-    return None
 
 
 def is_attention(layer) -> bool:
@@ -439,10 +284,6 @@ def _einsum_row(communicator, m, layer, x, keep_split):
     return y if layer.activation is None else layer.activation(y)
 
 
-def split_axis(layer) -> int:
-    from tfdist._hooks.tensor_parallel import split_of
-
-    return split_of(layer.kernel).axis
 
 
 def kernel_shape(layer) -> tuple:
