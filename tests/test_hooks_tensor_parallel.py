@@ -79,3 +79,24 @@ def test_symbolic_scope_and_update_replica_id():
     with SymbolicScope():
         assert in_shape_inference()
     assert _in_update() is False
+
+
+def test_creating_layer_is_the_layer_whose_add_weight_runs(logical_cpus):
+    """creating_layer reads the ``caller`` of Keras' private name-scope stack, which
+    ``Layer.add_weight`` opens with ``caller=self`` (a split EinsumDense kernel's kind
+    comes from its layer's equation)."""
+    import keras
+
+    from tfdist._hooks.tensor_parallel import creating_layer
+
+    seen = []
+
+    class Probe(keras.layers.Layer):
+        def build(self, input_shape):
+            self.add_weight(shape=(2,), initializer=lambda *a, **k: seen.append(
+                creating_layer()) or keras.ops.zeros((2,)))
+
+    probe = Probe(name="probe")
+    probe.build((None, 2))
+    assert seen == [probe]
+    assert creating_layer() is None

@@ -213,6 +213,19 @@ def test_clipping_by_norm_on_a_2_x_2_mesh_sees_whole_variables(one_process, clip
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
+def test_einsum_dense_split_by_heads_on_its_first_axis_on_a_2_x_2_mesh(one_process):
+    """keras-hub Gemma's query layout, "btd,ndh->btnh" laid out ("model", None, None),
+    then "btnh,nhd->btd" row-parallel: Adam and SGD under ModelParallelStrategy and
+    Adam under keras.distribution.ModelParallel on DeviceMesh((2, 2)) (tp_layer_jobs)."""
+    runs = one_process["einsum_heads"]
+    for name in ("adam", "sgd", "keras"):
+        assert_weights_close(runs[name][0], runs[name][1], atol=1e-5)
+    assert runs["keras"][2] == "ModelParallelStrategy"
+    assert runs["split"] == ["attention_output/kernel", "query/bias", "query/kernel"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
 def test_keras_model_parallel_on_a_2_x_2_mesh_of_four_workers(launched, one_process):
     """Backend-agnostic Keras across processes: DeviceMesh((2, 2)) over every worker's
     device runs as MultiWorkerModelParallelStrategy(model_parallel=2) on engine "tf"."""

@@ -150,7 +150,8 @@ def continue_from(path, strategy):
 def main(out_path, saved=None):
     """In one process of 4 logical CPUs: every model on the 2 x 2 mesh and on one device;
     the pair with fp16 compression; Keras' ModelParallel on DeviceMesh((2, 2)); the pair
-    clipped by norm; and
+    clipped by norm; an EinsumDense split by heads on its kernel's first axis
+    (`tp_layer_jobs.run_einsum_heads`); and
     (``saved``) a 2 x 2 save loaded on a 1 x 4 mesh and continued (``"-"``: its path is
     read from stdin, after the rest)."""
     import tfdist
@@ -164,6 +165,10 @@ def main(out_path, saved=None):
     results["keras"] = keras_mesh()
     results["clipped"] = clipped(lambda: tfdist.ModelParallelStrategy(layout_map=PAIR,
                                                                       model_parallel=2))
+    from tp_layer_jobs import EINSUM_HEADS, run_einsum_heads
+
+    results["einsum_heads"] = run_einsum_heads(lambda: tfdist.ModelParallelStrategy(
+        layout_map=EINSUM_HEADS, model_parallel=2), keras_shape=(2, 2))
     if saved == "-":
         saved = sys.stdin.readline().strip()
     if saved:

@@ -18,7 +18,9 @@ split variable outside a split layer's call in a replica function (a plain
 ``model(x)``) would see one slice and give a wrong result: ``__tf_tensor__`` refuses it.
 Which layers consume a layer's output is the private ``_outbound_nodes``, a model's
 layers its private ``_flatten_layers``, and which layer made an output its private
-``_keras_history``; a tensor's Keras mask its private ``get_keras_mask`` (and ``set_keras_mask``); a
+``_keras_history``; the layer making a variable (to read an EinsumDense's equation
+when its kernel is split) the ``caller`` of Keras' private name-scope stack; a tensor's
+Keras mask its private ``get_keras_mask`` (and ``set_keras_mask``); a
 MultiHeadAttention's projections its private ``_query_dense`` (etc.).
 ``tests/test_hooks_tensor_parallel.py`` fails loudly when a Keras upgrade removes these.
 Nothing changes for any other variable.
@@ -106,6 +108,15 @@ def set_keras_mask(tensor, mask) -> None:
     from keras.src import backend
 
     backend.set_keras_mask(tensor, mask)
+
+
+def creating_layer():
+    """The layer whose ``add_weight`` is making a variable now, or None (Keras opens
+    its name scope with ``caller=layer``; the stack is its private global state)."""
+    from keras.src.backend.common import global_state
+
+    stack = global_state.get_global_attribute("name_scope_stack") or []
+    return getattr(stack[-1], "caller", None) if stack else None
 
 
 def in_shape_inference() -> bool:

@@ -146,7 +146,7 @@ class TensorParallel:
         self.strategy = strategy
         self.rules = [(key, layout_axes(layout)) for key, layout in layout_map.items()]
         self.kinds = {}  # layer path -> COLUMN, ROW, VOCAB or FEATURES
-        self.kernels = {}  # layer path -> (its kernel's split axis, the kernel's rank)
+        self.kernels = {}  # column layer path -> the output axis its kernel splits (< 0)
         n = strategy.num_replicas_in_sync
         self.model_parallel = n if model_parallel is None else model_parallel
         self.model_groups = self.batch_groups = None
@@ -213,10 +213,10 @@ class TensorParallel:
         layer, _, name = path.rpartition("/")
         axes = self.layout_of(path)
         if axes is None:  # a column layer's bias follows its kernel's output axis
-            kernel = self.kernels.get(layer)
-            if name == "bias" and self.kinds.get(layer) == COLUMN and kernel is not None:
-                at = kernel[0] - (kernel[1] - len(shape))
-                if 0 <= at < len(shape):
+            from_end = self.kernels.get(layer)
+            if name == "bias" and self.kinds.get(layer) == COLUMN and from_end is not None:
+                at = from_end + len(shape)  # a bias is aligned on the output's last axes
+                if 0 <= at < len(shape) and shape[at] != 1:
                     return self._checked(path, shape, tuple(
                         MODEL if i == at else None for i in range(len(shape))), trainable)
             return None
@@ -224,8 +224,7 @@ class TensorParallel:
             return self._batch_only(path, shape, axes, trainable)
         axis = self._checked(path, shape, axes, trainable)
         if name == "kernel" and len(shape) >= 2:
-            self.kinds[layer] = ROW if axis == 0 else COLUMN
-            self.kernels[layer] = (axis, len(shape))
+            self.kinds[layer], self.kernels[layer] = layers.kernel_kind(axis, len(shape))
         if name == "embeddings" and len(shape) == 2:
             self.kinds[layer] = VOCAB if axis == 0 else FEATURES
         return axis
@@ -332,7 +331,8 @@ class TensorParallel:
                     "over 'batch' alone: lay it out on 'model' or leave it out of the map. "
                     f"Received: layer {layer.name!r} with {alone.path!r} laid out "
                     f"{self.layout_of(alone.path)}")
-            kind = self.kinds.get(layer.path)
+            kind = self.kinds[layer.path] = layers.layer_kind(layer, self.kinds.get(
+                layer.path))
             if not layers.is_supported(layer, kind):
                 split = split_of(own[0])
                 raise ValueError(
@@ -352,8 +352,9 @@ class TensorParallel:
                                                                 None):
                 raise ValueError(f"ModelParallelStrategy does not split a LoRA or quantized "
                                  f"layer. Received: layer {layer.name!r}")
-            keep = inside.get(id(layer), kind == COLUMN and self._feeds_rows_only(
-                layer, outputs))
+            layers.check_no_penalty(layer, own)
+            keep = inside.get(id(layer), kind == COLUMN and layers.may_stay_split(layer)
+                              and self._feeds_rows_only(layer, outputs))
             if layers.SPLIT_CALLS.get(layer) != (kind, keep):
                 layer.call = layers.split_call(self, layer, kind, keep)
                 layers.SPLIT_CALLS[layer] = (kind, keep)
@@ -373,21 +374,21 @@ class TensorParallel:
                 f"'model' (or leave it out of the map). Received: layer {layer.name!r} "
                 f"with {own[0].path!r} laid out {self.layout_of(own[0].path)}")
 
-    def _feeds_rows_only(self, layer, outputs) -> bool:
-        """Whether every path out of ``layer`` reaches a row-parallel Dense through
-        element-wise layers only (so its output may stay split)."""
-        import keras
-
+    def _feeds_rows_only(self, layer, outputs, axis=None) -> bool:
+        """Whether every path out of the column ``layer`` reaches a row-parallel Dense or
+        EinsumDense split on the same axis through element-wise layers only (so its
+        output, split on ``axis`` from the end, may stay split)."""
         from tfdist._hooks.tensor_parallel import consumers
 
+        axis = layers.split_output_axis(layer) if axis is None else axis
         after = consumers(layer)
         if not after or id(layer) in outputs:
             return False
         for consumer in after:
-            if type(consumer) is keras.layers.Dense and self.kinds.get(consumer.path) == ROW:
+            if layers.takes_split(consumer, self.kinds.get(consumer.path), axis):
                 continue
             if not (layers.is_elementwise(consumer)
-                    and self._feeds_rows_only(consumer, outputs)):
+                    and self._feeds_rows_only(consumer, outputs, axis)):
                 return False
         return True
 

@@ -1,74 +1,23 @@
 """How a split layer runs in a replica function (`tfdist.strategies._tensor_parallel`):
 Dense column- and row-parallel, Embedding vocabulary- and feature-parallel (and a
 ReversibleEmbedding's tied head on its vocabulary rows), on the collectives of
-`tfdist.strategies._tp_ops`."""
+`tfdist.strategies._tp_ops`; which kind each is: `tfdist.strategies._tp_kinds`."""
 
 from __future__ import annotations
 
 import weakref
 
 from tfdist.strategies import _tp_ops as ops
+from tfdist.strategies._tp_kinds import (  # noqa: F401 (how `_tensor_parallel` calls them)
+    COLUMN, FEATURES, ROW, VOCAB, check_no_penalty, einsum_axes, is_elementwise,
+    is_elementwise_activation, is_supported, kernel_kind, layer_kind, may_stay_split,
+    split_axis, split_output_axis, takes_split)
 
 # tfdist's own marks on the user's layers, kept here rather than as attributes on them:
 # a split layer's call (what `_tensor_parallel` installed), and the attention
 # projections whose rows their attention layer gathers already.
 SPLIT_CALLS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 ROWS_GATHERED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-COLUMN, ROW = "column", "row"  # a Dense kernel split on its outputs / inputs
-VOCAB, FEATURES = "vocab", "features"  # an Embedding table split on its rows / columns
-
-
-def is_supported(layer, kind) -> bool:
-    """Whether ``layer`` (its exact class) runs split as ``kind``."""
-    import keras
-
-    if type(layer) is keras.layers.EinsumDense and kind in (COLUMN, ROW):
-        return einsum_axes(layer, kind) is not None
-    if type(layer) is keras.layers.ReversibleEmbedding:  # a tied head: its table's rows
-        return kind == VOCAB and layer.tie_weights and layer.reverse_dtype is None
-    return (type(layer), kind) in {
-        (keras.layers.Dense, COLUMN), (keras.layers.Dense, ROW),
-        (keras.layers.Embedding, VOCAB), (keras.layers.Embedding, FEATURES)}
-
-
-def is_elementwise(layer) -> bool:
-    """Whether ``layer`` (its exact class) works on each feature alone, without weights:
-    it may take a split activation as it is."""
-    import keras
-
-    if type(layer) is keras.layers.Activation:
-        return layer.activation not in (keras.activations.softmax,
-                                        keras.activations.log_softmax)
-    return type(layer) in (keras.layers.ReLU, keras.layers.LeakyReLU, keras.layers.ELU)
-
-
-def _axis_in(spec: str, letter: str):
-    """The axis of ``letter`` in one einsum operand ``spec`` (negative after ``...``)."""
-    if "..." in spec:
-        before, after = spec.split("...")
-        if letter in after:
-            return after.index(letter) - len(after)
-        return before.index(letter) if letter in before else None
-    return spec.index(letter) if letter in spec else None
-
-
-def einsum_axes(layer, kind):
-    """For an EinsumDense whose kernel is split as ``kind``: the axis of its output
-    (COLUMN) or input (ROW) that the kernel's split letter indexes, or None when that
-    letter is not an output-only (COLUMN) or input-only (ROW) letter."""
-    from tfdist._hooks.tensor_parallel import split_of
-
-    split = split_of(layer.kernel)
-    operands, output = layer.equation.replace(" ", "").split("->")
-    inputs, kernel = operands.split(",")
-    letter = kernel.replace("...", "")[split.axis]
-    at_input, at_output = _axis_in(inputs, letter), _axis_in(output, letter)
-    if kind == COLUMN and at_output is not None and at_input is None:
-        return at_output
-    if kind == ROW and at_input is not None and at_output is None:
-        return at_input
-    return None
 
 
 def is_attention(layer) -> bool:
@@ -224,8 +173,18 @@ def _column(communicator, m, layer, x, keep_split):
     y = tf.matmul(ops.gather_rows(communicator, x, m), tf.convert_to_tensor(layer.kernel))
     if layer.bias is not None:
         y = y + tf.convert_to_tensor(layer.bias)
-    y = layer.activation(y)
-    return y if keep_split else ops.gather_features(communicator, y, m)
+    return _activated(communicator, m, layer, y, keep_split, -1)
+
+
+def _activated(communicator, m, layer, y, keep_split, axis):
+    """A column layer's output ``y`` (split on ``axis``) through its activation: on the
+    slice when element-wise, else on the gathered whole (as one device computes it)."""
+    activation = layer.activation or (lambda v: v)
+    if keep_split:  # its activation is element-wise (`may_stay_split`)
+        return activation(y)
+    if is_elementwise_activation(layer.activation):
+        return ops.gather_features(communicator, activation(y), m, axis)
+    return activation(ops.gather_features(communicator, y, m, axis))
 
 
 def _row(communicator, m, layer, x, keep_split):
@@ -243,10 +202,17 @@ def _row(communicator, m, layer, x, keep_split):
     return layer.activation(y)
 
 
-def _ids(x):
+def _ids(communicator, m, layer, x):
+    """Every row's ids, as Keras' lookup takes them: a negative id counts from the end
+    (``ops.take``), and one outside ``[0, input_dim)`` raises as one device's lookup does
+    (TF's gather names it and the range; a split table would give a zero row)."""
     import tensorflow as tf
 
-    return x if x.dtype in (tf.int32, tf.int64) else tf.cast(x, tf.int32)
+    ids = x if x.dtype in (tf.int32, tf.int64) else tf.cast(x, tf.int32)
+    ids = ops.gather_rows(communicator, ids, m)
+    size = tf.constant(layer.input_dim, ids.dtype)
+    ids = tf.where(ids < 0, ids + size, ids)
+    return tf.gather(tf.range(size), ids)
 
 
 def _vocab(communicator, m, layer, x, keep_split):
@@ -254,7 +220,7 @@ def _vocab(communicator, m, layer, x, keep_split):
     lookups summed over the replicas, each keeping its rows."""
     import tensorflow as tf
 
-    ids = ops.gather_rows(communicator, _ids(x), m)
+    ids = _ids(communicator, m, layer, x)
     table = tf.convert_to_tensor(layer.embeddings)
     size = tf.cast(tf.shape(table)[0], ids.dtype)
     start = tf.cast(ops.model_index(m), ids.dtype) * size
@@ -282,7 +248,7 @@ def _features(communicator, m, layer, x, keep_split):
     """Every row's lookup in this replica's columns, then the columns gathered."""
     import tensorflow as tf
 
-    ids = ops.gather_rows(communicator, _ids(x), m)
+    ids = _ids(communicator, m, layer, x)
     found = tf.gather(tf.convert_to_tensor(layer.embeddings), ids)
     return tf.cast(ops.gather_features(communicator, found, m), layer.compute_dtype)
 
@@ -290,12 +256,14 @@ def _features(communicator, m, layer, x, keep_split):
 def _einsum_column(communicator, m, layer, x, keep_split):
     """Every row through this replica's output slice (EinsumDense's own call); the rows
     of an attention's projection arrive gathered already."""
+    import keras
+
     if not ROWS_GATHERED.get(layer, False):
         x = ops.gather_rows(communicator, x, m)
-    y = type(layer).call(layer, x)
-    if keep_split:
-        return y
-    return ops.gather_features(communicator, y, m, einsum_axes(layer, COLUMN))
+    y = keras.ops.einsum(layer.equation, x, layer.kernel)  # EinsumDense's own call
+    if layer.bias is not None:
+        y = keras.ops.add(y, layer.bias)
+    return _activated(communicator, m, layer, y, keep_split, einsum_axes(layer, COLUMN))
 
 
 def _einsum_row(communicator, m, layer, x, keep_split):
@@ -316,10 +284,6 @@ def _einsum_row(communicator, m, layer, x, keep_split):
     return y if layer.activation is None else layer.activation(y)
 
 
-def split_axis(layer) -> int:
-    from tfdist._hooks.tensor_parallel import split_of
-
-    return split_of(layer.kernel).axis
 
 
 def kernel_shape(layer) -> tuple:
