@@ -160,6 +160,10 @@ COLUMN = 'strategy.options.layout_map={"dense/kernel" = ["", "model"]}'
                                        '".*_1/kernel" = ["model", ""]}'],
      ["variable 'dense_1/kernel' matches more than one key. Received: keys=['dense_1/.*el', "
       "'.*_1/kernel']"]),
+    ("a last batch not splitting over a mesh", [TP, COLUMN],
+     ["job.toml: the training split's last batch of 3 rows (51 samples in batches of "
+      "train.global_batch_size = 16) does not split evenly over the 2 replicas of "
+      "'multi_worker_model_parallel'", "Received: 51 training samples"]),
     ("negative seed", ["train.seed=-1"],
      ["job.toml: train.seed must be an integer in [0, 2**32). Received: -1"]),
     ("seed of 2**32", ["train.seed=4294967296"],

@@ -190,6 +190,25 @@ def check_job(config: dict[str, Any], source: str = "<config>") -> None:
                               f"has {size} features. Received shape "
                               f"{data.x_train.shape[1:]}")
     check_layout_map(config, data.x_train.shape[1:], data.num_classes, source)
+    _check_last_batches(config, data, source)
+
+
+def _check_last_batches(config: dict[str, Any], data, source: str) -> None:
+    """On a tensor-parallel strategy every batch, a split's last one included, splits
+    evenly over the replicas: a split layer's collectives exchange equal blocks of rows."""
+    if "layout_map" not in registry.get(config["strategy"]["name"]).options:
+        return
+    n, batch = replica_count(config), config["train"]["global_batch_size"]
+    if not n or n == 1:
+        return
+    for split, rows in (("training", len(data.x_train)), ("validation", len(data.x_val))):
+        last = rows % batch
+        if last % n:
+            raise ConfigError(
+                f"{source}: the {split} split's last batch of {last} rows ({rows} samples in "
+                f"batches of train.global_batch_size = {batch}) does not split evenly over "
+                f"the {n} replicas of {config['strategy']['name']!r}. Change data.limit or "
+                f"data.validation_split so that it does. Received: {rows} {split} samples")
 
 
 def _check_mesh(config: dict[str, Any], source: str) -> None:
