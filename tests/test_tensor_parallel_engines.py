@@ -37,13 +37,13 @@ def horovod_mesh(tmp_path_factory):
     from helpers import require_horovod, run_cluster
 
     require_horovod()
-    return run_cluster(_horovod_mesh_task, workers=4, timeout=400, max_restarts=1,
+    return run_cluster(_horovod_mesh_task, workers=4, timeout=560, max_restarts=1,
                        backup_dir=str(tmp_path_factory.mktemp("hvd") / "backup"))
 
 
 @pytest.mark.multiprocess
 @pytest.mark.horovod
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)  # with the wide pair's launch part (the fixture)
 def test_horovod_2_x_2_mesh_restarts_and_matches_one_process(horovod_mesh):
     """4 workers under engine "horovod" as a 2 x 2 mesh, splitting the pair (Adam,
     clipped by global norm), with ``--max-restarts 1``: worker-1 dies in epoch 1, the
