@@ -20,38 +20,27 @@ def _horovod_mesh_task():
     """`_restarted_task` on a 2 x 2 mesh under engine "horovod", with the process sets
     Horovod was started with."""
     from tfdist.engines.horovod import ops
-    from tp_jobs import train_wide
 
     out = _restarted_task(engine="horovod", model_parallel=2)
     out["process_sets"] = ops.process_sets()
-    strategy = _restarted_task.strategy
-    out["wide"] = train_wide(strategy)  # issue 39's wide pair
-    if strategy.is_chief:
-        out["wide_reference"] = train_wide(None)
     return out
-
-
-@pytest.fixture(scope="module")
-def horovod_mesh(tmp_path_factory):
-    """The 4 workers of `_horovod_mesh_task` (restarted once)."""
-    from helpers import require_horovod, run_cluster
-
-    require_horovod()
-    return run_cluster(_horovod_mesh_task, workers=4, timeout=560, max_restarts=1,
-                       backup_dir=str(tmp_path_factory.mktemp("hvd") / "backup"))
 
 
 @pytest.mark.multiprocess
 @pytest.mark.horovod
-@pytest.mark.timeout(600)  # with the wide pair's launch part (the fixture)
-def test_horovod_2_x_2_mesh_restarts_and_matches_one_process(horovod_mesh):
+@pytest.mark.timeout(420)
+def test_horovod_2_x_2_mesh_restarts_and_matches_one_process(tmp_path):
     """4 workers under engine "horovod" as a 2 x 2 mesh, splitting the pair (Adam,
     clipped by global norm), with ``--max-restarts 1``: worker-1 dies in epoch 1, the
     job restarts and every worker resumes from the chief's BackupAndRestore backup and
     ends equal to the uninterrupted run in one process. Horovod started with the mesh's
     4 process sets (2 "model" groups, 2 "batch" groups), each worker holds half of each
     split variable, and the resumed run counts the mesh's exact bytes."""
-    results = horovod_mesh
+    from helpers import require_horovod, run_cluster
+
+    require_horovod()
+    results = run_cluster(_horovod_mesh_task, workers=4, timeout=400, max_restarts=1,
+                          backup_dir=str(tmp_path / "backup"))
     reference = results[0]["reference"]
     assert max(np.max(np.abs(a - b)) for a, b in zip(reference,
                                                       results[0]["unclipped"])) > 1e-3
@@ -66,19 +55,6 @@ def test_horovod_2_x_2_mesh_restarts_and_matches_one_process(horovod_mesh):
         # The mesh's collectives per step, plus the clip's one value per split variable
         # (its squares summed over every replica).
         assert result["bytes"] == 4 * (pair_floats() + 3) * RESUMED_STEPS
-
-
-@pytest.mark.multiprocess
-@pytest.mark.horovod
-@pytest.mark.timeout(420)
-def test_horovod_2_x_2_wide_pair_adam_and_adamw_match_one_device(horovod_mesh):
-    """Issue 39 item 2 under engine "horovod": the wide pair (64 -> 2048 relu column ->
-    64 tanh row -> 1) on the 2 x 2 mesh of 4 workers, Adam and AdamW, 20 steps, equal to
-    one device (in float64, as tests/test_tensor_parallel_mesh.py's engine "tf" case)."""
-    reference = horovod_mesh[0]["wide_reference"]
-    for result in horovod_mesh:
-        for name in ("adam", "adamw"):
-            assert_weights_close(result["wide"][name], reference[name], atol=1e-9)
 
 
 def _tied_bytes():

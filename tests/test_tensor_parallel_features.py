@@ -209,7 +209,6 @@ def _restarted_task(engine="tf", model_parallel=None):
     strategy = tfdist.MultiWorkerModelParallelStrategy(
         layout_map=PAIR, engine=engine, model_parallel=model_parallel, startup_timeout=60,
         collective_timeout=120)
-    _restarted_task.strategy = strategy  # more runs may follow on it
     restart = int(os.environ[env.RESTART])
     epochs_run = []
 

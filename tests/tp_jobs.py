@@ -220,7 +220,7 @@ def gathered_as_by_workers(strategy, model):
     return {v.path: pair for v, pair in zip(split, zip(local, gathered))}
 
 
-# Issue 39's wide pair: Input(64) -> Dense(2048, relu) column -> Dense(64, tanh) row ->
+# Issue 39's wide pair (tests/test_tensor_parallel_mesh.py): Input(64) -> Dense(2048, relu) column -> Dense(64, tanh) row ->
 # Dense(1), named to match PAIR. In float64: in float32 its Adam run is not reproducible at
 # 1e-5 even on one device (initial weights moved by one ulp end 2.4e-3 apart: a ReLU
 # pre-activation within rounding of zero flips, docs/tensor_parallel.md).
