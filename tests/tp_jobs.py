@@ -218,3 +218,42 @@ def gathered_as_by_workers(strategy, model):
     finally:
         del strategy.num_workers
     return {v.path: pair for v, pair in zip(split, zip(local, gathered))}
+
+
+# Issue 39's wide pair (tests/test_tensor_parallel_mesh.py): Input(64) -> Dense(2048, relu) column -> Dense(64, tanh) row ->
+# Dense(1), named to match PAIR. In float64: in float32 its Adam run is not reproducible at
+# 1e-5 even on one device (initial weights moved by one ulp end 2.4e-3 apart: a ReLU
+# pre-activation within rounding of zero flips, docs/tensor_parallel.md).
+WIDE_STEPS, WIDE_BATCH = 20, 64
+
+
+def wide():
+    import keras
+
+    inputs = keras.Input((64,), dtype="float64")
+    h = keras.layers.Dense(2048, activation="relu", name="up", dtype="float64")(inputs)
+    h = keras.layers.Dense(64, activation="tanh", name="down", dtype="float64")(h)
+    return keras.Model(inputs, keras.layers.Dense(1, name="out", dtype="float64")(h))
+
+
+def train_wide(strategy) -> dict:
+    """The wide pair trained 20 steps of 64 rows (MSE) with Adam(1e-3) and with
+    AdamW(1e-3) under ``strategy`` (None: one device): ``{"adam": weights, "adamw":
+    weights}``."""
+    import keras
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(WIDE_STEPS * WIDE_BATCH, 64))
+    y = rng.normal(size=(WIDE_STEPS * WIDE_BATCH, 1))
+    out = {}
+    for name, make in (("adam", keras.optimizers.Adam), ("adamw", keras.optimizers.AdamW)):
+        keras.utils.set_random_seed(1)
+        initial = wide().get_weights()
+        with strategy.scope() if strategy is not None else contextlib.nullcontext():
+            model = wide()
+            for variable, value in zip(model.weights, initial):
+                variable.assign(value)
+            model.compile(make(1e-3), "mse")
+        model.fit(x, y, batch_size=WIDE_BATCH, epochs=1, shuffle=False, verbose=0)
+        out[name] = [np.asarray(w) for w in model.get_weights()]
+    return out

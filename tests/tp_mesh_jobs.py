@@ -14,7 +14,7 @@ import numpy as np
 
 from tp_fsdp_jobs import LAUNCHED
 from tp_jobs import (BATCH, HEAD, HEADS, PAIR, attention_block, attention_data, hybrid_cnn,
-                     image_data, keras_pair, pair, train)
+                     image_data, keras_pair, pair, train, train_wide)
 
 VOCAB_SIZE, TOKENS, WIDTH = 16, 3, 8
 EMBEDDED = {"table/embeddings": ("model", None), "head/kernel": (None, "model")}
@@ -163,6 +163,7 @@ def main(out_path, saved=None):
     fp16 = tfdist.ModelParallelStrategy(layout_map=PAIR, model_parallel=2, compression="fp16")
     results["fp16"] = {"weights": train(fp16, pair)[0], "bytes": fp16.bytes_communicated}
     results["keras"] = keras_mesh()
+    results["wide"] = train_wide(None)  # the launch's wide pair's reference
     results["clipped"] = clipped(lambda: tfdist.ModelParallelStrategy(layout_map=PAIR,
                                                                       model_parallel=2))
     from tp_layer_jobs import EINSUM_HEADS, run_einsum_heads
@@ -198,7 +199,8 @@ def launched_task():
     # The pair with kernels laid out ("batch", "model") / ("model", "batch").
     sharded = launched(strategy, os.environ["TFDIST_TEST_DIR"])
     return {"rank": strategy.rank, "replicas": strategy.num_replicas_in_sync,
-            "saved": path, "keras": keras_run, "sharded": sharded, **_plain(results)}
+            "saved": path, "keras": keras_run, "sharded": sharded,
+            "wide": train_wide(strategy), **_plain(results)}
 
 
 if __name__ == "__main__":
