@@ -351,3 +351,20 @@ def test_a_model_built_before_set_distribution_trains_on_one_device(
     with pytest.raises(ValueError, match=r"its optimizer was made after it.*Received: "
                                          r"optimizer=.* made under MirroredStrategy"):
         uncompiled.compile(keras.optimizers.Adam(0.01), "mse")
+
+
+def test_a_saved_model_loads_compiled_after_set_distribution(logical_cpus, no_distribution,
+                                                             tmp_path):
+    """Wrapping ``compile`` for a model built before `set_distribution` keeps it Keras'
+    own: `keras.saving.load_model` compiles a loaded model only when its class's
+    ``compile`` is ``Trainer.compile`` (else: "compile() method is custom", no optimizer,
+    and ``fit`` fails with "no attribute 'optimizer'")."""
+    import keras
+
+    saved = _column_row_pair()
+    saved.save(tmp_path / "pair.keras")
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    keras.distribution.set_distribution(None)
+    loaded = keras.saving.load_model(tmp_path / "pair.keras")
+    assert loaded.compiled and loaded.optimizer is not None
+    assert type(loaded.optimizer) is type(saved.optimizer)

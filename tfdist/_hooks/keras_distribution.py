@@ -135,8 +135,16 @@ def _patch_model_calls(api, set_keras) -> None:
 
     if getattr(keras.Model, "_tfdist_model_calls", False):
         return
+    from keras.src.trainers.trainer import Trainer
+
     for name in MODEL_CALLS:
-        setattr(keras.Model, name, _model_call(getattr(keras.Model, name), api, set_keras))
+        # Why: Trainer.compile_from_config (model loading) skips compiling a model whose
+        # class's compile is not Trainer.compile ("compile() method is custom"), so the
+        # Trainer methods are wrapped where Trainer defines them; the rest on Model alone
+        # (not Layer's get_weights of every layer).
+        owner = next(c for c in keras.Model.__mro__ if name in vars(c))
+        owner = owner if issubclass(owner, Trainer) else keras.Model
+        setattr(owner, name, _model_call(getattr(owner, name), api, set_keras))
     keras.Model._tfdist_model_calls = True
 
 
