@@ -23,14 +23,17 @@ def _horovod_mesh_task():
 
     from tfdist.engines.horovod import ops
 
-    out = _restarted_task(engine="horovod", model_parallel=2, fault=signal.SIGSTOP)
+    from tp_jobs import train_wide
+
+    out = _restarted_task(engine="horovod", model_parallel=2, fault=signal.SIGSTOP,
+                          then=train_wide)
     out["process_sets"] = ops.process_sets()
     return out
 
 
 @pytest.mark.multiprocess
 @pytest.mark.horovod
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(480)
 def test_horovod_2_x_2_mesh_restarts_and_matches_one_process(tmp_path, capfd):
     """4 workers under engine "horovod" as a 2 x 2 mesh, splitting the pair (Adam,
     clipped by global norm), with ``--max-restarts 1``: worker-1 freezes (SIGSTOP) in
@@ -39,13 +42,14 @@ def test_horovod_2_x_2_mesh_restarts_and_matches_one_process(tmp_path, capfd):
     restarts and every worker resumes from the chief's BackupAndRestore backup and
     ends equal to the uninterrupted run in one process. Horovod started with the mesh's
     4 process sets (2 "model" groups, 2 "batch" groups), each worker holds half of each
-    split variable, and the resumed run counts the mesh's exact bytes."""
+    split variable, and the resumed run counts the mesh's exact bytes. Then the wide pair
+    (issue 39 item 2: Adam and AdamW, float64) equals one device at 1e-9."""
     import re
 
     from helpers import require_horovod, run_cluster
 
     require_horovod()
-    results = run_cluster(_horovod_mesh_task, workers=4, timeout=400, max_restarts=1,
+    results = run_cluster(_horovod_mesh_task, workers=4, timeout=460, max_restarts=1,
                           backup_dir=str(tmp_path / "backup"), grace_period=2)
     said = capfd.readouterr().err
     restart = re.search(r"tfdist launch: restart 1/1: (worker-\d) exited with code .*", said)
@@ -68,6 +72,10 @@ def test_horovod_2_x_2_mesh_restarts_and_matches_one_process(tmp_path, capfd):
         # The mesh's collectives per step, plus the clip's one value per split variable
         # (its squares summed over every replica).
         assert result["bytes"] == 4 * (pair_floats() + 3) * RESUMED_STEPS
+        # Issue 39 item 2: the wide pair, Adam and AdamW, in float64 (tp_jobs.wide).
+        for name in ("adam", "adamw"):
+            assert_weights_close(result["then"][name], results[0]["then_reference"][name],
+                                 atol=1e-9)
 
 
 def _tied_bytes():

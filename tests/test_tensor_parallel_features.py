@@ -196,10 +196,11 @@ def test_mixed_bfloat16_matches_one_device(logical_cpus):
 # ---- restarts: code run inside the launched tasks ------------------------------------------
 
 
-def _restarted_task(engine="tf", model_parallel=None, fault=signal.SIGKILL):
+def _restarted_task(engine="tf", model_parallel=None, fault=signal.SIGKILL, then=None):
     """On each worker: the pair split across them (or over a data x model mesh of
     ``model_parallel``), trained 3 epochs with a backup; worker-1 killed (or sent
-    ``fault``) in epoch 1 of the first start. Returns what it ran and ended with."""
+    ``fault``) in epoch 1 of the first start. Returns what it ran and ended with, and
+    ``then(strategy)`` as ``"then"`` (None: nothing more is run)."""
     import keras
 
     import tfdist
@@ -226,9 +227,13 @@ def _restarted_task(engine="tf", model_parallel=None, fault=signal.SIGKILL):
            "engine": strategy.engine, "bytes": strategy.bytes_communicated,
            "held": sum(int(np.prod(tf_value(v).values[0].shape)) for v in split),
            "whole": sum(int(np.prod(split_of(v).full_shape)) for v in split)}
+    if then is not None:
+        out["then"] = then(strategy)
     if strategy.is_chief:
         out["reference"] = _fit(None, pair, adam, x, y, epochs=3)
         out["unclipped"] = _fit(None, pair, lambda: adam(None), x, y, epochs=3)
+        if then is not None:
+            out["then_reference"] = then(None)
     return out
 
 
