@@ -118,9 +118,10 @@ def test_mixed_float16_sharded_pair_matches_one_device_as_a_reduction_order_does
     (its model slices) where one device rounds the whole sum once, so the two differ by
     fp16 rounding, which Adam carries into the weights. One device summing the row
     layer's product in the mesh's order (two rounded halves, `halves_pair`) differs
-    from one device by as much (3.5e-5 measured; the mesh 3.0e-5): the mesh must stay
-    within 1.25 times that spread, and nearer the fp16 run than the float32 one (8.6e-5
-    measured), so a mesh that lost the policy fails. These runs keep two epochs (8 steps;
+    from one device by as much (3.5e-5 measured; the mesh 3.0e-5; 6.3e-5 and 6.7e-5 on a
+    CPU with AVX512_FP16): the mesh must stay within 1.25 times that spread, and at least
+    half as far from the float32 run as the halves are (8.6e-5 measured; 4.8e-5 and 4.6e-5
+    there), so a mesh that lost the policy fails. These runs keep two epochs (8 steps;
     re-measured as above): after one, the spread is 1.4e-5, the mesh 1.76e-5 (1.24 times
     it) and the float32 run 4.0e-5 away, too close to either bound to mean anything."""
     run = one_process["float16"]
@@ -153,7 +154,12 @@ def _mixed_within_a_reduction_order(run, float32) -> float:
     assert spread > 0
     mesh = distance(run["mesh"], run["reference"])
     assert mesh <= 1.25 * spread, (mesh, spread)
-    assert mesh < distance(run["mesh"], float32) / 2
+    # A mesh that lost the policy would end within float32's own rounding of the float32
+    # run (about 1e-6); one device in the mesh's order (halves) is as far as the policy
+    # makes it. (Not "nearer the fp16 run than the float32 one": on a CPU with
+    # AVX512_FP16, oneDNN's fp16 one-device run ends 1.0e-4 from float32, the halves
+    # 4.8e-5 and the mesh 4.6e-5, so that order does not hold for one device either.)
+    assert distance(run["mesh"], float32) > distance(run["halves"], float32) / 2
     for path, (parts, whole) in run["held"].items():  # a quarter of each kernel and slot
         assert parts == [whole // (2 if "bias" in path else 4)] * 4, path
     return spread
