@@ -1,8 +1,9 @@
 """Model averaging's objects: one `Runner` serves every ``sync_delay`` (delay 0 gives
-the weights it gave before the runner existed, bit for bit), and each fragment's state
+the weights it gave before the runner existed, to one ulp), and each fragment's state
 is a `tfdist.strategies.state.StateComponent` (anchors and outer slots shared,
 residuals own, a resize refused where the state cannot be handed over)."""
 
+import numpy as np
 import pytest
 
 from test_model_average import fit_linear, linear_data
@@ -46,8 +47,12 @@ def test_delay_0_gives_the_weights_it_gave_before(logical_cpus, mix, outer):
     strategy = tfdist.ModelAverageStrategy(period=4, fragments=2, sync_delay=0, mix=mix,
                                            outer_optimizer=_outer if outer else None)
     _, model = fit_linear(strategy, x, y, epochs=2)
-    got = [w.ravel().tolist() for w in model.get_weights()]
-    assert got == BEFORE[(mix, outer)]  # bit for bit
+    got = [w.ravel() for w in model.get_weights()]
+    # Bit for bit when this process ran nothing before; after other tests in the same
+    # pytest worker, make test's runs differed from the recording by one ulp (oneDNN's
+    # summation order is not fixed across a process's history).
+    for value, recorded in zip(got, BEFORE[(mix, outer)]):
+        np.testing.assert_allclose(value, recorded, rtol=2e-7, atol=0)
     assert strategy.bytes_communicated == 56
 
 

@@ -105,14 +105,15 @@ def test_layouts_that_do_nothing_are_warned_about(logical_cpus):
         strategy = tfdist.ModelParallelStrategy(layout_map={"up/kernel": (None, "modle")})
     with strategy.scope():
         model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, name="up"),
-                                  keras.layers.Dense(4, name="down")])
+                                  keras.layers.Dense(4, name="down")],
+                                 name="pair")
     x, _ = data(BATCH)
     with pytest.warns(UserWarning) as caught:
         model.predict(x, batch_size=BATCH, verbose=0)
     messages = [str(w.message) for w in caught if "layout_map key" in str(w.message)]
     assert messages == ["layout_map key 'up/kernel' matches no variable of model "
-                        "'sequential': nothing is laid out by it (nearest variable path: "
-                        "'sequential/up/kernel'). Received: key='up/kernel'"]
+                        "'pair': nothing is laid out by it (nearest variable path: "
+                        "'pair/up/kernel'). Received: key='up/kernel'"]
     with warnings.catch_warnings():  # once per key
         warnings.simplefilter("error")
         model.predict(x, batch_size=BATCH, verbose=0)
