@@ -79,7 +79,11 @@ def test_one_host_strategy_refuses_a_mesh_larger_than_its_replicas(logical_cpus,
     import keras
 
     import tfdist
+    from tfdist.keras import distribution
 
+    # Keras' distribution API reads TF_CONFIG once per process: this test's job view is
+    # its own, so later tests in this process see none.
+    monkeypatch.setattr(distribution, "_job", distribution._Job())
     monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["localhost:1", '
                                      '"localhost:2"]}, "task": {"type": "worker", "index": 0}}')
     mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], ["cpu:0", "cpu:1"])
