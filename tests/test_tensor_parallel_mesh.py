@@ -160,6 +160,21 @@ def test_keras_model_parallel_on_a_2_x_2_mesh_matches_one_device(one_process):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
+def test_keras_reports_whole_shapes_on_a_2_x_2_mesh(launched, one_process):
+    """count_params(), summary()'s total and every model and optimizer variable's shape
+    are the plain model's, and set_weights(get_weights()) round-trips (issue 40)."""
+    reference = one_process["reference"]
+    runs = {"one process": one_process["mesh"], "worker 0": launched[0],
+            "worker 3": launched[3]}
+    for where, results in runs.items():
+        for name in ("pair", "attention", "embedded", "tied", "hybrid"):
+            assert results[name]["facts"] == reference[name]["facts"], (where, name)
+            assert results[name]["facts"]["round_trip"], (where, name)
+    assert one_process["keras"]["facts"] == reference["pair"]["facts"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
 def test_four_workers_2_x_2_mesh_match_one_device(launched, one_process):
     assert [r["rank"] for r in launched] == [0, 1, 2, 3]
     for result in launched:

@@ -100,6 +100,26 @@ def train(strategy, build, epochs=2, optimizer="adam", x=None, y=None, seed=1, l
     return [np.asarray(w) for w in model.get_weights()], model
 
 
+def keras_facts(model) -> dict:
+    """What Keras reports of ``model``'s variables, as a plain model would report them:
+    ``count_params()``, ``summary()``'s total, every model and optimizer variable's
+    shape (in their order), and whether ``set_weights(get_weights())`` gives the same weights back."""
+    import re
+
+    lines = []
+    model.summary(print_fn=lambda line, *args, **kwargs: lines.append(line))
+    text = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(lines))  # rich's colours
+    total = int(re.search(r"Total params: ([\d,]+)", text).group(1).replace(",", ""))
+    weights = [np.asarray(w) for w in model.get_weights()]
+    model.set_weights(weights)
+    slots = model.optimizer.variables if model.optimizer is not None else []
+    return {"count_params": model.count_params(), "summary_total": total,
+            "shapes": [tuple(v.shape) for v in model.weights],
+            "slot_shapes": [tuple(v.shape) for v in slots],
+            "round_trip": all(np.array_equal(a, b)
+                              for a, b in zip(weights, model.get_weights()))}
+
+
 def train_and_report(strategy, build, held, optimizer="adam", save=None, epochs=2) -> dict:
     """``build``'s model trained under ``strategy`` (None: one device): its weights,
     predict and evaluate, and with a strategy what each replica holds (``held(model)``)

@@ -14,7 +14,7 @@ import numpy as np
 
 from tp_fsdp_jobs import LAUNCHED
 from tp_jobs import (BATCH, HEAD, HEADS, PAIR, attention_block, attention_data, hybrid_cnn,
-                     image_data, keras_pair, pair, train, train_wide)
+                     image_data, keras_facts, keras_pair, pair, train, train_wide)
 
 VOCAB_SIZE, TOKENS, WIDTH = 16, 3, 8
 EMBEDDED = {"table/embeddings": ("model", None), "head/kernel": (None, "model")}
@@ -76,6 +76,7 @@ def run_all(strategy_for):
         out[name] = {"weights": weights, "model": model,
                      "bytes": strategy.bytes_communicated - before if strategy else 0,
                      "held": held(model) if strategy else None}
+        out[name]["facts"] = keras_facts(model)  # after the bytes: get_weights gathers
         if x is None:
             from tp_jobs import data
 
@@ -112,7 +113,7 @@ def keras_mesh():
         x, y = data()
         model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
         return {"weights": [np.asarray(w) for w in model.get_weights()],
-                "strategy": type(strategy).__name__,
+                "facts": keras_facts(model), "strategy": type(strategy).__name__,
                 "model_parallel": strategy.tensor_parallel.model_parallel}
     finally:
         keras.distribution.set_distribution(None)

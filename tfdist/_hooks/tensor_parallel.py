@@ -4,9 +4,10 @@ stored split over the replicas of the "model" axis.
 Why: Keras 3 makes a variable's TF value in the private ``_initialize`` of
 ``keras.src.backend.tensorflow.core.Variable`` and keeps its shape in the private
 ``_shape``. A variable the layout map splits gets a mirrored TF variable whose replica r
-holds slice r (its Keras shape is the slice's, so the layer's own math and the
-optimizer's slots work on slices), made here. A slice also sharded over the "batch"
-axis is stored as its block (the Keras shape is the block's, as are the slots'), and
+holds slice r, made here; its Keras shape stays the whole variable's, as on Keras with
+JAX (``count_params``, ``summary`` and ``set_weights`` see whole variables), while the
+layer's math and the optimizer's updates work on the TF slices. A slice also sharded
+over the "batch" axis is stored as its block (as are its slots), and
 gathered when its split layer's call reads it. A variable laid out over "batch" alone
 is stored as its block too and gathered when any layer reads it in a replica function
 (while Keras infers shapes, its block is repeated to the whole shape). ``numpy``/``__array__`` (saves,
@@ -164,8 +165,13 @@ def install_split_hooks() -> None:
         like = split_of(getattr(_LIKE, "reference", None))
         if like is not None and not isinstance(value, tf.Variable):
             # An optimizer slot of a split variable: split alike (its initial value,
-            # zeros, the same on every replica).
-            initialize(self, value)
+            # zeros, the same on every replica). Keras' initializer reads ``_shape``
+            # when TF calls it: the stored shape while it is made, the whole after.
+            whole, self._shape = self._shape, like.stored_shape
+            try:
+                initialize(self, value)
+            finally:
+                self._shape = whole
             self._value._tfdist_split = like.like(self.path)
             return
         if not isinstance(value, tf.Variable) and self._shape is not None:
@@ -177,8 +183,7 @@ def install_split_hooks() -> None:
                                                  dict(dtype=self._dtype,
                                                       trainable=self.trainable,
                                                       name=self.name))
-                self._value._tfdist_split = split
-                self._shape = split.stored_shape
+                self._value._tfdist_split = split  # its Keras shape stays the whole
                 return
         initialize(self, value)
 
