@@ -19,6 +19,14 @@ def test_variable_points_the_split_hooks_patch():
     # assign checks the whole shape, then writes through _direct_assign.
     assert "_direct_assign" in inspect.getsource(KerasVariable.assign)
     assert "add_variable_from_reference" in TFOptimizer.__dict__
+    # A split slot is made at its stored shape: the initializer reads _shape when called.
+    made = []
+    variable = cls.__new__(cls)
+    variable._shape, variable._dtype = (4,), "float32"
+    variable._initialize = lambda value: made.append((variable._shape, value))
+    cls._initialize_with_initializer(variable, lambda shape, dtype: shape)
+    variable._shape = (2,)
+    assert made[0][1]() == (2,)
 
 
 def test_model_graph_points(logical_cpus):
