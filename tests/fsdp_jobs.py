@@ -40,7 +40,7 @@ def train(strategy, optimizer, epochs=2, batch_size=GLOBAL_BATCH, **opt_kwargs):
 def element_counts(model):
     """(per local replica: elements of sharded variables it holds, their whole elements)."""
     from tfdist._hooks.fsdp import shard_of
-    from tfdist.strategies._fsdp import sharded_elements
+    from tfdist.strategies.fsdp.shards import sharded_elements
 
     variables = list(model.weights) + list(model.optimizer.variables)
     whole = sum(int(np.prod(v.shape)) for v in variables if shard_of(v) is not None)

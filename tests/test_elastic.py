@@ -240,7 +240,7 @@ def test_data_positions_rewind_and_skip_over_global_batches():
     import tensorflow as tf
 
     import tfdist
-    from tfdist.strategies._elastic_data import ElasticDataset
+    from tfdist.strategies.elastic.data import ElasticDataset
 
     strategy = tfdist.MirroredStrategy(["/cpu:0"])
     dataset = tf.data.Dataset.range(12).batch(4)  # 3 global batches
@@ -255,7 +255,7 @@ def test_data_positions_rewind_and_skip_over_global_batches():
 
 
 def test_a_global_batch_must_divide_by_every_replica_count():
-    from tfdist.strategies._elastic_data import check_elastic_batch
+    from tfdist.strategies.elastic.data import check_elastic_batch
 
     check_elastic_batch(48, 1, (2, 4))
     check_elastic_batch(None, 1, (2, 4))

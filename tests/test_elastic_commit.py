@@ -1,4 +1,4 @@
-"""An elastic fit's commit read inside the train step (tfdist/strategies/_elastic.py,
+"""An elastic fit's commit read inside the train step (tfdist/strategies/elastic/fit.py,
 `tfdist._hooks.keras_steps.committing_train_function`), in one process: the copy holds
 the variables' values after the step, and the step is Keras' own.
 
@@ -37,7 +37,7 @@ def _batches(strategy, count):
 
 def _state(model):
     """What `ElasticFit` commits: the state and the metrics' local variables."""
-    from tfdist.strategies._elastic_snapshot import _tf_variable
+    from tfdist.strategies.elastic.snapshot import _tf_variable
 
     seen, state = set(), []
     for v in (*model.variables, *model.optimizer.variables):
@@ -64,7 +64,7 @@ def test_the_committing_step_copies_the_variables_after_it(
     import tensorflow as tf
 
     from tfdist._hooks.keras_steps import committing_train_function, remake_train_function
-    from tfdist.strategies._elastic_snapshot import Snapshot
+    from tfdist.strategies.elastic.snapshot import Snapshot
 
     strategy = (tf.distribute.MirroredStrategy(logical_cpus) if replicas == 2
                 else tf.distribute.get_strategy())
@@ -105,7 +105,7 @@ def test_the_committing_step_reads_nothing_when_the_data_ran_out(logical_cpus):
     import tensorflow as tf
 
     from tfdist._hooks.keras_steps import committing_train_function, remake_train_function
-    from tfdist.strategies._elastic_snapshot import Snapshot
+    from tfdist.strategies.elastic.snapshot import Snapshot
 
     strategy = tf.distribute.get_strategy()
     model, _ = _twins(strategy, 3)

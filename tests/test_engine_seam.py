@@ -63,7 +63,7 @@ def test_no_strategy_branches_on_an_engine_name():
 @pytest.mark.unit
 def test_strategies_do_not_reach_into_the_horovod_engine_for_elastic_fit():
     """Elastic fit asks the engine (``strategy.membership()``), not Horovod's modules."""
-    tree = ast.parse((STRATEGIES / "_elastic.py").read_text())
+    tree = ast.parse((STRATEGIES / "elastic" / "fit.py").read_text())
     imported = [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
     imported += [a.name for node in ast.walk(tree) if isinstance(node, ast.Import)
                  for a in node.names]

@@ -148,7 +148,7 @@ def test_count_collectives_separates_conditional_branches():
 
 
 def test_elastic_fit_seams_in_keras_train_function_and_fit_exist():
-    """An elastic fit (tfdist/strategies/_elastic.py) puts its wrapper in
+    """An elastic fit (tfdist/strategies/elastic/fit.py) puts its wrapper in
     ``model.train_function`` (`remake_train_function`), feeds it a Python iterator, and
     a joiner starts fit at the job's epoch (``initial_epoch``)."""
     from keras.src.backend.tensorflow import trainer
@@ -246,7 +246,7 @@ def test_committing_step_of_a_local_output_strategy_stays_local(logical_cpus):
 def test_fit_reads_the_epoch_metrics_through_a_wrapped_get_metrics_result():
     """`wrap_epoch_metrics`: Keras' fit reads each epoch's logs with the private
     ``_get_metrics_result_or_logs``, which calls ``get_metrics_result``; an elastic fit
-    puts its recovering read there (tfdist/strategies/_elastic.py)."""
+    puts its recovering read there (tfdist/strategies/elastic/fit.py)."""
     import keras
     import numpy as np
     import tensorflow as tf

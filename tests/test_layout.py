@@ -259,3 +259,20 @@ def test_the_architecture_page_lists_every_member_of_the_keras_handoff():
     table = (ROOT.parent / "docs" / "architecture.md").read_text()
     missing = sorted(m for m in members if f"`{m}" not in table)
     assert len(members) >= 14 and not missing, f"not in docs/architecture.md: {missing}"
+
+
+# strategies/ keeps the modes flat; each concern of stored pieces, elastic state and option
+# checking is a package of its own (issue 40's floor plan).
+STRATEGY_PACKAGES = {"averaging", "zero", "fsdp", "tensor_parallel", "elastic", "options"}
+CONCERN_PREFIXES = ("_zero", "_fsdp", "_tp_", "_tensor_parallel", "_elastic", "pair",
+                    "arguments", "sharded_optimizer")
+
+
+@pytest.mark.unit
+def test_each_concern_of_the_strategies_is_a_package():
+    strategies = ROOT / "strategies"
+    assert {p.parent.name for p in strategies.glob("*/__init__.py")} == STRATEGY_PACKAGES
+    flat = sorted(p.stem for p in strategies.glob("*.py") if p.stem != "__init__")
+    assert [name for name in flat if name.startswith(CONCERN_PREFIXES)] == []
+    assert {"mirrored", "multi_worker", "model_parallel", "parameter_server",
+            "horovod", "registry"} <= set(flat)

@@ -2,7 +2,7 @@
 (its reference tests exist) or is refused in one line before anything runs.
 
 Generated from `tfdist.strategies.registry` and the decisions of
-`tfdist.strategies.pairs`: an option added to the registry without decided pairs fails
+`tfdist.strategies.options.pairs`: an option added to the registry without decided pairs fails
 `test_every_pair_of_every_strategy_is_decided`.
 """
 
@@ -12,7 +12,8 @@ import os
 
 import pytest
 
-from tfdist.strategies import pairs, registry
+from tfdist.strategies import registry
+from tfdist.strategies.options import pairs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENTRIES = [e for e in registry.STRATEGIES.values() if e.class_name is not None]
@@ -91,7 +92,7 @@ def test_every_pair_of_every_strategy_is_decided():
     undecided = {e.name: pairs.decisions(e)[1] for e in ENTRIES}
     undecided = {name: u for name, u in undecided.items() if u}
     assert not undecided, (
-        "pairs without a decision in tfdist/strategies/pairs.py (add Composes with its "
+        "pairs without a decision in tfdist/strategies/options/pairs.py (add Composes with its "
         f"reference tests, or Refused with the reason): {undecided}")
 
 
@@ -123,7 +124,7 @@ def test_the_node_id_check_finds_cases_and_misses():
 
 def _refusal(name, key, decision) -> ValueError:
     """The error a refused pair gets, from the checks that run before anything."""
-    from tfdist.strategies import arguments
+    from tfdist.strategies.options import arguments
 
     mode = next((m for m in key if m in pairs.MODES), None) if isinstance(key, tuple) else None
     with pytest.raises(ValueError) as raised:
@@ -149,7 +150,7 @@ def test_a_refused_pair_is_one_line_received_before_anything_runs(name, key, dec
 
 @pytest.mark.unit
 def test_check_modes_lets_defaults_and_allowed_values_through():
-    from tfdist.strategies import arguments
+    from tfdist.strategies.options import arguments
 
     check = arguments.check_model_average
     arguments.check_pairs("model_average", check, dict(fragments=1, mix=1, sync_delay=0,

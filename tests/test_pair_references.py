@@ -1,5 +1,5 @@
 """Reference tests of option pairs no other test combined (cited by
-`tfdist.strategies.pairs`; tests/test_option_pairs.py checks that they exist).
+`tfdist.strategies.options.pairs`; tests/test_option_pairs.py checks that they exist).
 
 In-process ones run on 2 logical CPUs; the elastic one launches 3 workers.
 """

@@ -1,5 +1,5 @@
 """`tfdist train` checks every ``strategy.options`` value with the strategy class's own
-checks (`tfdist.strategies.arguments`) before anything runs: one line, exit 2; and a
+checks (`tfdist.strategies.options.arguments`) before anything runs: one line, exit 2; and a
 backup of another config is kept and refused, not removed.
 
 Every option of every registry entry gets a bad value (`BAD`, which must cover every
@@ -18,7 +18,8 @@ import pytest
 
 from tfdist.cli import main
 from tfdist.config import load_config
-from tfdist.strategies import arguments, registry
+from tfdist.strategies import registry
+from tfdist.strategies.options import arguments
 from tfdist.train import main as train
 from tfdist.train import outdir
 from tfdist.train.checks import strategy_kwargs

@@ -15,7 +15,7 @@ from zero_jobs import UNSHARDABLE, full_slot_elements, slot_elements, train
                                        "lion"])
 def test_sharded_matches_unsharded_and_one_device(logical_cpus, optimizer, monkeypatch):
     import tfdist
-    from tfdist.strategies import _zero
+    from tfdist.strategies.zero import sharded_state as _zero
 
     monkeypatch.setattr(_zero, "BUCKET_BYTES", 256)  # several buckets, split variables
     strategy = tfdist.MirroredStrategy(shard_optimizer_state=True)
@@ -289,7 +289,7 @@ def test_transformer_block_matches_unsharded_and_one_device(logical_cpus, monkey
     """Embedding (IndexedSlices gradients: Keras' Adam squares each occurrence),
     MultiHeadAttention, Dense on 3-D inputs and LayerNormalization, with Adam."""
     import tfdist
-    from tfdist.strategies import _zero
+    from tfdist.strategies.zero import sharded_state as _zero
 
     from zero_jobs import train_transformer
 

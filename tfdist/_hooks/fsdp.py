@@ -1,4 +1,4 @@
-"""Hooks for fully sharded parameters (`tfdist.strategies._fsdp`): where Keras makes,
+"""Hooks for fully sharded parameters (`tfdist.strategies.fsdp.shards`): where Keras makes,
 reads, writes and saves a variable's TF value.
 
 Why: Keras 3 keeps a variable's value in the private ``_value`` of
@@ -13,8 +13,8 @@ made from a sharded reference (``TFOptimizer.add_variable_from_reference``) is s
 the same way. Nothing changes for any other variable.
 
 The strategy side is duck-typed: the running strategy's ``parameter_sharding``
-attribute (`tfdist.strategies._fsdp.ParameterSharding`) decides and creates; a sharded
-TF variable carries ``_tfdist_shard`` (`tfdist.strategies._fsdp.Shard`) with the gather
+attribute (`tfdist.strategies.fsdp.shards.ParameterSharding`) decides and creates; a sharded
+TF variable carries ``_tfdist_shard`` (`tfdist.strategies.fsdp.shards.Shard`) with the gather
 and scatter. ``tests/test_hooks_fsdp.py`` fails loudly when a Keras upgrade removes
 what is patched here.
 """

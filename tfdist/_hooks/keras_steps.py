@@ -150,7 +150,7 @@ def traced_train_steps(model) -> list:
 def remake_train_function(model):
     """Makes ``model``'s train function anew (traced again on its first call); returns it.
 
-    Why: an elastic ``fit`` (`tfdist.strategies._elastic`) must re-trace the train step
+    Why: an elastic ``fit`` (`tfdist.strategies.elastic.fit`) must re-trace the train step
     after the replica count changed, and put its own wrapper in ``model.train_function``.
     Keras' ``make_train_function`` returns the existing ``train_function`` unless it is
     None, and ``fit`` calls it before the first step, so the attribute is the seam.
@@ -164,7 +164,7 @@ def wrap_epoch_metrics(model, wrapper):
     """Makes ``fit``'s read of ``model``'s epoch metrics call ``wrapper(read)`` (``read``:
     Keras' own ``get_metrics_result``); returns a function that undoes it.
 
-    Why: an elastic ``fit`` (`tfdist.strategies._elastic`) recovers a member lost in the
+    Why: an elastic ``fit`` (`tfdist.strategies.elastic.fit`) recovers a member lost in the
     epoch's read of the metrics, which sums them over the workers outside the train
     function. Keras' fit reads them with the private ``_get_metrics_result_or_logs``,
     which calls the public ``get_metrics_result``; an attribute of the instance takes
@@ -189,7 +189,7 @@ def committing_train_function(model, train_function, snapshot):
     the call's last step (then nothing was read). The first
     ``steps_per_execution - 1`` steps run ``train_function``'s Keras steps unchanged.
 
-    Why: an elastic ``fit`` (`tfdist.strategies._elastic`) copies the training state
+    Why: an elastic ``fit`` (`tfdist.strategies.elastic.fit`) copies the training state
     after every step it commits at; a traced function of its own costs one more call
     per step (with a Python-side output per variable), a sizeable part of a small
     model's step. Keras' per-batch step is local to the private

@@ -1,4 +1,4 @@
-"""Hooks for tensor parallelism (`tfdist.strategies._tensor_parallel`): Keras variables
+"""Hooks for tensor parallelism (`tfdist.strategies.tensor_parallel.splits`): Keras variables
 stored split over the replicas of the "model" axis.
 
 Why: Keras 3 makes a variable's TF value in the private ``_initialize`` of
@@ -27,8 +27,8 @@ MultiHeadAttention's projections its private ``_query_dense`` (etc.).
 Nothing changes for any other variable.
 
 The strategy side is duck-typed: the running strategy's ``tensor_parallel`` attribute
-(`tfdist.strategies._tensor_parallel.TensorParallel`) decides and creates; a split TF
-variable carries ``_tfdist_split`` (`tfdist.strategies._tensor_parallel.Split`).
+(`tfdist.strategies.tensor_parallel.splits.TensorParallel`) decides and creates; a split TF
+variable carries ``_tfdist_split`` (`tfdist.strategies.tensor_parallel.splits.Split`).
 """
 
 from __future__ import annotations

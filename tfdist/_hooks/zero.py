@@ -1,4 +1,4 @@
-"""Hooks for sharded optimizer state (`tfdist.strategies._zero`): plain per-replica
+"""Hooks for sharded optimizer state (`tfdist.strategies.zero.sharded_state`): plain per-replica
 variables, Keras' weight-decay rule, and TF's collective reduce-scatter and all-to-all.
 
 ``tests/test_hooks_zero.py`` fails loudly when a TF or Keras upgrade removes what they touch.

@@ -1,7 +1,7 @@
 """Communicators: how a strategy's tensors move between replicas and workers.
 
 A `Communicator` all-reduces (sum or mean), all-gathers and reduce-scatters (sharded
-optimizer state, `tfdist.strategies._zero`), called in cross-replica context with
+optimizer state, `tfdist.strategies.zero.sharded_state`), called in cross-replica context with
 per-replica values (what ``merge_call`` hands over); where it ``supports_groups``, also
 within the groups of one axis of a data x model mesh (`Communicator.in_group`,
 `tfdist.comm.groups`). `StrategyCommunicator` uses the

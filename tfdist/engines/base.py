@@ -156,7 +156,7 @@ class Engine(abc.ABC):
         """The elastic membership this process is in, or None (not an elastic job, or
         an engine that does not offer one: `supports_elastic`).
 
-        The object answers what `tfdist.strategies._elastic` asks: ``name``,
+        The object answers what `tfdist.strategies.elastic.fit` asks: ``name``,
         ``version``, ``members``, ``bounds``, ``synced``, ``training``,
         ``joined_running``, ``reform()``, ``changed()``, ``is_lost_peer(error)``,
         ``say(text)``, ``rank()``, ``broadcast(value, root_rank)``,

@@ -14,7 +14,7 @@ import importlib
 # Public name -> module that defines it (the module itself for a submodule's name).
 _LAZY = {"callbacks": "tfdist.keras.callbacks", "guards": "tfdist.keras.guards",
          "SidecarEvaluator": "tfdist.keras.evaluator",
-         "ShardedOptimizer": "tfdist.strategies.sharded_optimizer"}
+         "ShardedOptimizer": "tfdist.strategies.zero.optimizer"}
 
 __all__ = ["ShardedOptimizer", "SidecarEvaluator", "callbacks", "guards"]
 

@@ -17,7 +17,7 @@ loads its distribution module); backend-agnostic Keras 3 code then needs no tfdi
   `tfdist.MultiWorkerModelParallelStrategy` on several processes; on a ``(d, m)`` mesh
   the same with ``model_parallel=m`` (engine "tf" across processes), where a kernel
   laid out ``("batch", "model")`` or ``("model", "batch")`` is also fully sharded over
-  the batch axis (`tfdist.strategies._tp_batch`).
+  the batch axis (`tfdist.strategies.tensor_parallel.batch_axis`).
 
 ``set_distribution(d)`` and ``with d.scope():`` make the strategy TF's default
 (``tf.distribute.experimental_set_strategy``): build the model after it. A layout on a

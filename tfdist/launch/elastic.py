@@ -3,7 +3,7 @@
 The launcher hosts the job's membership service and Gloo's rendezvous
 (`tfdist.engines.horovod.membership`), so they outlive any worker. A worker that exits
 non-zero (or is killed) is removed from the membership and the others re-form Horovod
-without it, inside ``fit`` (`tfdist.strategies._elastic`); while ``max_restarts``
+without it, inside ``fit`` (`tfdist.strategies.elastic.fit`); while ``max_restarts``
 allow, a replacement starts and joins the running job. Below ``min_workers`` for
 longer than ``elastic_timeout`` seconds the job fails, naming who is missing.
 

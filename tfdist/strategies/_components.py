@@ -129,7 +129,7 @@ class FullSlot:
 
 class ShardedSlotsState(StateComponent):
     """Sharded optimizer state's slots (see the module's words): the slices a
-    `tfdist.strategies.sharded_optimizer.ShardedOptimizer` holds as its own variables.
+    `tfdist.strategies.zero.optimizer.ShardedOptimizer` holds as its own variables.
 
     Args:
         model: The Keras model (its optimizer, wrapped at ``fit``).

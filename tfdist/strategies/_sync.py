@@ -17,7 +17,7 @@ all-reduced through the communicator (once per k) and applied.
 
 With ``shard_optimizer_state=True`` the optimizer step is replaced too: gradients are
 reduce-scattered and each replica updates its slice: the model's optimizer is wrapped in
-a `tfdist.strategies.sharded_optimizer.ShardedOptimizer` (which owns the slices and saves
+a `tfdist.strategies.zero.optimizer.ShardedOptimizer` (which owns the slices and saves
 them whole) at ``fit`` or a load.
 """
 
@@ -74,7 +74,7 @@ class SyncGradientsMixin(KerasFitMixin):
 
     #: Set by `_init_sync_gradients`; False for strategies that do not call it.
     shard_optimizer_state = False
-    #: `tfdist.strategies._fsdp.ParameterSharding` with ``shard_parameters=True``, else None.
+    #: `tfdist.strategies.fsdp.shards.ParameterSharding` with ``shard_parameters=True``, else None.
     parameter_sharding = None
 
     @property
@@ -97,8 +97,8 @@ class SyncGradientsMixin(KerasFitMixin):
                 cross-device ops to reduce with when ``batch_reduce_to`` itself goes
                 through ``communicator`` (`tfdist.HorovodStrategy`).
             shard_optimizer_state: Each replica keeps 1/N of the optimizer state
-                (`tfdist.strategies._zero`).
-            sharding: None, or the `tfdist.strategies._fsdp.ParameterSharding`
+                (`tfdist.strategies.zero.sharded_state`).
+            sharding: None, or the `tfdist.strategies.fsdp.shards.ParameterSharding`
                 arguments (``shard_parameters=True``).
         """
         self.shard_optimizer_state = check_bool("shard_optimizer_state", shard_optimizer_state)
@@ -113,7 +113,7 @@ class SyncGradientsMixin(KerasFitMixin):
         handoff.install_keras_hooks()
         if sharding is not None:
             from tfdist._hooks.fsdp import install_parameter_hooks
-            from tfdist.strategies._fsdp import ParameterSharding
+            from tfdist.strategies.fsdp.shards import ParameterSharding
 
             self.parameter_sharding = ParameterSharding(self, **sharding)
             install_parameter_hooks()
@@ -140,7 +140,7 @@ class SyncGradientsMixin(KerasFitMixin):
         optimizer = getattr(reduce, "args", (None,))[0]  # Keras' reduce, bound to it
         if (self.parameter_sharding is not None and optimizer is not None
                 and (optimizer.clipnorm or optimizer.global_clipnorm)):
-            from tfdist.strategies._fsdp import clip_sharded
+            from tfdist.strategies.fsdp.shards import clip_sharded
 
             clipped = clip_sharded(self, self.communicator, optimizer,
                                    [g for g, _ in out], [shard_of(v) is not None
@@ -176,7 +176,7 @@ class SyncGradientsMixin(KerasFitMixin):
     def _prepare_sharding(self, model):
         """Before fit or a load: the model's optimizer wrapped in a `ShardedOptimizer`
         (a `LossScaleOptimizer`'s inner one, as Keras nests them)."""
-        from tfdist.strategies.sharded_optimizer import (ShardedLossScaleOptimizer,
+        from tfdist.strategies.zero.optimizer import (ShardedLossScaleOptimizer,
                                                          ShardedOptimizer)
 
         optimizer = getattr(model, "optimizer", None)
@@ -225,7 +225,7 @@ class SyncGradientsMixin(KerasFitMixin):
         return self.communicator.all_gather(self, per_replica(parts, always_wrap=True))
 
     def sharded_optimizer_state(self, optimizer):
-        """The `tfdist.strategies._zero.ShardedOptimizerState` of ``optimizer`` (the
+        """The `tfdist.strategies.zero.sharded_state.ShardedOptimizerState` of ``optimizer`` (the
         model's, wrapped or not), or None before its first sharded step."""
         wrapper = sharded_wrapper(optimizer)
         return None if wrapper is None else wrapper.state

@@ -19,7 +19,7 @@ from tfdist.cluster import ClusterSpec
 from tfdist.engines.registry import engine_class
 from tfdist.engines.horovod import ops as comm
 from tfdist.engines.horovod.extended import rank_devices
-from tfdist.strategies.arguments import (DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_STARTUP_TIMEOUT,
+from tfdist.strategies.options.arguments import (DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_STARTUP_TIMEOUT,
                                          check_horovod)
 from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 

@@ -8,7 +8,7 @@ from tfdist._hooks import tf as tf_hooks
 from tfdist.devices import (are_soft_placed_on_the_cpu, cpu_device_names, default_devices,
                             validate_devices)
 from tfdist.strategies._sync import SyncGradientsMixin
-from tfdist.strategies.arguments import MIN_SHARD_ELEMENTS, check_mirrored, check_sharding
+from tfdist.strategies.options.arguments import MIN_SHARD_ELEMENTS, check_mirrored, check_sharding
 
 
 def default_cross_device_ops(devices: list[str]) -> tf.distribute.CrossDeviceOps | None:

@@ -15,10 +15,10 @@ from tfdist._hooks.tensor_parallel import install_split_hooks, split_of
 from tfdist.comm.groups import is_mesh
 from tfdist.devices import default_devices, validate_devices
 from tfdist.engines.registry import AUTO, engine_with_groups
-from tfdist.strategies import _tp_checks
+from tfdist.strategies.tensor_parallel import checks as tp_checks
 from tfdist.strategies._sync import SyncGradientsMixin
-from tfdist.strategies._tensor_parallel import TensorParallel
-from tfdist.strategies.arguments import check_model_parallel, check_multi_worker_model_parallel
+from tfdist.strategies.tensor_parallel.splits import TensorParallel
+from tfdist.strategies.options.arguments import check_model_parallel, check_multi_worker_model_parallel
 from tfdist.strategies.mirrored import default_cross_device_ops
 from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 
@@ -37,7 +37,7 @@ class TensorParallelMixin:
                 f"groups of replicas, which engine={getattr(self, 'engine', None)!r} does not "
                 f"have: use engine='tf'. Received: model_parallel={model_parallel}")
         self.tensor_parallel = TensorParallel(self, layout_map, model_parallel)
-        _tp_checks.warn_unknown_axes(self.tensor_parallel.rules)
+        tp_checks.warn_unknown_axes(self.tensor_parallel.rules)
         self._unmatched_warned = set()  # layout map keys warned about once
         install_split_hooks()
 
@@ -48,9 +48,9 @@ class TensorParallelMixin:
 
     def keras_check_call(self, model, method, arguments):
         super().keras_check_call(model, method, arguments)
-        _tp_checks.check_last_batch(method, arguments, self.num_replicas_in_sync)
+        tp_checks.check_last_batch(method, arguments, self.num_replicas_in_sync)
         self.tensor_parallel.prepare(model)
-        _tp_checks.warn_unmatched_keys(self.tensor_parallel, model, self._unmatched_warned)
+        tp_checks.warn_unmatched_keys(self.tensor_parallel, model, self._unmatched_warned)
 
     def keras_reduce_gradients(self, grads_and_vars, reduce):
         # A split variable's gradient is whole over its model group (summed over the
@@ -68,7 +68,7 @@ class TensorParallelMixin:
             # Norms of whole variables: a split gradient's squares summed over the
             # replicas (its slices, each held by d replicas), as for fully sharded
             # parameters.
-            from tfdist.strategies._fsdp import clip_sharded
+            from tfdist.strategies.fsdp.shards import clip_sharded
 
             m = self.tensor_parallel.model_parallel
             copies = [_copies(split_of(v), self.num_replicas_in_sync // m, m)
@@ -133,11 +133,11 @@ class ModelParallelStrategy(TensorParallelMixin, SyncGradientsMixin,
             (TF's collective V2 ops, `tfdist.comm.groups`). There a Dense or
             EinsumDense kernel laid out ``("batch", "model")`` or ``("model",
             "batch")`` is also sharded over the d replicas of the batch axis: each
-            stores 1/(d*m) of it (`tfdist.strategies._tp_batch`); a variable laid out
+            stores 1/(d*m) of it (`tfdist.strategies.tensor_parallel.batch_axis`); a variable laid out
             over "batch" alone (``("batch", None)``) is stored 1/d per replica.
 
     Attributes:
-        tensor_parallel: The `tfdist.strategies._tensor_parallel.TensorParallel` plan.
+        tensor_parallel: The `tfdist.strategies.tensor_parallel.splits.TensorParallel` plan.
         communicator: The accounted communicator every collective goes through.
         bytes_communicated: Bytes sent so far (activations and gradients), after
             compression.
@@ -153,7 +153,7 @@ class ModelParallelStrategy(TensorParallelMixin, SyncGradientsMixin,
         options = check_model_parallel(layout_map, devices, communication_options,
                                        compression, accumulate_steps, model_parallel)
         devices = validate_devices(devices) if devices is not None else default_devices()
-        _tp_checks.check_mesh_fits(layout_map, len(devices))
+        tp_checks.check_mesh_fits(layout_map, len(devices))
         tf_hooks.assign_collective_key_base(self)
         self._init_sync_gradients(options)
         super().__init__(devices=devices, cross_device_ops=default_cross_device_ops(devices))

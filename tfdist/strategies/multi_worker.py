@@ -39,9 +39,9 @@ from tfdist.cluster import TRAINING_TASK_TYPES, ClusterSpec, resolve_cluster
 from tfdist.comm.accounting import ByteCounter
 from tfdist.engines.base import EngineSetup, models_differ
 from tfdist.engines.registry import available, engine_class, select_engine
-from tfdist.strategies._elastic import DEFAULT_COMMIT_EVERY_STEPS
+from tfdist.strategies.elastic.fit import DEFAULT_COMMIT_EVERY_STEPS
 from tfdist.strategies._sync import SyncGradientsMixin
-from tfdist.strategies.arguments import (DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT,
+from tfdist.strategies.options.arguments import (DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT,
                                          DEFAULT_STARTUP_TIMEOUT, MIN_SHARD_ELEMENTS,
                                          check_multi_worker)
 
@@ -295,13 +295,13 @@ class MultiWorkerMirroredStrategy(SyncGradientsMixin, tf.distribute.MultiWorkerM
     @contextlib.contextmanager
     def _elastic_fit(self, model, arguments):
         """In an elastic job, ``fit`` commits, and survives a lost or joining member
-        (`tfdist.strategies._elastic`); elsewhere nothing changes."""
+        (`tfdist.strategies.elastic.fit`); elsewhere nothing changes."""
         member = self._engine.membership()
         if member is None:
             yield
             return
-        from tfdist.strategies._elastic import ElasticFit
-        from tfdist.strategies._elastic_data import ElasticDataset, check_elastic_batch
+        from tfdist.strategies.elastic.fit import ElasticFit
+        from tfdist.strategies.elastic.data import ElasticDataset, check_elastic_batch
         from tfdist.strategies._fit import global_batch_sizes
 
         check_elastic_batch(global_batch_sizes("fit", arguments)["batch_size"],

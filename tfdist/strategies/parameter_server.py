@@ -32,7 +32,7 @@ from tfdist.cluster import ClusterSpec, resolve_cluster
 from tfdist.comm.accounting import ByteCounter
 from tfdist.keras import handoff
 from tfdist.strategies._ps_watchdog import StepTimeoutError, _StepWatchdog  # noqa: F401
-from tfdist.strategies.arguments import DEFAULT_STEP_TIMEOUT, PS_MODES, check_parameter_server
+from tfdist.strategies.options.arguments import DEFAULT_STEP_TIMEOUT, PS_MODES, check_parameter_server
 
 MODES = PS_MODES
 # Dotted path of the module with fit/evaluate/predict for models of this strategy: a name,

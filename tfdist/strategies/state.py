@@ -5,7 +5,7 @@ Elastic commits, rollbacks and joiner broadcasts ask a strategy's components
 ``ModelCheckpoint``, ``BackupAndRestore``) ask them whether a save now holds the whole
 state (`StateComponent.save_refusal`); what a save writes is Keras' own save of the model
 and its optimizer, which holds every component's shared state (sharded slots through the
-`tfdist.strategies.sharded_optimizer.ShardedOptimizer` wrapper's own variables; model
+`tfdist.strategies.zero.optimizer.ShardedOptimizer` wrapper's own variables; model
 averaging averages first, so its anchors are the saved weights). A component
 says, for its feature:
 
@@ -17,7 +17,7 @@ says, for its feature:
   (`StateComponent.resize_refusal`, asked before anything runs);
 - what happens when a commit is kept or rolled back (`StateComponent.committed`,
   `StateComponent.rolled_back`: the elastic data position,
-  `tfdist.strategies._elastic_data.DataPosition`, marks its
+  `tfdist.strategies.elastic.data.DataPosition`, marks its
   batch or rewinds to it);
 - why a save cannot be taken now (`StateComponent.save_refusal`: inside an
   accumulation, whose sums are each replica's own); saves hold the shared variables;

@@ -96,12 +96,12 @@ def _optimizer_from_table(table: dict[str, Any]):
 
 def check_strategy_options(config: dict[str, Any], source: str = "<config>") -> None:
     """Checks ``strategy.options`` with the strategy class's own argument checks
-    (`tfdist.strategies.arguments`), without TensorFlow's runtime: before any process.
+    (`tfdist.strategies.options.arguments`), without TensorFlow's runtime: before any process.
 
     Raises:
         ConfigError: naming ``source``, the option and what was received.
     """
-    from tfdist.strategies import arguments
+    from tfdist.strategies.options import arguments
 
     name, cluster = config["strategy"]["name"], config["cluster"]
     try:
@@ -117,8 +117,8 @@ def check_strategy_options(config: dict[str, Any], source: str = "<config>") -> 
 
 
 def launch_modes(cluster: dict[str, Any]) -> tuple[str, ...]:
-    """The launch modes (`tfdist.strategies.pairs.MODES`) of a config's ``cluster``."""
-    from tfdist.strategies import pairs
+    """The launch modes (`tfdist.strategies.options.pairs.MODES`) of a config's ``cluster``."""
+    from tfdist.strategies.options import pairs
 
     modes = {pairs.ELASTIC: bool(cluster["min_workers"]),
              pairs.MULTI_NODE: cluster["mode"] == "nodes" or cluster["nnodes"] > 1,
@@ -240,7 +240,7 @@ def _check_elastic(config: dict[str, Any], source: str) -> None:
         raise ConfigError(f"{source}: cluster.min_workers needs cluster.mode = 'local' or "
                           "'nodes' (tfdist's launcher runs the elastic job). Received: "
                           f"cluster.mode = {cluster['mode']!r}")
-    from tfdist.strategies.pairs import ELASTIC_STRATEGIES
+    from tfdist.strategies.options.pairs import ELASTIC_STRATEGIES
 
     if strategy["name"] not in ELASTIC_STRATEGIES:  # the engine: `pairs.check_modes`
         raise ConfigError(

@@ -1,6 +1,6 @@
 """The main job's check of a ``layout_map`` against the built-in model it splits, before
 any process starts (no TensorFlow): the ``model_parallel`` / ``multi_worker_model_parallel``
-strategies' rules (`tfdist.strategies._tensor_parallel.TensorParallel`) applied to the
+strategies' rules (`tfdist.strategies.tensor_parallel.splits.TensorParallel`) applied to the
 variables ``model.name = "mlp"`` or ``"cnn"`` will have."""
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ def is_lost_peer(error) -> bool:
 class ElasticMember:
     """This task's membership in an elastic job (the Horovod engine's ``membership()``).
 
-    Besides forming Horovod, it is what elastic ``fit`` (`tfdist.strategies._elastic`)
+    Besides forming Horovod, it is what elastic ``fit`` (`tfdist.strategies.elastic.fit`)
     calls to move state between members: `broadcast`, `allgather`, `rank`.
 
     Args:

@@ -312,7 +312,7 @@ class HorovodExtended(own_extended_class()):
 
     def distribute_dataset(self, dataset, options):
         elastic = getattr(self.container_strategy, "_elastic_dataset", None)
-        if elastic is not None:  # an elastic fit's training data (tfdist.strategies._elastic)
+        if elastic is not None:  # an elastic fit's training data (tfdist.strategies.elastic.fit)
             return elastic(dataset)
         if (options and options.experimental_replication_mode
                 == tf.distribute.InputReplicationMode.PER_REPLICA):
@@ -324,7 +324,7 @@ class HorovodExtended(own_extended_class()):
 def _joins_running_job() -> bool:
     """Whether this process joined a running elastic job and does not train yet.
 
-    Its variables get the job's values in ``fit`` (`tfdist.strategies._elastic`), not
+    Its variables get the job's values in ``fit`` (`tfdist.strategies.elastic.fit`), not
     when made; and until its first train step, reads of on-read variables (Keras resets
     its metrics when an epoch starts) and fit's build from a batch stay on this process:
     the members are in the middle of an epoch.

@@ -42,7 +42,7 @@ LOST_SCOPE = "tfdist-elastic-lost"
 # Members PUT their name here once they formed Horovod (body: the version they formed).
 FORMED_SCOPE = "tfdist-elastic-formed"
 # A joiner that finds no member holding the training state fails with these words
-# (`tfdist.strategies._elastic`), followed by the backup it could resume from, if any;
+# (`tfdist.strategies.elastic.fit`), followed by the backup it could resume from, if any;
 # the launcher reads them in its output and does not start it again.
 NO_STATE_WORDS = "no member of the elastic job holds its training state"
 HAS_BACKUP_WORDS = "fit has a backup in"

@@ -1,5 +1,5 @@
 """Model averaging in an elastic job: what `tfdist.ModelAverageStrategy` tells elastic
-``fit`` (`tfdist.strategies._elastic.ElasticFit`).
+``fit`` (`tfdist.strategies.elastic.fit.ElasticFit`).
 
 Between averages the members train apart and send nothing, so a lost member is noticed
 at the next average, and a membership change is taken in only there:
@@ -17,7 +17,7 @@ at the next average, and a membership change is taken in only there:
 
 `AveragedModel` says this as a `tfdist.strategies.state.StateComponent`, built on the
 fragments' own components (`tfdist.strategies.averaging.fragment.Fragment`); elastic
-``fit`` (`tfdist.strategies._elastic`) asks it with the strategy's other components.
+``fit`` (`tfdist.strategies.elastic.fit`) asks it with the strategy's other components.
 """
 
 from __future__ import annotations

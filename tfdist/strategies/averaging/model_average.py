@@ -48,7 +48,7 @@ from tfdist.comm.averaging import PeriodicAverager
 from tfdist.engines.registry import engine_class, select_engine
 from tfdist.keras import handoff
 from tfdist.keras.optimizer import inner_optimizer
-from tfdist.strategies.arguments import check_model_average
+from tfdist.strategies.options.arguments import check_model_average
 from tfdist.strategies.averaging import elastic, exchange, outer
 from tfdist.strategies.averaging.fragment import (is_replicated_float, make_state,
                                                   wants_multi_worker)

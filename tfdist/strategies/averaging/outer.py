@@ -1,6 +1,6 @@
 """Model averaging's outer optimizer (SlowMo / DiLoCo): checked, copied, stepped, saved.
 
-`tfdist.strategies.arguments.check_template` checks the argument itself.
+`tfdist.strategies.options.arguments.check_template` checks the argument itself.
 
 At each scheduled average, ``anchor - mean(w_i)`` (the averaged change since the last
 average, negated) is applied to the anchor as the outer optimizer's gradient, with

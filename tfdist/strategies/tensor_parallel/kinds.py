@@ -1,4 +1,4 @@
-"""What a split layer is (`tfdist.strategies._tensor_parallel`): its kind (a Dense or
+"""What a split layer is (`tfdist.strategies.tensor_parallel.splits`): its kind (a Dense or
 EinsumDense kernel split on its outputs or inputs, an Embedding table on its rows or
 columns), read from an EinsumDense's equation; which activations and layers may run on
 a slice of the features; what is refused on a split variable."""

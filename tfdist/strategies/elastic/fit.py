@@ -6,7 +6,7 @@ at each epoch's start) the wrapper copies the training state into host memory: t
 variables of the strategy's state components (``strategy.state_components(model)``,
 `tfdist.strategies.state`: the model's, optimizer's and metrics' variables, gradient
 accumulation's, sharded optimizer state's, model averaging's) and the data position
-(epoch, batch: `tfdist.strategies._elastic_data.DataPosition`, a component too). A commit lands only where every component lets it (gradient
+(epoch, batch: `tfdist.strategies.elastic.data.DataPosition`, a component too). A commit lands only where every component lets it (gradient
 accumulation: at an accumulation boundary). The
 copy of a step that commits is read inside that step's own traced function
 (`tfdist._hooks.keras_steps.committing_train_function`), as one flat buffer per dtype,
@@ -22,7 +22,7 @@ membership (a joiner), every member:
 4. re-traces Keras' train function (the replica count is baked into it) and replays
    the rolled-back steps from the data buffer, so no batch is skipped or taken twice.
 
-The data is an `ElasticDataset` (`tfdist.strategies._elastic_data`): every worker reads every global batch of the user's
+The data is an `ElasticDataset` (`tfdist.strategies.elastic.data`): every worker reads every global batch of the user's
 dataset and keeps its replicas' rows, so the global batch (and the trajectory of
 synchronous SGD) does not depend on how many workers compute it, and a position is
 just (epoch, batch). The global batch must divide by every replica count the job can
@@ -36,8 +36,8 @@ import os
 import tensorflow as tf
 
 from tfdist.strategies import state
-from tfdist.strategies._elastic_data import DataPosition
-from tfdist.strategies._elastic_snapshot import Snapshot
+from tfdist.strategies.elastic.data import DataPosition
+from tfdist.strategies.elastic.snapshot import Snapshot
 
 DEFAULT_COMMIT_EVERY_STEPS = 1
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from tfdist._hooks import zero as zero_hooks
 from tfdist.comm.communicator import per_replica, replica_ids
-from tfdist.strategies import _zero_sparse as _sparse
+from tfdist.strategies.zero import sparse as _sparse
 
 # Keras optimizers whose update_step works element by element.
 SHARDABLE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Lion",
@@ -226,7 +226,7 @@ class ShardedOptimizerState:
     def _flatten(self, b, grads):
         """One replica's gradients of bucket ``b`` as one flat dense tensor of static
         length (a sparse member's part is zeros), and the sparse members' occurrences
-        (`tfdist.strategies._zero_sparse.occurrences`, concatenated) or None."""
+        (`tfdist.strategies.zero.sparse.occurrences`, concatenated) or None."""
         import tensorflow as tf
 
         pieces, indices, values = [], [], []

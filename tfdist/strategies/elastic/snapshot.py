@@ -1,4 +1,4 @@
-"""What an elastic ``fit``'s commit reads and restores (`tfdist.strategies._elastic`):
+"""What an elastic ``fit``'s commit reads and restores (`tfdist.strategies.elastic.fit`):
 the state and metric variables as one flat buffer per dtype."""
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
-"""The decided pairs of `tfdist.strategies.pairs`, per registry entry: data.
+"""The decided pairs of `tfdist.strategies.options.pairs`, per registry entry: data.
 
 `PAIRS` (per strategy: ``{pair: Composes | Refused}``), `ALONE` (options refused with
 every other option and mode), `SETTINGS` and `ALIASES` (the rules of many pairs at once,
-said in `tfdist.strategies.pairs`' docstring).
+said in `tfdist.strategies.options.pairs`' docstring).
 """
 
 from __future__ import annotations
 
-from tfdist.strategies.pair_types import (ELASTIC, MAX_RESTARTS, MULTI_NODE, RAY, SPARK,
+from tfdist.strategies.options.pair_types import (ELASTIC, MAX_RESTARTS, MULTI_NODE, RAY, SPARK,
                                           Composes, Refused)
 
 T = "tests/"

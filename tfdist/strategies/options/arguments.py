@@ -22,7 +22,8 @@ from tfdist.checks import (check_bool, check_device_list, check_int, check_numbe
 from tfdist.comm.options import CommunicationOptions, merge_options
 from tfdist.comm.quantize import check_outer_compression
 from tfdist.engines.registry import AUTO, check_engine, engine_class, engine_with_groups
-from tfdist.strategies import pairs, registry
+from tfdist.strategies import registry
+from tfdist.strategies.options import pairs
 
 DEFAULT_STARTUP_TIMEOUT = 60.0
 # Seconds a collective may wait for its peers before failing; None: no limit. None by
@@ -52,7 +53,7 @@ def check_options(name: str, options: dict[str, Any]) -> None:
 
 def check_pairs(name: str, function, values: dict[str, Any], modes=None) -> None:
     """Refuses an option the launch modes of this task's environment (or ``modes``)
-    refuse (`tfdist.strategies.pairs`); ``values`` are ``function``'s arguments, of
+    refuse (`tfdist.strategies.options.pairs`); ``values`` are ``function``'s arguments, of
     which those at their defaults are not checked."""
     import inspect
 
@@ -86,7 +87,7 @@ def check_sharding(shard_parameters=False, min_shard_elements=MIN_SHARD_ELEMENTS
                    shard_filter=None, reshard_after_forward=True,
                    shard_optimizer_state=False) -> dict | None:
     """The ``shard_parameters`` arguments, checked: None when it is off, else the
-    `tfdist.strategies._fsdp.ParameterSharding` keyword arguments."""
+    `tfdist.strategies.fsdp.shards.ParameterSharding` keyword arguments."""
     check_bool("shard_parameters", shard_parameters)
     check_int("min_shard_elements", min_shard_elements, 1)
     check_bool("reshard_after_forward", reshard_after_forward)

@@ -1,14 +1,14 @@
-"""How a split layer runs in a replica function (`tfdist.strategies._tensor_parallel`):
+"""How a split layer runs in a replica function (`tfdist.strategies.tensor_parallel.splits`):
 Dense column- and row-parallel, Embedding vocabulary- and feature-parallel (and a
 ReversibleEmbedding's tied head on its vocabulary rows), on the collectives of
-`tfdist.strategies._tp_ops`; which kind each is: `tfdist.strategies._tp_kinds`."""
+`tfdist.strategies.tensor_parallel.ops`; which kind each is: `tfdist.strategies.tensor_parallel.kinds`."""
 
 from __future__ import annotations
 
 import weakref
 
-from tfdist.strategies import _tp_ops as ops
-from tfdist.strategies._tp_kinds import (  # noqa: F401 (how `_tensor_parallel` calls them)
+from tfdist.strategies.tensor_parallel import ops
+from tfdist.strategies.tensor_parallel.kinds import (  # noqa: F401 (how `_tensor_parallel` calls them)
     COLUMN, FEATURES, ROW, VOCAB, check_no_penalty, einsum_axes, is_elementwise,
     is_elementwise_activation, is_supported, kernel_kind, layer_kind, may_stay_split,
     split_axis, split_output_axis, takes_split)

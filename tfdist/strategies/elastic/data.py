@@ -1,6 +1,6 @@
 """The data of an elastic ``fit``: every worker reads every global batch and keeps its
 replicas' rows, so a data position is (epoch, batch) whatever the membership
-(`tfdist.strategies._elastic`). The position is a state component (`DataPosition`)."""
+(`tfdist.strategies.elastic.fit`). The position is a state component (`DataPosition`)."""
 
 from __future__ import annotations
 

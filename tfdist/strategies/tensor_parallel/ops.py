@@ -1,7 +1,7 @@
 """The collectives of tensor parallelism, in a replica function, each with its gradient.
 
 On a data x model mesh (`tfdist.comm.groups`) ``communicator`` is the model axis'
-(`tfdist.strategies._tensor_parallel.ModelAxis`): each collective runs within the m
+(`tfdist.strategies.tensor_parallel.splits.ModelAxis`): each collective runs within the m
 replicas of one data index, and "the replicas" below are those m.
 
 The batch reaches the replicas split (tf.distribute gives replica r rows

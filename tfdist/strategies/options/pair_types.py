@@ -1,4 +1,4 @@
-"""The vocabulary of `tfdist.strategies.pairs`: launch modes and the two decisions
+"""The vocabulary of `tfdist.strategies.options.pairs`: launch modes and the two decisions
 (`Composes`, `Refused`). Data only; imports nothing from TensorFlow."""
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ import math
 import numpy as np
 
 from tfdist.comm.communicator import gather_numpy, initial_value, per_replica, replica_ids
-from tfdist.strategies import _zero_sparse as _sparse
-from tfdist.strategies.arguments import MIN_SHARD_ELEMENTS
+from tfdist.strategies.zero import sparse as _sparse
+from tfdist.strategies.options.arguments import MIN_SHARD_ELEMENTS
 
 
 @dataclasses.dataclass(eq=False)
@@ -184,7 +184,7 @@ class ParameterSharding:
         """Replica context: every replica's slice of ``shard``'s variable, concatenated
         and shaped; the gradient is reduce-scattered (summed over replicas, each keeps
         its slice). A sparse gradient (an embedding lookup) keeps Keras' semantics, as
-        in `tfdist.strategies._zero`: each replica receives every occurrence falling in
+        in `tfdist.strategies.zero.sharded_state`: each replica receives every occurrence falling in
         its slice, as a 1-D ``tf.IndexedSlices``."""
         import tensorflow as tf
 

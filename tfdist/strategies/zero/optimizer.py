@@ -4,7 +4,7 @@ In the style of ``keras.optimizers.LossScaleOptimizer``: it wraps the user's opt
 (``inner_optimizer``), whose settings (learning rate, weight decay, clipping) it reads
 and whose ``__dict__`` it leaves alone. Its own variables are the outer counters and,
 once built under a strategy, each local replica's slot slices
-(`tfdist.strategies._zero.ShardedOptimizerState`). Saves go through
+(`tfdist.strategies.zero.sharded_state.ShardedOptimizerState`). Saves go through
 `ShardedOptimizer.save_own_variables` / `load_own_variables`: the file holds the
 unsharded layout (gathered on save, re-cut for this replica count on load).
 ``shard_optimizer_state=True`` wraps the model's optimizer in one at ``fit``.
@@ -18,8 +18,8 @@ import tensorflow as tf
 
 from tfdist._hooks import zero as zero_hooks
 from tfdist._hooks.saves import hidden_from_keras_saves
-from tfdist.strategies import _zero as sharded
-from tfdist.strategies import _zero_layout as layout
+from tfdist.strategies.zero import sharded_state as sharded
+from tfdist.strategies.zero import saved_layout as layout
 
 
 class _Shards:
@@ -35,8 +35,8 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
     """Wraps ``inner_optimizer``; each replica keeps and updates 1/N of its slots.
 
     Args:
-        inner_optimizer: An element-wise Keras optimizer (`tfdist.strategies._zero.SHARDABLE`).
-        bucket_bytes: Gradient bytes per bucket (None: `tfdist.strategies._zero.BUCKET_BYTES`).
+        inner_optimizer: An element-wise Keras optimizer (`tfdist.strategies.zero.sharded_state.SHARDABLE`).
+        bucket_bytes: Gradient bytes per bucket (None: `tfdist.strategies.zero.sharded_state.BUCKET_BYTES`).
         name: The wrapper's name.
     """
 
@@ -136,7 +136,7 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
 
     @property
     def state(self):
-        """The `tfdist.strategies._zero.ShardedOptimizerState`, or None before it is made."""
+        """The `tfdist.strategies.zero.sharded_state.ShardedOptimizerState`, or None before it is made."""
         return self._shards.state
 
     def make_state(self, strategy, variables=None):
@@ -160,7 +160,7 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
 
     def sharded_update(self, distribution, communicator, grads, variables, scale=None):
         """Cross-replica: one sharded step of ``grads`` (see
-        `tfdist.strategies._zero.ShardedOptimizerState.apply`)."""
+        `tfdist.strategies.zero.sharded_state.ShardedOptimizerState.apply`)."""
         self.make_state(distribution, variables).apply(
             distribution, communicator, self.inner_optimizer, grads, variables, scale=scale)
 

@@ -1,6 +1,6 @@
 """A split variable also sharded over the "batch" axis: a kernel laid out
 ``("batch", "model")`` or ``("model", "batch")`` on a ``(d, m)`` data x model mesh,
-d > 1 (`tfdist.strategies._tensor_parallel`), as Keras' ``ModelParallel`` lays it out on
+d > 1 (`tfdist.strategies.tensor_parallel.splits`), as Keras' ``ModelParallel`` lays it out on
 JAX: tensor parallelism over "model", fully sharded parameters (issue #33) over "batch".
 
 Replica r (data index ``r // m``, model index ``r % m``) stores block ``r // m`` (of d,
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tfdist.strategies._tp_ops import merge, move_from_front, move_to_front
+from tfdist.strategies.tensor_parallel.ops import merge, move_from_front, move_to_front
 
 
 def check_alone(path, shape, axes, d) -> None:

@@ -4,7 +4,7 @@ For each entry of `tfdist.strategies.registry`, every pair of its options and ev
 (option, launch mode) pair is decided here: `Composes`, naming the tests that show the
 pair working (pytest node ids), or `Refused`, with the reason. A refusal happens before
 anything runs: an (option, option) refusal in the strategy's argument check
-(`tfdist.strategies.arguments`); an (option, launch mode) refusal in `check_modes`,
+(`tfdist.strategies.options.arguments`); an (option, launch mode) refusal in `check_modes`,
 which ``tfdist train`` calls with the config's modes before any process starts, and
 which the strategy's argument check calls at construction with the modes its
 environment shows (`environment_modes`: ``tfdist launch script.py`` cannot see the
@@ -40,8 +40,8 @@ import os
 from typing import Any, Mapping
 
 from tfdist import env
-from tfdist.strategies.pair_tables import ALIAS_TEST, ALIASES, ALONE, PAIRS, SETTINGS
-from tfdist.strategies.pair_types import (ELASTIC, ELASTIC_STRATEGIES, MAX_RESTARTS,  # noqa: F401
+from tfdist.strategies.options.pair_tables import ALIAS_TEST, ALIASES, ALONE, PAIRS, SETTINGS
+from tfdist.strategies.options.pair_types import (ELASTIC, ELASTIC_STRATEGIES, MAX_RESTARTS,  # noqa: F401
                                           MODE_WORDS, MODES, MULTI_NODE, RAY, SPARK,
                                           Composes, Refused)
 

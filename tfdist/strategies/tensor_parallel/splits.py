@@ -11,7 +11,7 @@ layer hands it its activation still split (no gather); otherwise its output is g
 whole. An Embedding table laid out ``("model", None)`` is vocabulary-parallel (each
 replica looks up the ids in its rows, the others masked to zero, and the lookups are
 summed over the replicas); ``(None, "model")`` splits its features (gathered after the
-lookup). How each runs: `tfdist.strategies._tp_layers`. Any other layer with a split
+lookup). How each runs: `tfdist.strategies.tensor_parallel.layers`. Any other layer with a split
 variable is refused in one error naming it and its layout.
 
 A split variable's gradient is whole on its replica (the layer saw every row), so the
@@ -19,7 +19,7 @@ strategy does not all-reduce it (on a data x model mesh it sums it over the batc
 On a mesh with d > 1 a Dense or EinsumDense kernel laid out with "batch" on its other
 axis (``("batch", "model")``, ``("model", "batch")``) is also fully sharded over the
 batch axis, and a variable laid out over "batch" alone (``("batch", None)``) is stored
-as its block of d: `tfdist.strategies._tp_batch`.
+as its block of d: `tfdist.strategies.tensor_parallel.batch_axis`.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import numpy as np
 
 from tfdist.comm.communicator import gather_numpy, initial_value, per_replica, replica_ids
 from tfdist.comm.groups import ReplicaGroups, is_mesh
-from tfdist.strategies import _tp_batch as _batch
-from tfdist.strategies import _tp_layers as layers
-from tfdist.strategies._tp_layers import COLUMN, FEATURES, ROW, VOCAB
+from tfdist.strategies.tensor_parallel import batch_axis as _batch
+from tfdist.strategies.tensor_parallel import layers
+from tfdist.strategies.tensor_parallel.layers import COLUMN, FEATURES, ROW, VOCAB
 
 MODEL = "model"
 BATCH_ONLY = "batch"  # `TensorParallel.split_axis` of a variable laid out over "batch" alone
@@ -41,7 +41,7 @@ BATCH_ONLY = "batch"  # `TensorParallel.split_axis` of a variable laid out over 
 
 class ModelAxis:
     """A communicator's collectives within the "model" groups of a data x model mesh, in
-    the shape `tfdist.strategies._tp_ops` calls them (each result per replica)."""
+    the shape `tfdist.strategies.tensor_parallel.ops` calls them (each result per replica)."""
 
     def __init__(self, communicator, groups):
         self.inner, self.groups = communicator, groups
@@ -63,7 +63,7 @@ class Split:
     """How one variable is cut: ``full_shape`` in ``replicas`` equal slices on ``axis``
     (``local_shape``: one slice, as its layer's call sees it); with ``batch_axis``, each
     slice stored in ``batches`` (d) blocks on that axis over the "batch" axis
-    (`tfdist.strategies._tp_batch`). ``axis`` None: not split over "model" (the slice
+    (`tfdist.strategies.tensor_parallel.batch_axis`). ``axis`` None: not split over "model" (the slice
     is the whole variable, laid out over "batch" alone)."""
 
     plan: "TensorParallel"

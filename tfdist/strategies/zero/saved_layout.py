@@ -1,6 +1,6 @@
 """Sharded optimizer state in the unsharded optimizer's layout (for saves).
 
-`tfdist.strategies.sharded_optimizer.ShardedOptimizer.save_own_variables` gathers the slot slices into a
+`tfdist.strategies.zero.optimizer.ShardedOptimizer.save_own_variables` gathers the slot slices into a
 *template*: an optimizer of the same class built on the model's variables, outside the
 strategy, on this host's CPU. The file then holds what an unsharded run writes
 (counters and every slot, whole): it loads in a plain process, and a backup made on N

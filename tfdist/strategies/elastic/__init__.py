@@ -1,0 +1,1 @@
+"""Elastic ``fit``: commit, roll back and re-form on a membership change."""

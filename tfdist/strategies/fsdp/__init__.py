@@ -1,0 +1,1 @@
+"""Fully sharded parameters (ZeRO-3 / FSDP)."""

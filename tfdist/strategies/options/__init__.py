@@ -1,0 +1,1 @@
+"""Every strategy's options: argument checks and which pairs compose (no TensorFlow)."""

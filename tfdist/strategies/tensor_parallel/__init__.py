@@ -1,0 +1,1 @@
+"""Tensor parallelism: split variables, how split layers run, their checks."""

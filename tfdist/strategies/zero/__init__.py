@@ -1,0 +1,1 @@
+"""Sharded optimizer state (ZeRO-1/2): its buckets, sparse gradients and saved layout."""
