@@ -112,7 +112,7 @@ def test_sharded_attention_block_on_a_2_x_1_mesh_matches_one_device(logical_cpus
     for v in model.weights:
         if v.path in sharded:
             assert sharded[v.path] == [int(np.prod(split_of(v).full_shape))] * 2, v.path
-    # Several workers gather the blocks (`_tp_batch.full_numpy`) and the split biases:
+    # Several workers gather the blocks (`tensor_parallel.batch_axis.full_numpy`) and the split biases:
     # the same whole values.
     wholes = gathered_as_by_workers(strategy, model)
     assert set(sharded) < set(wholes)

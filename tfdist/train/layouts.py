@@ -83,7 +83,7 @@ def _layout_of(rules, path: str):
 
 
 def _check(path: str, shape: tuple, axes: tuple, m: int | None, d: int | None) -> None:
-    """`TensorParallel._checked` and `_tp_batch.check_alone`, on a shape (every built-in
+    """`TensorParallel._checked` and `batch_axis.check_alone`, on a shape (every built-in
     variable is trainable); ``m``/``d``: the replicas of the "model"/"batch" axes, None
     when unknown (``cluster.mode = "env"``)."""
     if MODEL not in axes:

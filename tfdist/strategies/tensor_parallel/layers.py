@@ -8,13 +8,13 @@ from __future__ import annotations
 import weakref
 
 from tfdist.strategies.tensor_parallel import ops
-from tfdist.strategies.tensor_parallel.kinds import (  # noqa: F401 (how `_tensor_parallel` calls them)
+from tfdist.strategies.tensor_parallel.kinds import (  # noqa: F401 (how `splits` calls them)
     COLUMN, FEATURES, ROW, VOCAB, check_no_penalty, einsum_axes, is_elementwise,
     is_elementwise_activation, is_supported, kernel_kind, layer_kind, may_stay_split,
     split_axis, split_output_axis, takes_split)
 
 # tfdist's own marks on the user's layers, kept here rather than as attributes on them:
-# a split layer's call (what `_tensor_parallel` installed), and the attention
+# a split layer's call (what `splits` installed), and the attention
 # projections whose rows their attention layer gathers already.
 SPLIT_CALLS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 ROWS_GATHERED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
