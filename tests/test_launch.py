@@ -178,7 +178,11 @@ def test_isolated_network_keeps_task_ports_unreachable_from_outside(tmp_path):
         server = socket.socket()
         server.bind(("0.0.0.0", int(me.rsplit(":", 1)[1])))
         server.listen()
-        open(os.path.join(out, os.environ["TFDIST_TASK"] + ".ready"), "w").write(me)
+        def mark(suffix, text=""):  # atomic: the test never reads a half-written file
+            path = os.path.join(out, os.environ["TFDIST_TASK"] + suffix)
+            open(path + ".tmp", "w").write(text)
+            os.replace(path + ".tmp", path)
+        mark(".ready", me)
         for peer in config["cluster"]["worker"]:  # the peer may not listen yet: retry
             host, port = peer.rsplit(":", 1)
             deadline = time.time() + 60
@@ -190,8 +194,15 @@ def test_isolated_network_keeps_task_ports_unreachable_from_outside(tmp_path):
                     if time.time() > deadline:
                         sys.exit(f"could not reach {peer} inside the namespace: {error!r}")
                     time.sleep(0.1)
+        mark(".reached")
+        # Stays up until the test has looked from outside and every peer has reached
+        # this task: a task that left early would refuse a slower peer.
+        def done():
+            reached = [n for n in os.listdir(out) if n.endswith(".reached")]
+            return os.path.exists(os.path.join(out, "checked")) and \
+                len(reached) == len(config["cluster"]["worker"])
         deadline = time.time() + 60
-        while not os.path.exists(os.path.join(out, "checked")) and time.time() < deadline:
+        while not done() and time.time() < deadline:
             time.sleep(0.1)
     """)
     outcome = {}
