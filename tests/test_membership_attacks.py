@@ -226,6 +226,36 @@ def test_an_older_formation_finds_nothing_and_changes_nothing(service):
     assert service._server.refused == 0
 
 
+def test_a_put_checked_before_a_new_formation_opened_is_not_stored(service):
+    """The path of a PUT is checked before its body is read; if a membership is
+    published meanwhile, its value must not land in the new formation's emptied store
+    (a joiner would read a peer address of the wrong formation's size)."""
+    from tfdist.engines.horovod.membership import gloo_element
+
+    old = gloo_element(TOKEN, service.service, service.version)
+    arrived, release = threading.Event(), threading.Event()
+    store = service._server.store_gloo
+
+    def slow_store(*args):  # the body "arrives" only after the new membership is out
+        arrived.set()
+        release.wait(10)
+        return store(*args)
+
+    service._server.store_gloo = slow_store
+    putting = threading.Thread(target=_request, args=(
+        service, f"{_member_path(service)}/global/0", "PUT", b"old-size-address"))
+    putting.start()
+    assert arrived.wait(10)
+    service.publish([("worker-0", "127.0.0.1"), ("worker-1", "127.0.0.1"),
+                     ("worker-2", "127.0.0.1")])
+    release.set()
+    putting.join(10)
+    assert _request(service, f"{_member_path(service)}/global/0", "GET")[0] == 404
+    assert store(old, "global", "0", b"x", None) is False
+    with service._server.cache_lock:
+        assert not service._server.cache.get("global")
+
+
 def test_slow_sockets_are_capped_cut_at_their_deadline_and_never_hold_the_close():
     require_horovod()
     from tfdist.engines.horovod.kv_server import KVServer

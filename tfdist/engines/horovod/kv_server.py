@@ -78,6 +78,7 @@ class KVServer(RendezvousHTTPServer):
         self.served = 0  # requests of Gloo's store under the current formation
         self._open: dict[socket.socket, float] = {}  # connection -> deadline, oldest first
         self._lock = threading.Lock()
+        self._check_lock = threading.Lock()  # one signed scope's check at a time
         self._said: set[str] = set()
 
     # ---- connections -----------------------------------------------------------------
@@ -125,13 +126,34 @@ class KVServer(RendezvousHTTPServer):
               flush=True)
 
     # ---- the store -------------------------------------------------------------------
-    def open_formation(self, element: str) -> None:
+    def open_formation(self, element: str, plan=None) -> None:
         """Serves Gloo's scopes under ``element`` from now on (a new membership's path);
-        the last one's requests are then answered as an empty store's, and ignored."""
+        the last one's requests are then answered as an empty store's, and ignored.
+
+        Args:
+            element: The new formation's path element (`membership.gloo_element`).
+            plan: Horovod's host plan of the new formation: the store is emptied and
+                its scopes sized for it (``RendezvousHTTPServer.init``) in the same step,
+                so that no PUT of the last formation lands in the new one's store.
+        """
         with self._lock:
+            if plan is not None:
+                self.init(plan)
             if self.formation is not None:
                 self.formed.add(self.formation)
             self.formation = element
+
+    def store_gloo(self, element: str | None, scope: str, key: str, value: bytes,
+                   handler) -> bool:
+        """Stores a Gloo PUT made under ``element`` if that is still the current
+        formation (checked again here: the PUT's path was checked before its body was
+        read, and a new formation may have opened since). Returns whether it was."""
+        with self._lock:
+            if element is None or self.formation is None or \
+                    not hmac.compare_digest(element.encode(), self.formation.encode()):
+                return False
+            horovod_kv.store_value(handler, scope, key, value)
+            return True
 
     def gloo_path(self, part: str | None) -> str | None:
         """Whether a request for Gloo's scopes under path part ``part`` (None: a plain
@@ -155,8 +177,8 @@ class KVServer(RendezvousHTTPServer):
             if message.get("service") != self.service:
                 return ("it names another service (a replay from another job or attempt?). "
                         f"Received: service={quote(message.get('service'), 40)}")
-            with self._lock:
-                return self.signed[scope](key, message)
+            with self._check_lock:  # not _lock: a check may take its owner's lock,
+                return self.signed[scope](key, message)  # which holds _lock to publish
         with self.cache_lock:
             values = [v for d in self.cache.values() for v in d.values()]
         if len(values) >= MAX_KEYS or sum(map(len, values)) + len(body) > MAX_STORED:
@@ -195,6 +217,7 @@ class _Handler(RendezvousHandler):
         parts, element = self.path.split("/"), None
         if len(parts) == 4 and parts[0] == "" and _ELEMENT.fullmatch(parts[1]):
             element = parts.pop(1)
+        self.element = None if element is None else horovod_gloo.path_element(element)
         if len(parts) == 3 and parts[0] == "" and all(_NAME.fullmatch(p) for p in parts[1:]):
             scope, key = parts[1:]
             if scope.startswith("tfdist-"):
@@ -269,7 +292,10 @@ class _Handler(RendezvousHandler):
             self._refuse(403, f"{scope[:40]} {problem[:20]}",
                          f"refused a PUT to /{quote(scope, 40)}/{quote(key, 40)}: {problem}")
             return
-        horovod_kv.store_value(self, scope, key, body)
+        if whose == "tfdist":
+            horovod_kv.store_value(self, scope, key, body)
+        else:  # dropped, as an older formation's, if a new one opened meanwhile
+            self.server.store_gloo(self.element, scope, key, body, self)
         self.send_status_code(200)
 
     def do_DELETE(self):

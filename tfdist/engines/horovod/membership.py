@@ -157,9 +157,8 @@ class MembershipServer:
                          local_size=s["local_size"], cross_size=s["cross_size"])
                 for s in slots.values()]
         with self._lock:
-            self._server.init(plan)  # clears the last formation's Gloo keys
-            self._server.open_formation(
-                gloo_element(self._server.token, self.service, self.version + 1))
+            self._server.open_formation(  # and clears the last formation's Gloo keys
+                gloo_element(self._server.token, self.service, self.version + 1), plan)
             self.version += 1
             self.members = list(members)
             self._state = json.dumps({**self._bounds, "version": self.version,
