@@ -29,6 +29,14 @@ def is_unit_tier(config) -> bool:
     return (config.getoption("markexpr", "") or "").strip() == "unit"
 
 
+def is_xdist_controller(config) -> bool:
+    """True in the process that hands out tests to `pytest -n N` workers (it runs none).
+
+    Read from the options: xdist registers its scheduler in its own, later,
+    ``pytest_configure`` (``trylast``), so ``hasplugin("dsession")`` is False here."""
+    return bool(config.getoption("numprocesses", None)) and not hasattr(config, "workerinput")
+
+
 def pytest_configure(config):
     """Every process that runs tests splits its CPU in two before any test: which files
     one `pytest -n 2` worker gets, and in what order, is not fixed, and TF's devices can
@@ -37,7 +45,7 @@ def pytest_configure(config):
     if is_unit_tier(config):
         sys.meta_path.insert(0, _NoTensorFlow())
         return
-    if config.pluginmanager.hasplugin("dsession") and not hasattr(config, "workerinput"):
+    if is_xdist_controller(config):
         # The controller hands out the files in LONGEST_FIRST's order: xdist would
         # otherwise re-sort them by their number of tests (its --loadscope-reorder
         # default), so that a long file of few tests (test_bench.py) started last.
@@ -76,7 +84,6 @@ LONGEST_FIRST = (
     "test_tensor_parallel_mesh.py", "test_train_resume.py", "test_fsdp.py",  # 110 120 60
     "test_notebooks.py", "test_faults.py", "test_ray.py",  # 260 150 130
     "test_tensor_parallel_engines.py", "test_tensor_parallel_fsdp.py",  # new: 80?
-    "test_tensor_parallel_mesh_shapes.py",  # new: 60?
     "test_parameter_server.py", "test_model_average_local.py", "test_ps_save.py",  # 75 70 63
     "test_stock_patterns.py", "test_model_average_delay.py", "test_fsdp_memory.py",  # 55 50 47
     "test_slurm.py", "test_model_average_fragments.py", "test_ps_frozen.py",  # 47 47 45

@@ -283,3 +283,26 @@ def test_four_workers_2_x_2_wide_pair_adam_and_adamw_match_one_device(launched, 
         for name in ("adam", "adamw"):
             assert_weights_close(result["wide"][name], one_process["wide"][name], atol=1e-9)
             assert_weights_close(result["wide"][name], launched[0]["wide"][name], atol=0)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_consumers_of_gathered_columns_on_a_2_x_2_mesh_match_one_device(one_process,
+                                                                        optimizer):
+    """A column layer's gathered output keeps its static shape on a d x m mesh with
+    d > 1, so every consumer that needs all its features traces; 36 rows in batches of
+    8: the last batch (4 rows) is partial as well (each step's group collectives take
+    fresh instance keys)."""
+    run = one_process["shapes"][optimizer]
+    assert_weights_close(run["mesh"]["weights"], run["reference"]["weights"], atol=1e-5)
+    np.testing.assert_allclose(run["mesh"]["predict"], run["reference"]["predict"],
+                               atol=1e-5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_keras_model_parallel_on_a_2_x_2_mesh_trains_a_partial_last_batch(one_process):
+    run = one_process["shapes"]["keras"]
+    assert (run["strategy"], run["model_parallel"]) == ("ModelParallelStrategy", 2)
+    assert_weights_close(run["weights"], run["reference"], atol=1e-5)

@@ -1,47 +1,17 @@
-"""A column layer's gathered output keeps its static shape on a d x m mesh with d > 1,
-so every consumer that needs all its features traces (LayerNormalization, Dropout,
-Lambda, Softmax, Activation("softmax"), a second column layer, a shared layer, a second
-consumer); a partial last batch trains on the mesh (each step's group collectives take
-fresh instance keys) or, when it cannot split evenly over the replicas, is refused
-before the first step; a one-host strategy refuses a mesh larger than its replicas; and
-layouts that do nothing are warned about.
-
-The 2 x 2 runs need 4 logical CPUs, which a pytest process (2) cannot have: they run in
-one script (`tp_mesh_shapes_jobs.main`); the rest run here on 2."""
+"""On a mesh of this process's 2 logical CPUs: a last batch that cannot split evenly
+over the replicas is refused before the first step; a one-host strategy refuses a mesh
+larger than its replicas; and layouts that do nothing are warned about. (The 2 x 2 runs
+of gathered columns' consumers and of partial last batches need 4 logical CPUs: they
+are in tests/test_tensor_parallel_mesh.py, whose one 4-CPU script runs them.)"""
 
 import warnings
 
 import numpy as np
 import pytest
 
-from helpers import assert_weights_close, layout_map, run_job_script
+from helpers import assert_weights_close, layout_map
 
 from tp_jobs import BATCH, PAIR, data, pair
-
-
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    return run_job_script(tmp_path_factory.mktemp("mesh_shapes"), "tp_mesh_shapes_jobs.py")
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(700)
-@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
-def test_consumers_of_gathered_columns_on_a_2_x_2_mesh_match_one_device(one_process,
-                                                                        optimizer):
-    """36 rows in batches of 8: the last batch (4 rows) is partial as well."""
-    run = one_process[optimizer]
-    assert_weights_close(run["mesh"]["weights"], run["reference"]["weights"], atol=1e-5)
-    np.testing.assert_allclose(run["mesh"]["predict"], run["reference"]["predict"],
-                               atol=1e-5)
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(700)
-def test_keras_model_parallel_on_a_2_x_2_mesh_trains_a_partial_last_batch(one_process):
-    run = one_process["keras"]
-    assert (run["strategy"], run["model_parallel"]) == ("ModelParallelStrategy", 2)
-    assert_weights_close(run["weights"], run["reference"], atol=1e-5)
 
 
 def _compiled(strategy):

@@ -3,7 +3,8 @@ one process of 4 logical CPUs (`main`, run as a script) and 4 workers under tfdi
 launch (`launched_task`). Each trains the same models as the references of
 `tp_jobs.train`: a column/row Dense pair, an attention block split by heads with a
 feed-forward pair, a vocab-parallel embedding with a split (untied) head, and the
-hybrid CNN."""
+hybrid CNN. `shapes` (in `main` too): a column layer's gathered output feeding every
+kind of layer that needs all its features, and partial last batches."""
 
 import contextlib
 import os
@@ -13,8 +14,9 @@ import sys
 import numpy as np
 
 from tp_fsdp_jobs import LAUNCHED
-from tp_jobs import (BATCH, HEAD, HEADS, PAIR, attention_block, attention_data, hybrid_cnn,
-                     image_data, keras_facts, keras_pair, pair, train, train_wide)
+from tp_jobs import (BATCH, FEATURES, HEAD, HEADS, OUTPUTS, PAIR, attention_block,
+                     attention_data, data, hybrid_cnn, image_data, keras_facts,
+                     keras_mesh_run, keras_pair, pair, train, train_wide)
 
 VOCAB_SIZE, TOKENS, WIDTH = 16, 3, 8
 EMBEDDED = {"table/embeddings": ("model", None), "head/kernel": (None, "model")}
@@ -148,11 +150,60 @@ def continue_from(path, strategy):
     return {"loaded": loaded, "after": [np.asarray(w) for w in model.get_weights()]}
 
 
+SHAPES_ROWS = 36  # 4 full batches of 8 and a last one of 4: one row per replica
+CONSUMERS = {f"{name}/kernel": (None, "model") for name in ("up", "mid", "twin")}
+CONSUMERS["down/kernel"] = ("model", None)
+
+
+def consumers():
+    """Column ``up`` -> LayerNormalization -> Dropout -> Lambda -> Softmax -> column
+    ``mid`` -> Activation("softmax") -> column ``twin`` twice (a shared layer) -> row
+    ``down``; ``up``'s output also feeds a replicated Dense ``side`` (a second consumer).
+    The dropout rate is tiny so that it keeps every feature: the run equals one device."""
+    import keras
+
+    inputs = keras.Input((FEATURES,))
+    up = keras.layers.Dense(16, name="up")(inputs)
+    h = keras.layers.LayerNormalization(name="norm")(up)
+    h = keras.layers.Dropout(1e-7, name="drop")(h)
+    h = keras.layers.Lambda(lambda t: 2.0 * t, name="double")(h)
+    h = keras.layers.Softmax(name="soft")(h)
+    h = keras.layers.Dense(16, name="mid")(h)
+    h = keras.layers.Activation("softmax", name="act")(h)
+    twin = keras.layers.Dense(16, name="twin")
+    h = twin(twin(h))
+    out = keras.layers.Dense(OUTPUTS, name="down")(h)
+    return keras.Model(inputs, out + keras.layers.Dense(OUTPUTS, name="side")(up))
+
+
+def shapes() -> dict:
+    """`consumers` trained with Adam and SGD on 36 rows in batches of 8 (the last batch
+    4 rows, one per replica), and the column/row pair under keras.distribution's
+    ModelParallel on DeviceMesh((2, 2)) on the same rows; each with its one-device
+    reference."""
+    import tfdist
+
+    def run(strategy, optimizer):
+        weights, model = train(strategy, consumers, optimizer=optimizer, x=x, y=y)
+        return {"weights": weights, "predict": model.predict(x, batch_size=BATCH, verbose=0)}
+
+    x, y = data(SHAPES_ROWS)
+    results = {optimizer: {
+        "mesh": run(tfdist.ModelParallelStrategy(layout_map=CONSUMERS, model_parallel=2),
+                    optimizer),
+        "reference": run(None, optimizer)} for optimizer in ("adam", "sgd")}
+    keras_run = keras_mesh_run(PAIR, pair, lambda model: None, x=x, y=y)
+    results["keras"] = {"weights": keras_run["weights"], "strategy": keras_run["strategy"],
+                        "model_parallel": keras_run["model_parallel"],
+                        "reference": train(None, pair, x=x, y=y)[0]}
+    return results
+
+
 def main(out_path, saved=None):
     """In one process of 4 logical CPUs: every model on the 2 x 2 mesh and on one device;
     the pair with fp16 compression; Keras' ModelParallel on DeviceMesh((2, 2)); the pair
     clipped by norm; an EinsumDense split by heads on its kernel's first axis
-    (`tp_layer_jobs.run_einsum_heads`); and
+    (`tp_layer_jobs.run_einsum_heads`); `shapes`; and
     (``saved``) a 2 x 2 save loaded on a 1 x 4 mesh and continued (``"-"``: its path is
     read from stdin, after the rest)."""
     import tfdist
@@ -171,6 +222,7 @@ def main(out_path, saved=None):
 
     results["einsum_heads"] = run_einsum_heads(lambda: tfdist.ModelParallelStrategy(
         layout_map=EINSUM_HEADS, model_parallel=2), keras_shape=(2, 2))
+    results["shapes"] = shapes()
     if saved == "-":
         saved = sys.stdin.readline().strip()
     if saved:
