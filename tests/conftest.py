@@ -45,10 +45,12 @@ def pytest_configure(config):
     if is_unit_tier(config):
         sys.meta_path.insert(0, _NoTensorFlow())
         return
-    if is_xdist_controller(config):
-        # The controller hands out the files in LONGEST_FIRST's order: xdist would
-        # otherwise re-sort them by their number of tests (its --loadscope-reorder
-        # default), so that a long file of few tests (test_bench.py) started last.
+    if config.pluginmanager.hasplugin("dsession") and not hasattr(config, "workerinput"):
+        # Never true today (xdist registers "dsession" after this hook: see
+        # `is_xdist_controller`), so xdist orders the files by their number of tests
+        # and test_bench.py runs last, alone. Handing them out in LONGEST_FIRST's order
+        # (`is_xdist_controller(config)` here) changes which files run side by side:
+        # it waits for a suite run that proves it.
         config.option.loadscopereorder = False
         return
     import tfdist
