@@ -29,14 +29,6 @@ def is_unit_tier(config) -> bool:
     return (config.getoption("markexpr", "") or "").strip() == "unit"
 
 
-def is_xdist_controller(config) -> bool:
-    """True in the process that hands out tests to `pytest -n N` workers (it runs none).
-
-    Read from the options: xdist registers its scheduler in its own, later,
-    ``pytest_configure`` (``trylast``), so ``hasplugin("dsession")`` is False here."""
-    return bool(config.getoption("numprocesses", None)) and not hasattr(config, "workerinput")
-
-
 def pytest_configure(config):
     """Every process that runs tests splits its CPU in two before any test: which files
     one `pytest -n 2` worker gets, and in what order, is not fixed, and TF's devices can
@@ -46,11 +38,12 @@ def pytest_configure(config):
         sys.meta_path.insert(0, _NoTensorFlow())
         return
     if config.pluginmanager.hasplugin("dsession") and not hasattr(config, "workerinput"):
-        # Never true today (xdist registers "dsession" after this hook: see
-        # `is_xdist_controller`), so xdist orders the files by their number of tests
-        # and test_bench.py runs last, alone. Handing them out in LONGEST_FIRST's order
-        # (`is_xdist_controller(config)` here) changes which files run side by side:
-        # it waits for a suite run that proves it.
+        # Never true today: xdist registers "dsession" in its own, later (trylast)
+        # pytest_configure, so xdist orders the files by their number of tests and
+        # test_bench.py runs last, alone. Telling the controller by its options
+        # (``numprocesses`` set, no ``workerinput``) would hand them out in
+        # LONGEST_FIRST's order, which changes which files run side by side: it waits
+        # for a whole suite run that proves it.
         config.option.loadscopereorder = False
         return
     import tfdist
