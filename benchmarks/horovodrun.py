@@ -80,7 +80,8 @@ def run_horovod(fn, *args, np: int = 2, timeout: float = 600, env: dict | None =
                                   + output[-4000:]) from None
         if proc.returncode != 0:
             raise HorovodrunError(f"horovodrun exited with {proc.returncode}: {fn.__name__}: "
-                                  f"{_rank_error(output)}\n" + output[-4000:])
+                                  f"{_rank_error(output)}\n{_exits(output)}"
+                                  + output[-4000:])
         values = []
         for rank in range(np):
             with open(os.path.join(tmp, f"rank{rank}.pkl"), "rb") as f:
@@ -106,6 +107,13 @@ def _import_root(module: str) -> str:
     if not path:
         return ""
     return str(Path(path).resolve().parents[module.count(".")])
+
+
+def _exits(output: str) -> str:
+    """horovodrun's lines on each rank's exit (``Process N exit with status code C.``),
+    which a long traceback after them would push out of the output's tail."""
+    return "".join(line.strip() + "\n" for line in output.splitlines()
+                   if line.startswith("Process ") and " exit with status code " in line)
 
 
 def _rank_error(output: str) -> str:

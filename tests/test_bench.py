@@ -289,3 +289,17 @@ def test_goals_read_the_tensor_parallel_values(tmp_path):
         "tensor_parallel: 4 workers: test accuracy gap (points)": ("<= 0.5", "missed by 1.60x"),
         "tensor_parallel: 4 workers: split layers' bytes x m": ("<= 1.05", "met")}
     assert [note for note in notes if "test accuracy" in note]
+
+
+@pytest.mark.unit
+def test_a_horovodrun_failure_keeps_each_ranks_exit_line_before_the_tail():
+    """horovodrun says which rank exited how before the ranks' tracebacks; a long one
+    pushed that line out of the error's last 4000 characters (tests/test_faults.py
+    reads it)."""
+    from benchmarks.horovodrun import _exits
+
+    output = ("[1]<stderr>:Process 0 exit with status code 9. (a rank's own line)\n"
+              "Process 1 exit with status code 137.\n" + "[0]<stderr>:" + "x" * 5000 + "\n"
+              "Process 0 exit with status code 1.\n")
+    assert _exits(output) == ("Process 1 exit with status code 137.\n"
+                              "Process 0 exit with status code 1.\n")
