@@ -58,7 +58,8 @@ def test_keras_axes_become_one_placement_per_mesh_axis():
     layout = Layout.from_keras(KerasLayout())
     assert layout.mesh == DATA_MODEL
     assert layout.placements == (Replicate(), Shard(1))
-    assert Layout.from_axes(DATA_MODEL, ("batch", "model")).placements == (Shard(0), Shard(1))
+    cut = Layout.from_axes(DATA_MODEL, ("batch", "model"))
+    assert cut.placements == (Shard(0), Shard(1))
     assert Layout.from_axes(DATA_MODEL, (None, None)) == Layout.replicated(DATA_MODEL)
 
 
@@ -148,3 +149,60 @@ def test_redistribute_moves_pieces_to_another_mesh_bitwise(source, target):
     for r, piece in enumerate(moved):
         np.testing.assert_array_equal(piece, target.piece(value, r))
     np.testing.assert_array_equal(target.assemble(moved, value.shape), value)
+
+
+# ---- transitions: one layout to another on the same mesh, as collectives per axis ----
+
+@pytest.mark.parametrize("mesh,shape", [
+    (Mesh.data_parallel(2), (4, 6, 2)), (DATA_MODEL, (4, 6, 2)),
+    (DATA_MODEL, (1, 3, 7)),  # flat slices padded
+    (Mesh((2, 3), ("batch", "model")), (2, 6, 7)),
+    (Mesh((2, 1, 2), ("batch", "seq", "model")), (12,))],
+    ids=["2", "2x2", "2x2-padded", "2x3", "2x1x2"])
+def test_every_plan_moves_pieces_as_the_whole_value_would(mesh, shape):
+    """For every pair of layouts: the pieces moved group by group by the plan's
+    collectives equal the target's pieces of the whole value."""
+    from tfdist.layout import transitions
+
+    value = _value(shape, seed=1)
+    layouts = []
+    for layout in every_layout(mesh, value.ndim):
+        try:
+            layout.local_shape(value.shape)
+        except ValueError:
+            continue
+        layouts.append(layout)
+    pairs = 0
+    for source in layouts:
+        pieces = source.pieces(value)
+        for target in layouts:
+            moved = transitions.run(pieces, source, target, value.shape)
+            for r, piece in enumerate(moved):
+                np.testing.assert_allclose(piece, target.piece(value, r), rtol=0,
+                                           atol=1e-6, err_msg=f"{source} -> {target}")
+            pairs += 1
+    assert pairs == len(layouts) ** 2 > 1
+
+
+def test_plans_of_the_gradient_paths_use_one_collective_per_axis():
+    """Partial -> Flat (fully sharded gradients) is one reduce-scatter; Flat ->
+    Replicate (the forward gather) one all-gather; FSDP over a column split gathers on
+    both axes; the same layout moves nothing."""
+    from tfdist.layout import transitions
+    from tfdist.layout.transitions import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Step
+
+    mesh = Mesh.data_parallel(4)
+    partial, flat = Layout(mesh, (Partial(),)), Layout(mesh, (Flat(),))
+    assert transitions.plan(partial, flat) == [Step(REDUCE_SCATTER, 0, Flat())]
+    assert transitions.plan(flat, Layout.replicated(mesh)) == [Step(ALL_GATHER, 0, Flat())]
+    assert transitions.plan(partial, Layout.replicated(mesh)) == [Step(ALL_REDUCE, 0)]
+    both = Layout.from_axes(DATA_MODEL, (None, "model")).fully_sharded("batch")
+    whole = transitions.plan(both, Layout.replicated(DATA_MODEL))
+    assert [(s.op, s.axis) for s in whole] == [(ALL_GATHER, 0), (ALL_GATHER, 1)]
+    column = Layout.from_axes(DATA_MODEL, (None, "model"))
+    assert [(s.op, s.axis) for s in transitions.plan(both, column)] == [(ALL_GATHER, 0)]
+    grads = Layout(DATA_MODEL, (Partial(), Shard(1)))
+    assert transitions.collectives(transitions.plan(grads, both)) == 1
+    assert transitions.plan(both, both) == []
+    with pytest.raises(ValueError, match=r"one mesh"):
+        transitions.plan(flat, Layout(Mesh.data_parallel(2), (Flat(),)))

@@ -44,7 +44,8 @@ class Mesh:
 
     @classmethod
     def from_keras(cls, device_mesh) -> "Mesh":
-        """The mesh of a Keras ``DeviceMesh`` (read duck-typed: ``shape``, ``axis_names``)."""
+        """The mesh of a Keras ``DeviceMesh`` (read duck-typed: ``shape``,
+        ``axis_names``)."""
         return cls(tuple(int(n) for n in device_mesh.shape), tuple(device_mesh.axis_names))
 
     @property

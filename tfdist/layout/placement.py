@@ -3,9 +3,9 @@ pieces: which piece each replica stores, the whole from the pieces, and a
 redistribution to another layout on another mesh.
 
 A layout's pieces are made axis by axis, in the mesh's axis order, as torch's DTensor
-does: each `Shard(dim)` axis cuts the value so far into equal parts on ``dim``; the
-`Flat` axes then take one padded 1/k slice of the flattened part (``k``: the product of
-their sizes), as fully sharded parameters and sharded optimizer slots store it; a
+does: each `Shard(dim)` axis cuts the value so far into equal parts on ``dim``; a
+`Flat` axis (at most one) then takes one padded 1/k slice of the flattened part (``k``:
+its size), as fully sharded parameters and sharded optimizer slots store it; a
 `Partial` axis holds partial sums, whose whole is their sum; a `Replicate` axis holds
 the same piece on each of its replicas.
 """
@@ -71,6 +71,9 @@ class Layout:
         for placement in placements:
             if not isinstance(placement, (Replicate, Shard, Flat, Partial)):
                 raise ValueError(f"not a placement: {placement!r}")
+        if sum(isinstance(p, Flat) for p in placements) > 1:
+            raise ValueError(f"at most one mesh axis holds flat slices. Received: "
+                             f"{placements}")
 
     # ---- making layouts ----------------------------------------------------------------
     @classmethod
@@ -121,7 +124,7 @@ class Layout:
 
     @property
     def flat_slices(self) -> int:
-        """Into how many flat slices the `Flat` axes cut the value (1: none)."""
+        """Into how many flat slices the `Flat` axis cuts the value (1: none)."""
         return math.prod(self.mesh.shape[i] for i in self._axes_of(Flat))
 
     def block_shape(self, global_shape: Sequence[int]) -> tuple[int, ...]:
@@ -256,4 +259,5 @@ def every_layout(mesh: Mesh, rank: int) -> list[Layout]:
     """Every layout of a value of ``rank`` dimensions on ``mesh`` (tests, planners)."""
     choices = [Replicate(), Flat(), Partial()] + [Shard(d) for d in range(rank)]
     return [Layout(mesh, placements)
-            for placements in itertools.product(choices, repeat=len(mesh.shape))]
+            for placements in itertools.product(choices, repeat=len(mesh.shape))
+            if sum(isinstance(p, Flat) for p in placements) <= 1]
