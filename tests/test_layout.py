@@ -136,6 +136,8 @@ LAYERS = [
     # The strategy <-> Keras contract the strategies implement (KerasHandoff) and the
     # optimizer unwrapping they share: below the strategies, though under keras/.
     ("the keras contract", ["tfdist.keras.handoff", "tfdist.keras.optimizer"]),
+    # Pieces and placements (DESIGN.md: imported by strategies/, imports comm/).
+    ("layouts", ["tfdist.layout"]),
     ("engines and comm", ["tfdist.engines", "tfdist.comm"]),
     ("who and where", ["tfdist.cluster", "tfdist.devices", "tfdist.env", "tfdist.checks",
                        "tfdist.files", "tfdist.wire"]),
