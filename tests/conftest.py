@@ -37,15 +37,13 @@ def pytest_configure(config):
     if is_unit_tier(config):
         sys.meta_path.insert(0, _NoTensorFlow())
         return
-    if config.pluginmanager.hasplugin("dsession") and not hasattr(config, "workerinput"):
-        # Never true today: xdist registers "dsession" in its own, later (trylast)
-        # pytest_configure, so xdist orders the files by their number of tests and
-        # test_bench.py runs last, alone. Telling the controller by its options
-        # (``numprocesses`` set, no ``workerinput``) would hand them out in
-        # LONGEST_FIRST's order, which changes which files run side by side: it waits
-        # for a whole suite run that proves it.
-        config.option.loadscopereorder = False
-        return
+    # The xdist controller (which runs no tests) sets up TF too, and xdist orders the
+    # files by their number of tests (its --loadscope-reorder default), so test_bench.py
+    # runs last, alone: LONGEST_FIRST applies to serial runs only. Handing the files out
+    # in its order (``config.option.loadscopereorder = False`` where
+    # ``config.getoption("numprocesses")`` is set and there is no ``workerinput``;
+    # ``hasplugin("dsession")`` is still False here) changes which files run side by
+    # side: it waits for a whole suite run that proves it.
     import tfdist
 
     tfdist.devices.use_logical_cpus(2)
@@ -67,9 +65,9 @@ def logical_cpus():
     return tfdist.devices.use_logical_cpus(2)
 
 
-# The longest files first, so that with `pytest -n 2 --dist loadfile` (make test) no long
-# file starts last while the other worker sits idle; the other files follow, those with
-# more tests first. Order within a file is kept. Seconds: about each file's in make test
+# The longest files first (in a serial run; under `pytest -n 2` xdist reorders, see
+# pytest_configure), meant so that no long file starts last while the other worker
+# idles; the other files follow, those with more tests first. Order within a file is kept. Seconds: about each file's in make test
 # (its tests among the slowest 25 of recent CI runs, summed; the two new tensor-parallel
 # files guessed). The quick bench (three sections at a time) starts beside CPU-bound
 # files of generous timeouts; Ray's and Spark's start-ups and the 5 s fault timeouts

@@ -149,8 +149,7 @@ class KVServer(RendezvousHTTPServer):
         formation (checked again here: the PUT's path was checked before its body was
         read, and a new formation may have opened since). Returns whether it was."""
         with self._lock:
-            if element is None or self.formation is None or \
-                    not hmac.compare_digest(element.encode(), self.formation.encode()):
+            if not _same(element, self.formation):
                 return False
             horovod_kv.store_value(handler, scope, key, value)
             return True
@@ -161,8 +160,7 @@ class KVServer(RendezvousHTTPServer):
         element = None if part is None else horovod_gloo.path_element(part)
         with self._lock:
             current, formed = self.formation, set(self.formed)
-        if element is not None and current is not None and \
-                hmac.compare_digest(element.encode(), current.encode()):
+        if _same(element, current):
             return "current"
         return "older" if element in formed else None
 
@@ -193,6 +191,12 @@ class KVServer(RendezvousHTTPServer):
             still = list(self._open)
         for sock in still:
             _cut(sock)
+
+
+def _same(element: str | None, formation: str | None) -> bool:
+    """Whether a request's ``element`` is the ``formation``'s (in constant time)."""
+    return element is not None and formation is not None and \
+        hmac.compare_digest(element.encode(), formation.encode())
 
 
 def _cut(sock: socket.socket) -> None:
