@@ -7,13 +7,14 @@ Every task trains the same small regression with global batch `BATCH` through
 argument SIGKILLs itself after that batch (0-based) of that epoch, on its first start
 only (``TASK:EPOCH:BATCH:BEGIN``: SIGKILL before that batch's step;
 ``TASK:EPOCH:BATCH:STOP``: SIGSTOP, it freezes; ``TASK:EPOCH:BATCH:GROW``: it
-writes ``OUT/grow-EPOCH-BATCH`` and then waits, up to 120 s, until the launcher lists
-a worker more; ``TASK:EPOCH:BATCH:HOLD``: it writes ``OUT/hold-EPOCH-BATCH`` and
-waits, up to 120 s, for ``OUT/release-EPOCH-BATCH``; ``TASK:EPOCH:BATCH:READ``:
-SIGKILL as Keras begins to read that epoch's metrics, a collective after the epoch's
-last step; ``TASK:0:0:START``: it exits 1 before it makes the strategy, and the others
-make theirs only once the launcher published the membership after its loss, so that no
-Horovod formation listed it). Several events are separated by commas; they run in the
+writes ``OUT/grow-EPOCH-BATCH``, and every member waits at its next batch's end, up to
+120 s, until the launcher lists a worker more (so that none waits in a collective);
+``TASK:EPOCH:BATCH:HOLD``: it writes ``OUT/hold-EPOCH-BATCH`` and waits, up to 120 s,
+for ``OUT/release-EPOCH-BATCH``; ``TASK:EPOCH:BATCH:READ``: SIGKILL as Keras begins to
+read that epoch's metrics, a collective after the epoch's last step; ``TASK:0:0:START``:
+it exits 1 before it makes the strategy, and the others make theirs only once the
+launcher published the membership after its loss, so that no Horovod formation listed
+it). Several events are separated by commas; they run in the
 job's first attempt only (``TFDIST_RESTART`` 0). Each task notes its weights
 after every step. ``JOB_HEARTBEAT`` sets the strategy's ``heartbeat_timeout`` (5 s);
 ``JOB_PERIOD`` trains with ``tfdist.ModelAverageStrategy(period=JOB_PERIOD)`` instead;
@@ -113,6 +114,10 @@ def main(out, epochs, kill=""):
                     not member.changed() and time.monotonic() < self.deadline:
                 time.sleep(0.2)  # the test adds a worker: wait until the launcher lists it
             for name, epoch, at, how in events():
+                if how == "GROW" and name != task and not member.joined_running and \
+                        (self.epoch, batch) == (int(epoch), int(at)) and \
+                        self.grow_to is None:  # every member waits, none in a collective
+                    self.grow_to, self.deadline = strategy.size + 1, time.monotonic() + 120
                 if name != task or not first_start or how in ("BEGIN", "READ") or \
                         (self.epoch, batch) != (int(epoch), int(at)):
                     continue

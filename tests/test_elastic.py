@@ -74,6 +74,12 @@ def _launch(tmp_path, *flags, kill, workers=(3, 2), heartbeat=5, grow_after=None
     return _outcome(proc, stdout, stderr, tmp_path)
 
 
+def told(done, chars=3000):
+    """What a failed launch said: the tasks' output's tail, then the launcher's."""
+    return (f"tasks' output (tail):\n{done.stdout[-chars:]}\n"
+            f"launcher (tail):\n{done.stderr[-chars:]}")
+
+
 def _launch_and_grow(proc, tmp_path, text):
     """Waits for ``text`` in the launcher's stderr, sends it SIGUSR1 (a worker joins),
     and returns `_launch`'s answer."""
@@ -270,7 +276,7 @@ def test_a_global_batch_must_divide_by_every_replica_count():
 def test_a_lost_worker_with_no_restart_left_leaves_two_that_end_at_the_reference(
         tmp_path, reference):
     done, results, starts = _launch(tmp_path, kill="worker-2:1:4")
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, told(done)
     assert "worker-2 exited with code -9 (signal SIGKILL); the elastic job carries on " \
            "with 2 worker(s) (worker-0, worker-1)" in done.stderr
     assert sorted(results) == ["worker-0", "worker-1"]
@@ -295,7 +301,7 @@ def test_commits_every_k_calls_of_several_steps_roll_back_at_most_k_calls(
     and they are trained again with the same global batches."""
     done, results, _ = _launch(tmp_path, kill="worker-2:1:5", JOB_COMMIT_EVERY="3",
                                JOB_STEPS_PER_EXECUTION="2")
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, told(done)
     assert sorted(results) == ["worker-0", "worker-1"]
     for result in results.values():
         assert result["size"] == 2 and result["iterations"] == STEPS
@@ -311,7 +317,7 @@ def test_a_worker_added_to_a_running_job_joins_and_the_end_equals_the_reference(
         tmp_path, reference):
     done, results, starts = _launch(tmp_path, "--max-workers", "3", kill="worker-0:1:2:GROW",
                                     workers=(2, 2), heartbeat=JOINER_HEARTBEAT)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, told(done)
     assert "adds a worker (up to --max-workers 3)" in done.stderr
     assert "adding worker-2, which joins the running elastic job (3 workers)" in done.stderr
     assert sorted(results) == ["worker-0", "worker-1", "worker-2"]
@@ -364,7 +370,7 @@ def test_a_lost_chief_is_replaced_by_a_joiner_and_the_oldest_survivor_saves(
         tmp_path, reference):
     done, results, starts = _launch(tmp_path, "--max-restarts", "1", kill="worker-0:1:4",
                                     heartbeat=JOINER_HEARTBEAT)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, told(done)
     assert "restart 1/1: worker-0 exited with code -9 (signal SIGKILL); starting a " \
            "replacement for worker-0, which joins the running elastic job" in done.stderr
     assert sorted(results) == ["worker-0", "worker-1", "worker-2"]
@@ -396,7 +402,7 @@ def _kill_if_ours(pid, tmp_path):
 @pytest.mark.horovod
 def test_a_frozen_worker_is_killed_named_and_the_others_train_on(tmp_path, reference):
     done, results, _ = _launch(tmp_path, kill="worker-1:1:4:STOP")
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, told(done)
     assert "worker-1 stopped answering Horovod: worker-0, worker-2 reported a lost peer " \
            "in membership 1" in done.stderr
     assert "worker-1 exited with code -9 (signal SIGKILL); the elastic job carries on " \

@@ -13,7 +13,7 @@ import pytest
 
 from helpers import assert_weights_close
 from test_elastic import (JOINER_HEARTBEAT, STEPS, _assert_members_agree_at_every_step,
-                          _launch, reference)  # noqa: F401 (a fixture)
+                          _launch, reference, told)  # noqa: F401 (a fixture)
 from test_elastic_average import _assert_members_follow, initial_weights  # noqa: F401
 
 ALL = ["worker-0", "worker-1", "worker-2"]
@@ -21,7 +21,7 @@ AVERAGE_EVERY = 4  # an epoch (10 steps) ends between averages
 
 
 def _assert_survivors(done, results, starts, names, expected):
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, told(done)
     assert sorted(results) == names
     for name, result in results.items():
         assert [pid for task, pid in starts if task == name] == [str(result["pid"])]
@@ -58,7 +58,7 @@ def test_a_worker_lost_at_an_epochs_end_is_replaced_and_all_end_at_the_reference
     so the next epoch starts together."""
     done, results, starts = _launch(tmp_path, "--max-restarts", "3", kill="worker-1:0:9",
                                     heartbeat=JOINER_HEARTBEAT)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, told(done)
     assert "worker-1: takes the state of rank 0 (epoch 0, batch 10)" in \
         done.stdout + done.stderr
     assert [task for task, _ in starts].count("worker-1") == 2
@@ -77,7 +77,7 @@ def test_a_worker_lost_at_an_epochs_end_between_averages_is_dropped(
     the survivors re-form in the metrics' read and average steps 11-12 between them."""
     done, results, starts = _launch(tmp_path, kill="worker-1:0:9",
                                     JOB_PERIOD=str(AVERAGE_EVERY))
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, told(done)
     for name in ("worker-0", "worker-2"):
         assert [pid for task, pid in starts if task == name] == [str(results[name]["pid"])]
         assert results[name]["recoveries"] == 1
@@ -97,7 +97,7 @@ def test_every_member_lost_fails_naming_them_rather_than_start_over(tmp_path, pe
     done, results, _ = _launch(tmp_path, "--max-restarts", "3",
                                kill=",".join(f"{name}:1:4" for name in ALL),
                                **({"JOB_PERIOD": str(period)} if period else {}))
-    assert done.returncode == 1, done.stderr[-3000:]
+    assert done.returncode == 1, told(done)
     assert "every member holding the elastic job's training state was lost (" in done.stderr
     for name in ALL:
         assert f"{name} exited with code -9 (signal SIGKILL)" in done.stderr
@@ -117,7 +117,7 @@ def test_every_member_lost_with_a_backup_resumes_from_it(tmp_path, reference):
     done, results, starts = _launch(tmp_path, "--max-restarts", "4",
                                     kill=",".join(f"{name}:1:4" for name in ALL),
                                     JOB_BACKUP="1")
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, told(done)
     assert "restart 4/4: " in done.stderr and \
         "the job starts again from fit's backup" in done.stderr
     assert sorted(results) == ALL
@@ -172,7 +172,7 @@ def test_two_workers_lost_at_once_between_averages_a_joiner_takes_the_last_avera
     done, results, _ = _launch(
         tmp_path, "--elastic-timeout", "60", kill="worker-1:0:5,worker-2:0:5",
         heartbeat=JOINER_HEARTBEAT, grow_after=BELOW, JOB_PERIOD=str(AVERAGE_EVERY))
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, told(done)
     _assert_no_membership_lists_the_dead(done)
     _assert_members_follow(results, initial_weights, 8, ALL, ["worker-0", "worker-3"],
                            AVERAGE_EVERY)

@@ -15,7 +15,7 @@ import pytest
 
 from helpers import assert_weights_close, require_horovod
 from test_elastic import (SCHEDULE_HEARTBEAT, STEPS, _assert_members_agree_at_every_step,
-                          _launch, reference)  # noqa: F401 (a fixture)
+                          _launch, reference, told)  # noqa: F401 (a fixture)
 
 
 # ---- a worker lost before the first formation ------------------------------------
@@ -66,7 +66,7 @@ def test_a_worker_lost_before_any_formation_leaves_starters_at_the_reference(
                                     heartbeat=SCHEDULE_HEARTBEAT if restarts else 5)
     output = done.stdout + done.stderr
     names = ["worker-0", "worker-1", "worker-2"][:2 + restarts]
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, told(done)
     assert ("restart 1/1: worker-2 exited with code 1; starting a replacement for "
             "worker-2, which starts the job with the others (none has formed Horovod yet)"
             if restarts else "worker-2 exited with code 1; the elastic job carries on with "
@@ -210,3 +210,84 @@ def test_a_node_that_node_0_does_not_take_back_fails_naming_node_0():
             beats.wait_for_answer(0.3, rejoin="node 0 went silent")
     finally:
         beats._stop.set()
+
+
+# ---- a worker added: listed once it is ready ---------------------------------------
+
+class _Task:
+    """A launched task's stand-in: a spec, a name, running."""
+
+    def __init__(self, spec):
+        self.spec, self.name = spec, spec.name
+
+    @staticmethod
+    def poll():
+        return None
+
+
+def test_an_added_worker_is_listed_only_once_it_reports_ready(monkeypatch):
+    """The launcher starts an added worker at once but lists it (a new membership, which
+    makes the members re-form and wait in Gloo's rendezvous) only when the worker says,
+    signed with the job's token, that it is about to form. Listed at its start, the
+    members waited for a joiner still importing TensorFlow and, on a loaded machine,
+    Gloo's timeout aborted them."""
+    require_horovod()
+    from tfdist import env
+    from tfdist.cluster import ClusterSpec, TaskSpec
+    from tfdist.engines.horovod import membership
+    from tfdist.launch.elastic import ElasticRestarts
+
+    log = io.StringIO()
+    policy = ElasticRestarts(0, log, host="127.0.0.1", min_workers=2, max_workers=3,
+                             elastic_timeout=60, token="job-token")
+    tasks = [_Task(TaskSpec("worker", i)) for i in range(2)]
+    with policy.attempt():
+        policy.check(tasks)
+        address = policy.server.address
+        policy.add_worker()
+        policy.grow(tasks, ClusterSpec(worker=("a:1", "a:2")),
+                    lambda spec, restart, cluster: _Task(spec))
+        assert [t.name for t in tasks] == ["worker-0", "worker-1", "worker-2"]
+        assert "adding worker-2, which joins the running elastic job (3 workers)" in \
+            log.getvalue()
+        policy.add_worker()  # a fourth: past --max-workers, with worker-2 not yet listed
+        policy.grow(tasks, None, None)
+        assert "already has --max-workers 3 (3): none added" in log.getvalue()
+        monkeypatch.setenv(env.TOKEN, "another-token")
+        assert not membership.report_ready(address, "worker-2", timeout=0)
+        monkeypatch.setenv(env.TOKEN, "job-token")
+        assert membership.report_ready(address, "worker-1", timeout=0)  # not joining
+        policy.check(tasks)
+        assert membership.fetch_state(address)["version"] == 1
+        assert membership.report_ready(address, "worker-2", timeout=0)
+        policy.check(tasks)
+        state = membership.fetch_state(address)
+        assert state["version"] == 2
+        assert [m["name"] for m in state["members"]] == ["worker-0", "worker-1", "worker-2"]
+        assert "worker-2 ready: membership 2 takes it in (3 workers)" in log.getvalue()
+        policy.check(tasks)
+        assert membership.fetch_state(address)["version"] == 2  # listed once
+
+
+def test_an_added_worker_lost_before_it_is_ready_changes_no_membership():
+    """A joiner that dies before it reports ready was never listed: the members are not
+    made to re-form, and a replacement (while restarts allow) is listed once it is
+    ready, as the joiner would have been."""
+    require_horovod()
+    from tfdist.cluster import ClusterSpec, TaskSpec
+    from tfdist.launch.elastic import ElasticRestarts
+
+    for restarts, outcome in [(0, False), (1, True)]:
+        log = io.StringIO()
+        policy = ElasticRestarts(restarts, log, host="127.0.0.1", min_workers=2,
+                                 max_workers=3, elastic_timeout=60, token="job-token")
+        tasks = [_Task(TaskSpec("worker", i)) for i in range(2)]
+        with policy.attempt():
+            policy.check(tasks)
+            policy.add_worker()
+            policy.grow(tasks, ClusterSpec(worker=("a:1", "a:2")),
+                        lambda spec, restart, cluster: _Task(spec))
+            assert policy.lose("worker-2", "127.0.0.1", "worker-2 exited with code 1") \
+                is outcome
+            assert policy.server.version == 1
+            assert ("worker-2" in policy.joining) is outcome

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from helpers import assert_weights_close
-from test_elastic import EPOCHS, JOINER_HEARTBEAT, _launch
+from test_elastic import EPOCHS, JOINER_HEARTBEAT, _launch, told
 
 FEATURES = {
     "shard": {"JOB_SHARD": "1"},
@@ -46,7 +46,7 @@ def _reference(feature):
 
 
 def _check(done, results, starts, feature, size):
-    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.returncode == 0, told(done)
     weights, updates = _reference(feature)
     for name, result in results.items():
         assert [pid for task, pid in starts if task == name] == [str(result["pid"])]

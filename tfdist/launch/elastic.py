@@ -77,6 +77,9 @@ class ElasticRestarts(JobRestarts):
         self._deferred = None  # while `replace` removes several: the memberships made
         self._dying: set[str] = set()  # workers found dead and not removed yet
         self.stateless: str | None = None  # "backup" / "none": no member held the state
+        # Workers added (`grow`) and not yet ready to form Horovod: {name: (host, the
+        # version published when it started)}; `check` publishes each once it is.
+        self.joining: dict[str, tuple[str, int]] = {}
 
     def add_worker(self) -> None:
         """Asks for one more worker; the launcher adds it at its next poll (up to
@@ -96,6 +99,7 @@ class ElasticRestarts(JobRestarts):
                                        signed=self.signed_scopes())
         self.lost, self.below_since, self.grown = set(), None, None
         self.stateless = None
+        self.joining = {}
         self.members: list[tuple[str, str]] = []  # oldest first; published once >= min
         previous = None
         if threading.current_thread() is threading.main_thread():
@@ -117,10 +121,11 @@ class ElasticRestarts(JobRestarts):
         """Starts the workers asked for (`add_worker`); each joins the running job."""
         while self.requested > 0:
             self.requested -= 1
-            if len(self.members) >= self.max_workers:
+            if len(self.members) + len(self.joining) >= self.max_workers:
                 print(f"tfdist launch: a worker was asked for, but the elastic job already "
-                      f"has --max-workers {self.max_workers} ({len(self.members)}): none "
-                      "added", file=self.log, flush=True)
+                      f"has --max-workers {self.max_workers} "
+                      f"({len(self.members) + len(self.joining)}): none added",
+                      file=self.log, flush=True)
                 continue
             base = self.grown or cluster
             (port,) = find_free_ports(1, self.host)
@@ -128,8 +133,30 @@ class ElasticRestarts(JobRestarts):
                 base, worker=base.worker + (f"{self.host}:{port}",))
             spec = TaskSpec("worker", len(base.worker))
             tasks.append(start(spec, 0, self.grown))
-            self._publish(self.members + [(spec.name, self.host)])
+            self._await_ready(spec.name, self.host)
             print(f"tfdist launch: adding {spec.name}, which joins the running elastic job "
+                  f"({len(self.members) + len(self.joining)} workers)", file=self.log,
+                  flush=True)
+
+    def _await_ready(self, name: str, host: str) -> None:
+        """Lists ``name`` (just started on ``host``) once it reports ready."""
+        self.server.forget_ready(name)  # an earlier task of that name said so
+        self.joining[name] = (host, self.server.version)
+
+    def take_in_joiners(self) -> None:
+        """Publishes each added worker that is ready to form Horovod (it reported so:
+        `membership.report_ready`). Published any earlier, the members would re-form at
+        once and wait in Gloo's rendezvous, up to Gloo's timeout, for a joiner still
+        importing TensorFlow."""
+        if not self.joining or self._deferred is not None:
+            return
+        ready = [name for name, (_, since) in self.joining.items()
+                 if name in self.server.ready(since)]
+        if ready:
+            self._publish(self.members + [(name, self.joining.pop(name)[0])
+                                          for name in ready])
+            print(f"tfdist launch: {', '.join(ready)} ready: membership "
+                  f"{self.server.version} takes {'it' if len(ready) == 1 else 'them'} in "
                   f"({len(self.members)} workers)", file=self.log, flush=True)
 
     def _publish(self, members: list[tuple[str, str]]) -> None:
@@ -155,6 +182,7 @@ class ElasticRestarts(JobRestarts):
             self.members = [(t.name, self.host) for t in tasks
                             if t.spec.type in TRAINING_TASK_TYPES]
             self.server.publish(self.members)
+        self.take_in_joiners()
         self._kill_frozen(tasks)
         self._check_size()
 
@@ -292,9 +320,21 @@ class ElasticRestarts(JobRestarts):
             it, None when nobody is left and no restart either: the job fails.
         """
         self.removed.append(cause)
+        was_joining = self.joining.pop(name, None) is not None
         members = [(n, h) for n, h in self.members if n != name and n not in self._dying]
         if not members and (self.spent >= self.max_restarts or not replaceable):
             return None
+        if was_joining:  # never listed: the members train on as they are
+            if replaceable and self.spent < self.max_restarts:
+                self.used += 1
+                announce_restart(self.log, self.spent, self.max_restarts, cause,
+                                 f"; starting a replacement for {name}, which joins the "
+                                 "running elastic job")
+                self._await_ready(name, host)
+                return True
+            print(f"tfdist launch: {cause} before it joined; the elastic job carries on "
+                  f"with {len(members)} worker(s)", file=self.log, flush=True)
+            return False
         if replaceable and self.spent < self.max_restarts:
             self.used += 1
             announce_restart(self.log, self.spent, self.max_restarts, cause,

@@ -101,6 +101,7 @@ class ElasticHub(ElasticRestarts):
         if self.server.version == 0:
             self._form(tasks)
             return
+        self.take_in_joiners()
         self._kill_frozen(tasks)
         self._check_size()
 

@@ -79,6 +79,8 @@ class ElasticMember:
 
     def form(self) -> None:
         """Starts Horovod as a member of the next membership that lists this task."""
+        if self.version == 0:
+            membership.report_ready(self.address, self.name)
         state = membership.wait_for_membership(self.address, self.name, self.version,
                                                self.timeout)
         os.environ.update(membership.slot_env(state, self.name, self.address))

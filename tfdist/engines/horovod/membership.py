@@ -41,6 +41,10 @@ SCOPE = "tfdist-elastic"
 LOST_SCOPE = "tfdist-elastic-lost"
 # Members PUT their name here once they formed Horovod (body: the version they formed).
 FORMED_SCOPE = "tfdist-elastic-formed"
+# A task PUTs its name here when it is about to form Horovod for the first time (body:
+# the version it saw): a joiner is published to the members only then, so they never
+# wait in Gloo's rendezvous for one still importing TensorFlow.
+READY_SCOPE = "tfdist-elastic-ready"
 # A joiner that finds no member holding the training state fails with these words
 # (`tfdist.strategies.elastic.fit`), followed by the backup it could resume from, if any;
 # the launcher reads them in its output and does not start it again.
@@ -111,6 +115,7 @@ class MembershipServer:
         self._server.views[SCOPE] = lambda key: self._state if key == "state" else None
         self._server.signed[LOST_SCOPE] = self._fresh_report
         self._server.signed[FORMED_SCOPE] = self._formed_report
+        self._server.signed[READY_SCOPE] = self._ready_report
         self._server.signed.update(signed or {})
         self.address = f"{host}:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever,
@@ -142,6 +147,30 @@ class MembershipServer:
                 self._state = json.dumps({**json.loads(self._state),
                                           "formed": True}).encode()
         return None
+
+    @staticmethod
+    def _ready_report(key: str, report: dict) -> str | None:
+        """Why a signed ready report at ``key`` is not taken, or None."""
+        if report.get("name") != key:
+            return f"it names {quote(report.get('name'), 40)}, not its key"
+        version = report.get("version")
+        if not isinstance(version, int) or isinstance(version, bool):
+            return f"its version {quote(version, 20)} is not a number"
+        return None
+
+    def ready(self, since: int) -> set[str]:
+        """The tasks that said they are ready to form Horovod (`report_ready`) having
+        seen membership ``since`` or a newer one."""
+        with self._server.cache_lock:
+            found = dict(self._server.cache.get(READY_SCOPE, {}))
+        reports = [verify(self._server.token, raw) for raw in found.values()]
+        return {r["name"] for r in reports if r is not None and r.get("service") ==
+                self.service and r.get("version", -1) >= since}
+
+    def forget_ready(self, name: str) -> None:
+        """Drops ``name``'s ready report (a new task of that name starts)."""
+        with self._server.cache_lock:
+            self._server.cache.get(READY_SCOPE, {}).pop(name, None)
 
     def publish(self, members: list[tuple[str, str]]) -> int:
         """Makes ``members`` (``[(name, host)]``, oldest first) the job; returns its version.
@@ -210,9 +239,28 @@ def report_formed(address: str, name: str, version: int) -> None:
     _report(address, FORMED_SCOPE, name, version)  # if lost, another member's says it
 
 
-def _report(address: str, scope: str, name: str, version: int) -> None:
-    """PUTs ``name``'s signed report for membership ``version`` at ``/scope/name``; a
-    failure is not raised (each kind of report has a fallback)."""
+def report_ready(address: str, name: str, timeout: float = 30.0) -> bool:
+    """Tells the launcher that ``name`` is about to form Horovod (a joiner is published
+    only then: `MembershipServer.ready`), signed as `report_lost`, with the version it
+    sees now. Tries again for up to ``timeout`` seconds; returns whether it got through
+    (if not, the launcher never lists this task and its wait for a membership says so)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            version = fetch_state(address)["version"]
+            if _report(address, READY_SCOPE, name, version):
+                return True
+        except (OSError, ValueError, KeyError):
+            pass
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
+def _report(address: str, scope: str, name: str, version: int) -> bool:
+    """PUTs ``name``'s signed report for membership ``version`` at ``/scope/name``;
+    returns whether it was taken. A failure is not raised (each kind of report has a
+    fallback)."""
     from tfdist import env
 
     try:
@@ -222,8 +270,9 @@ def _report(address: str, scope: str, name: str, version: int) -> None:
         request = urllib.request.Request(f"http://{address}/{scope}/{name}",
                                          data=report, method="PUT")
         urllib.request.urlopen(request, timeout=5).close()
+        return True
     except (OSError, ValueError, KeyError):
-        pass
+        return False
 
 
 def wait_for_membership(address: str, name: str, above: int, timeout: float) -> dict:
